@@ -1,0 +1,86 @@
+"""`coordinator --bind tcp://HOST:PORT --job PATH:NAME`: parse flags, check the job, run the daemon.
+
+Exit status: 0 when the job finished or was stopped (ctl stop, SIGTERM); 2 for a usage error, a job
+that does not load, or an address that cannot be bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import trio
+
+from coordinator.daemon import CoordinatorConfig, serve
+from coordinator.jobinfo import JobRefused, inspect_job
+
+EPILOG = """\
+examples:
+  coordinator --bind tcp://0.0.0.0:5555 --job examples/gpt.py:job --min-workers 2
+  coordinator --bind tcp://127.0.0.1:0 --job examples/mlp.py:job --state-dir runs/mlp
+
+Once listening it prints one line:
+  ready workers=tcp://HOST:PORT control=tcp://HOST:PORT state_dir=DIR job=REF
+Workers join with `worker --join <workers endpoint>`; `python scripts/ctl.py --control <control
+endpoint> status` shows the job. Events go to STATE_DIR/events.jsonl, one JSON object a line.
+SIGTERM or SIGINT: tell the workers to stop, wait for them (up to --stop-grace), exit 0.
+"""
+
+
+def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
+    p = argparse.ArgumentParser(prog="coordinator", description="Run an adaptrain job's coordinator.",
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bind", required=True, metavar="tcp://HOST:PORT",
+                   help="where workers connect (port 0: pick a free port; the ready line prints it)")
+    p.add_argument("--control", metavar="tcp://HOST:PORT",
+                   help="where ctl connects (default: the --bind host, a free port)")
+    p.add_argument("--job", required=True, metavar="PATH.py:NAME|module:NAME",
+                   help="the job: a function returning worker.Job (examples/gpt.py:job)")
+    p.add_argument("--state-dir", type=Path, metavar="DIR",
+                   help="where events.jsonl goes (default: a new temporary directory)")
+    p.add_argument("--min-workers", type=int, default=1, metavar="N",
+                   help="workers to wait for before the first plan (default 1)")
+    p.add_argument("--max-workers", type=int, metavar="N", help="at most N replicas; the rest wait on standby")
+    p.add_argument("--lease", type=float, default=1.5, metavar="S",
+                   help="a worker silent for S seconds is declared failed (default 1.5)")
+    p.add_argument("--heartbeat", type=float, default=0.25, metavar="S",
+                   help="how often workers heartbeat (default 0.25; keep well under --lease)")
+    p.add_argument("--stop-grace", type=float, default=10.0, metavar="S",
+                   help="on SIGTERM or ctl stop, wait up to S seconds for workers to leave")
+    p.add_argument("--quiet", action="store_true", help="print only the ready line and errors")
+    a = p.parse_args(argv)
+    for flag, endpoint in (("--bind", a.bind), ("--control", a.control)):
+        if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://")):
+            p.error(f"{flag} wants tcp://HOST:PORT, got {endpoint!r}")
+    if a.min_workers < 1:
+        p.error("--min-workers must be at least 1")
+    if a.max_workers is not None and a.max_workers < a.min_workers:
+        p.error("--max-workers must be at least --min-workers")
+    if a.lease <= 0 or a.heartbeat <= 0 or a.heartbeat >= a.lease:
+        p.error("--heartbeat and --lease must be positive, with --heartbeat below --lease")
+    control = a.control
+    if control is None:
+        host = a.bind.rsplit(":", 1)[0] if a.bind.startswith("tcp://") else "tcp://127.0.0.1"
+        control = f"{host}:0"
+    state_dir = a.state_dir or Path(tempfile.mkdtemp(prefix="adaptrain-"))
+    cfg = CoordinatorConfig(bind=a.bind, control=control, state_dir=state_dir, min_workers=a.min_workers,
+                            max_workers=a.max_workers, lease_s=a.lease, heartbeat_s=a.heartbeat,
+                            stop_grace_s=a.stop_grace, quiet=a.quiet)
+    return cfg, a.job
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, job_ref = parse_args(argv)
+    try:
+        job = inspect_job(job_ref)
+    except JobRefused as e:
+        print(f"coordinator: refusing job {job_ref}: {e}", file=sys.stderr)
+        return 2
+    try:
+        trio.run(serve, cfg, job)
+    except OSError as e:
+        print(f"coordinator: {e}", file=sys.stderr)
+        return 2
+    return 0

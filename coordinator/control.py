@@ -1,0 +1,89 @@
+"""Answers to ctl's control commands, computed from the core's state.
+
+`status`, `plan` and `events` only read; `drain` and `stop` feed membership events. Every reply is
+plain JSON-able data (ctl prints it for people, or as JSON with --json). An unknown command or an
+unknown worker gets ``ok: false`` with an error that says what would work.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from coordinator import membership as m
+from transport import CONTROL_COMMANDS, ControlReply, ControlRequest
+
+if TYPE_CHECKING:
+    from coordinator.daemon import Core
+
+
+def answer_control(core: Core, req: ControlRequest) -> ControlReply:
+    try:
+        handler = _HANDLERS[req.command]
+    except KeyError:
+        return _error(f"unknown command {req.command!r}; commands: {', '.join(CONTROL_COMMANDS)}")
+    try:
+        return ControlReply(ok=True, data=handler(core, req.args), error="")
+    except ValueError as e:
+        return _error(str(e))
+
+
+def _error(text: str) -> ControlReply:
+    return ControlReply(ok=False, data={}, error=text)
+
+
+def _status(core: Core, args: list[str]) -> dict[str, Any]:
+    s, now = core.state, time.monotonic()
+    plan = s.plan
+    members = list(plan.members) if plan else []
+    workers = []
+    for w in sorted(s.workers.values(), key=lambda w: (w.name not in members, members.index(w.name)
+                                                       if w.name in members else 0, w.name)):
+        rank = members.index(w.name) if w.name in members else None
+        workers.append({
+            "name": w.name, "host": w.host, "device": w.device, "pid": w.pid,
+            "role": "leaving" if w.leaving else ("member" if rank is not None else "standby"),
+            "rank": rank, "share": plan.shares[rank] if plan and rank is not None else 0,
+            "epoch": w.epoch, "step": w.step, "last_seen_s": round(now - w.last_seen, 3),
+            "speed": round(s.cluster.speeds().get(w.name, 0.0), 3),
+        })
+    return {"job": core.job.ref, "epoch": s.epoch, "step": s.last_step, "num_steps": core.job.num_steps,
+            "global_batch": core.job.global_batch, "pending": s.pending, "finished": s.finished,
+            "stopping": s.stopping, "uptime_s": round(time.time() - core.started, 1), "workers": workers}
+
+
+def _plan(core: Core, args: list[str]) -> dict[str, Any]:
+    s = core.state
+    if s.plan is None:
+        return {"epoch": s.epoch, "plan": None}
+    return {"epoch": s.epoch, "mode": "sync", "members": list(s.plan.members), "shares": list(s.plan.shares),
+            "global_batch": s.plan.global_batch, "predicted_step_s": s.plan.predicted_step_s,
+            "layout": {"dp": len(s.plan.members), "pp": 1, "tp": 1}, "acknowledged": sorted(s.acked)}
+
+
+def _events(core: Core, args: list[str]) -> dict[str, Any]:
+    try:
+        after = int(args[0]) if args else 0
+    except ValueError:
+        raise ValueError(f"events takes an event index, got {args[0]!r}") from None
+    events = core.log.since(max(after, 0))
+    return {"events": events, "next": max(after, 0) + len(events)}
+
+
+def _drain(core: Core, args: list[str]) -> dict[str, Any]:
+    if len(args) != 1:
+        raise ValueError("drain takes one worker NAME")
+    name = args[0]
+    if name not in core.state.workers:
+        known = ", ".join(sorted(core.state.workers)) or "none"
+        raise ValueError(f"unknown worker {name!r} (workers: {known})")
+    core.apply(m.DrainRequested(name))
+    return {"draining": name}
+
+
+def _stop(core: Core, args: list[str]) -> dict[str, Any]:
+    core.apply(m.StopRequested("stopped by ctl"))
+    return {"stopping": True, "workers": sorted(core.state.workers)}
+
+
+_HANDLERS = {"status": _status, "plan": _plan, "events": _events, "drain": _drain, "stop": _stop}

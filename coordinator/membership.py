@@ -1,0 +1,362 @@
+"""Membership: who is in the job, which epoch is current, and when to re-plan.
+
+Everything that affects membership lives here, as pure transitions with the time passed in:
+``apply(state, event, config, now=...) -> (state, effects)``. The daemon turns effects into I/O
+(messages, event-log lines) and never decides anything itself. Nothing here reads a clock.
+
+Epochs: every plan the coordinator sends is a new epoch. A planned change (join, drain,
+preemption notice) is sent with ``abort=False`` and the workers switch at a step boundary they
+agree on through the data plane; the next planned change waits until every member acknowledged the
+current one, so at most one planned change is in flight. A failure (socket monitor disconnect,
+expired lease, a member leaving mid-plan) sends `Abort` to everyone and a new plan with
+``abort=True`` at once, superseding anything pending. A worker that is not a member and talks as one
+(it was fenced while stopped, say) gets ``ERR_STALE_EPOCH`` and joins again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from plan import Cluster, Device, Plan, PlanLimits, PlanResult, make_plan
+from transport import (
+    ERR_NAME_TAKEN,
+    ERR_STALE_EPOCH,
+    Abort,
+    Ack,
+    Error,
+    Join,
+    Message,
+    PlanDelta,
+    StepReport,
+    Stop,
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Config:
+    global_batch: int
+    num_steps: int
+    lease_s: float = 1.5
+    min_workers: int = 1
+    max_workers: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Worker:
+    name: str
+    host: str
+    device: str
+    pid: int
+    joined_at: float
+    last_seen: float
+    epoch: int = 0  # last epoch it acknowledged
+    step: int = 0  # steps it has applied, as last reported
+    leaving: str | None = None  # why it is being planned out ("drained", "preempted")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class State:
+    workers: dict[str, Worker] = field(default_factory=dict)
+    cluster: Cluster = field(default_factory=Cluster)
+    epoch: int = 0  # epoch of `plan`, the latest plan sent (0: none yet)
+    plan: Plan | None = None
+    acked: frozenset[str] = frozenset()  # members of `plan` that acknowledged it
+    running: frozenset[str] = frozenset()  # members of the previous plan, while `plan` is pending
+    reshard_bytes: int = 0  # summed over the acks of `epoch`
+    reshard_s: float = 0.0  # slowest ack of `epoch`
+    replan_wanted: str | None = None  # a planned change waiting for the current one to land
+    last_step: int = 0  # highest step reported (and logged)
+    finished: bool = False  # some worker ran the last step
+    stopping: bool = False
+
+    def in_play(self, name: str) -> bool:
+        """Whether the group in flight needs `name`: a member of the latest plan, or of the one it
+        replaces while the switch has not happened everywhere."""
+        return (self.plan is not None and name in self.plan.members) or name in self.running
+
+    @property
+    def pending(self) -> bool:
+        """The latest plan is not yet acknowledged by all of its members."""
+        return self.plan is not None and not set(self.plan.members) <= self.acked
+
+
+# --- events ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Joined:
+    msg: Join
+
+
+@dataclass(frozen=True, slots=True)
+class Seen:
+    """A heartbeat."""
+
+    name: str
+    epoch: int
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepDone:
+    report: StepReport
+
+
+@dataclass(frozen=True, slots=True)
+class Acked:
+    ack: Ack
+
+
+@dataclass(frozen=True, slots=True)
+class Left:
+    name: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Lost:
+    name: str
+    detected_by: str  # "disconnect" or "lease"
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class DrainRequested:
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class StopRequested:
+    reason: str
+
+
+Event = Joined | Seen | StepDone | Acked | Left | Lost | Tick | DrainRequested | StopRequested
+
+
+# --- effects ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    to: str
+    msg: Message
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    """Send the job's Welcome to a worker that was just admitted."""
+
+    to: str
+
+
+@dataclass(frozen=True, slots=True)
+class Log:
+    kind: str
+    fields: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """A plan was made (or failed); the daemon times it and logs the `plan` event."""
+
+    result: PlanResult
+    epoch: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """No worker is left and the job is over (ran its steps, or was stopped)."""
+
+    reason: str
+
+
+Effect = Send | Welcome | Log | Planned | Finished
+Result = tuple[State, list[Effect]]
+
+
+# --- transitions -----------------------------------------------------------------------------
+
+
+def apply(state: State, event: Event, config: Config, *, now: float) -> Result:
+    """The new state and what to do, for one event."""
+    match event:
+        case Joined(msg):
+            return _join(state, msg, config, now)
+        case Seen(name, epoch, step):
+            if name not in state.workers:
+                return state, [_fence(name)]
+            return _touch(state, name, now, step=step), []
+        case StepDone(report):
+            return _step_done(state, report, config, now)
+        case Acked(ack):
+            return _acked(state, ack, config, now)
+        case Left(name, reason):
+            return _left(state, name, reason, config)
+        case Lost(name, detected_by):
+            return _lost(state, name, detected_by, config)
+        case Tick():
+            effects: list[Effect] = []
+            for w in list(state.workers.values()):
+                if now - w.last_seen > config.lease_s:
+                    state, more = _lost(state, w.name, "lease", config)
+                    effects += more
+            return state, effects
+        case DrainRequested(name):
+            return _drain(state, name, "drained", config)
+        case StopRequested(reason):
+            state = replace(state, stopping=True)
+            effects = [Send(n, Stop(reason=reason)) for n in state.workers]
+            return state, effects + _maybe_finished(state)
+    raise AssertionError(f"unhandled event {event!r}")
+
+
+def replan(state: State, config: Config, reason: str, *, abort: bool) -> Result:
+    """Make a new plan if one is due, and send it as a new epoch."""
+    if state.finished or state.stopping:
+        return state, []
+    if not abort and state.pending:
+        return replace(state, replan_wanted=reason), []
+    eligible = {n: w for n, w in state.workers.items() if w.leaving is None}
+    if state.plan is None and len(eligible) < config.min_workers:
+        return state, []
+    cluster = Cluster({n: d for n, d in state.cluster.devices.items() if n in eligible})
+    limits = PlanLimits(global_batch=config.global_batch, max_workers=config.max_workers)
+    result = make_plan(cluster, state.plan, limits=limits)
+    new = result.plan
+    if new is None:
+        return replace(state, replan_wanted=None), [Planned(result, state.epoch, reason)]
+    if not abort and state.plan is not None and new == state.plan:
+        return replace(state, replan_wanted=None), []
+    epoch = state.epoch + 1
+    delta = PlanDelta(epoch=epoch, reason=reason, members=list(new.members), shares=list(new.shares),
+                      global_batch=config.global_batch, abort=abort)
+    old = set(state.plan.members) if state.plan else set()
+    recipients = sorted((old | set(new.members)) & set(state.workers))
+    state = replace(state, epoch=epoch, plan=new, acked=frozenset(), reshard_bytes=0, reshard_s=0.0,
+                    replan_wanted=None, running=frozenset(old & set(state.workers)))
+    return state, [Planned(result, epoch, reason)] + [Send(n, delta) for n in recipients]
+
+
+def _join(state: State, msg: Join, config: Config, now: float) -> Result:
+    if msg.name in state.workers:
+        return state, [Send(msg.name, Error(code=ERR_NAME_TAKEN,
+                                            message=f"a live worker is already named {msg.name!r}; "
+                                                    "start this one with another --name"))]
+    worker = Worker(name=msg.name, host=msg.host, device=msg.device, pid=msg.pid, joined_at=now,
+                    last_seen=now)
+    device = Device(name=msg.name, host=msg.host, kind=msg.device, flops=max(msg.flops, 1.0),
+                    memory_bytes=msg.memory_bytes)
+    state = replace(state, workers={**state.workers, msg.name: worker},
+                    cluster=state.cluster.with_device(device))
+    effects: list[Effect] = [Welcome(msg.name),
+                             Log("joined", {"worker": msg.name, "host": msg.host, "device": msg.device})]
+    if state.finished or state.stopping:
+        return state, effects + [Send(msg.name, Stop(reason="the job is over"))]
+    state, more = replan(state, config, "join", abort=False)
+    return state, effects + more
+
+
+def _step_done(state: State, r: StepReport, config: Config, now: float) -> Result:
+    if r.name not in state.workers:
+        return state, [_fence(r.name)]
+    state = _touch(state, r.name, now, step=r.step)
+    state = replace(state, cluster=state.cluster.with_measurement(r.name, r.samples, r.compute_s))
+    if r.step <= state.last_step:
+        return state, []
+    state = replace(state, last_step=r.step, finished=state.finished or r.step >= config.num_steps)
+    return state, [Log("step", {"step": r.step, "epoch": r.epoch, "loss": r.loss,
+                                "samples": r.global_batch, "step_s": r.step_s})]
+
+
+def _acked(state: State, ack: Ack, config: Config, now: float) -> Result:
+    if ack.name not in state.workers:
+        return state, [_fence(ack.name)]
+    state = _touch(state, ack.name, now, step=ack.step)
+    w = state.workers[ack.name]
+    state = replace(state, workers={**state.workers, ack.name: replace(w, epoch=ack.epoch)})
+    if ack.epoch != state.epoch or state.plan is None or ack.name not in state.plan.members:
+        return state, []
+    state = replace(state, acked=state.acked | {ack.name},
+                    reshard_bytes=state.reshard_bytes + ack.reshard_bytes,
+                    reshard_s=max(state.reshard_s, ack.reshard_s))
+    if state.pending:
+        return state, []
+    state = replace(state, running=frozenset())
+    effects: list[Effect] = [Log("reshard", {"epoch": state.epoch, "bytes": state.reshard_bytes,
+                                             "seconds": round(state.reshard_s, 4)})]
+    if state.replan_wanted is not None:
+        state, more = replan(state, config, state.replan_wanted, abort=False)
+        effects += more
+    return state, effects
+
+
+def _left(state: State, name: str, reason: str, config: Config) -> Result:
+    if name not in state.workers:
+        return state, [Send(name, Stop(reason="not a member"))]
+    in_latest = state.plan is not None and name in state.plan.members
+    planned_out = reason in ("preempted", "drained")
+    if in_latest and planned_out and not state.finished:
+        return _drain(state, name, reason, config)
+    clean = reason == "finished" or planned_out  # planned out: it left at the agreed switch
+    in_plan = state.in_play(name) and not clean
+    state = _remove(state, name)
+    effects: list[Effect] = [Log("left", {"worker": name, "reason": reason}),
+                             Send(name, Stop(reason="goodbye"))]
+    if in_plan and not state.finished:
+        effects += [Send(n, Abort(epoch=state.epoch, reason=f"{name} left")) for n in state.workers]
+        state, more = replan(state, config, "leave", abort=True)
+        effects += more
+    return state, effects + _maybe_finished(state)
+
+
+def _lost(state: State, name: str, detected_by: str, config: Config) -> Result:
+    worker = state.workers.get(name)
+    if worker is None:
+        return state, []
+    in_plan = state.in_play(name)
+    state = _remove(state, name)
+    if worker.leaving is not None and not in_plan:
+        return state, [Log("left", {"worker": name, "reason": worker.leaving})] + _maybe_finished(state)
+    effects: list[Effect] = [Log("failed", {"worker": name, "detected_by": detected_by})]
+    if in_plan and not state.finished:
+        effects += [Send(n, Abort(epoch=state.epoch, reason=f"{name} failed")) for n in state.workers]
+        state, more = replan(state, config, "failure", abort=True)
+        effects += more
+    return state, effects + _maybe_finished(state)
+
+
+def _drain(state: State, name: str, why: str, config: Config) -> Result:
+    worker = state.workers[name]
+    if state.plan is None or name not in state.plan.members:
+        state = _remove(state, name)
+        return state, [Send(name, Stop(reason=why)), Log("left", {"worker": name, "reason": why})]
+    state = replace(state, workers={**state.workers, name: replace(worker, leaving=why)})
+    return replan(state, config, why, abort=False)
+
+
+def _remove(state: State, name: str) -> State:
+    workers = {n: w for n, w in state.workers.items() if n != name}
+    return replace(state, workers=workers, cluster=state.cluster.without(name),
+                   acked=state.acked - {name}, running=state.running - {name})
+
+
+def _touch(state: State, name: str, now: float, *, step: int) -> State:
+    w = state.workers[name]
+    return replace(state, workers={**state.workers, name: replace(w, last_seen=now, step=max(w.step, step))})
+
+
+def _fence(name: str) -> Send:
+    return Send(name, Error(code=ERR_STALE_EPOCH,
+                            message=f"{name!r} is not a member of the current epoch; join again"))
+
+
+def _maybe_finished(state: State) -> list[Effect]:
+    if state.workers or not (state.finished or state.stopping):
+        return []
+    return [Finished("finished" if state.finished else "stopped")]

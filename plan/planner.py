@@ -1,0 +1,89 @@
+"""The planner: which devices train and what share of every global batch each one takes.
+
+This first planner puts every eligible device in one data-parallel group and splits the global
+batch in proportion to estimated speed, so that all replicas finish their compute together. It has
+the seam the MILP planner drops into: `make_plan(cluster, previous, *, limits) -> PlanResult`.
+
+Rank order is kept stable across plans (members of the previous plan keep their relative order,
+newcomers are appended in name order) so that a re-plan moves as little as possible.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from plan.cluster import Cluster
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    """A data-parallel layout: `members` in rank order and each one's samples per global batch."""
+
+    members: tuple[str, ...]
+    shares: tuple[int, ...]
+    predicted_step_s: float | None = None
+
+    def __post_init__(self) -> None:
+        assert len(self.members) == len(self.shares), "one share per member"
+        assert len(set(self.members)) == len(self.members), "members are unique"
+        assert all(s >= 0 for s in self.shares), "shares are non-negative"
+
+    @property
+    def global_batch(self) -> int:
+        return sum(self.shares)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanLimits:
+    global_batch: int
+    max_workers: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanResult:
+    """The plan (None when nothing can train), the solver status and a reason a person can read."""
+
+    plan: Plan | None
+    status: str  # "optimal", "fallback", "infeasible"
+    reason: str
+
+
+def split_shares(total: int, weights: list[float]) -> list[int]:
+    """Split `total` samples in proportion to `weights` (largest remainder, ties to lower index).
+
+    Every weight gets at least one sample while there are enough samples to go round.
+    """
+    n = len(weights)
+    if n == 0:
+        return []
+    assert all(w > 0 for w in weights), "weights must be positive"
+    floor_each = 1 if total >= n else 0
+    rest = total - floor_each * n
+    scale = sum(weights)
+    exact = [rest * w / scale for w in weights]
+    shares = [floor_each + math.floor(x) for x in exact]
+    left = total - sum(shares)
+    order = sorted(range(n), key=lambda i: (-(exact[i] - math.floor(exact[i])), i))
+    for i in order[:left]:
+        shares[i] += 1
+    return shares
+
+
+def make_plan(cluster: Cluster, previous: Plan | None, *, limits: PlanLimits) -> PlanResult:
+    """All devices (up to `max_workers`, fastest first) in data parallel, shares by speed."""
+    speeds = cluster.speeds()
+    if not speeds:
+        return PlanResult(plan=None, status="infeasible", reason="no devices")
+    chosen = sorted(speeds, key=lambda name: (-speeds[name], name))
+    if limits.max_workers is not None:
+        chosen = chosen[: limits.max_workers]
+    kept = [m for m in (previous.members if previous else ()) if m in chosen]
+    members = kept + sorted(m for m in chosen if m not in kept)
+    weights = [speeds[m] for m in members]
+    shares = split_shares(limits.global_batch, weights)
+    slowest = max(s / speeds[m] for m, s in zip(members, shares))
+    plan = Plan(members=tuple(members), shares=tuple(shares), predicted_step_s=slowest)
+    left_out = len(speeds) - len(members)
+    reason = f"{len(members)} replicas, shares by speed" + (f", {left_out} on standby" if left_out else "")
+    return PlanResult(plan=plan, status="optimal", reason=reason)

@@ -1,0 +1,279 @@
+"""The whole wire schema of adaptrain's control plane.
+
+Every message that crosses a ZeroMQ socket is one of the frozen, slotted, keyword-only dataclasses
+below; nothing else is ever encoded. The codec (`transport.codec`) maps a message to one msgpack
+frame ``{"v": PROTOCOL_VERSION, "kind": <class name>, **fields}`` and back, and rejects anything
+that does not match these classes field for field and type for type.
+
+Sockets and who talks on them:
+
+* workers endpoint (coordinator ROUTER, ``--bind``): each worker's control agent (DEALER whose
+  routing id is the worker's NAME) and each worker thread's rendezvous-store client (DEALER with a
+  random routing id).
+* control endpoint (coordinator ROUTER, ``--control``): ``scripts/ctl.py`` (DEALER).
+
+Field types are limited to what the codec validates: ``int``, ``float``, ``str``, ``bytes``,
+``bool``, ``X | None``, ``list[X]`` and ``dict[str, Any]`` (free-form, only in control replies).
+Tensors never travel here: they go worker to worker over torch.distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+PROTOCOL_VERSION = 1
+
+# Error codes carried by `Error.code`.
+ERR_DECODE = "decode"  # the frame could not be decoded or failed validation
+ERR_PROTOCOL = "protocol"  # the peer speaks another PROTOCOL_VERSION
+ERR_STALE_EPOCH = "stale-epoch"  # the sender is fenced: it is not a member of the current epoch
+ERR_UNKNOWN_WORKER = "unknown-worker"  # a message or command names a worker that is not a member
+ERR_BAD_REQUEST = "bad-request"  # a well-formed message that makes no sense now
+ERR_NAME_TAKEN = "name-taken"  # a Join whose NAME belongs to a live member
+
+
+# --- worker -> coordinator -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Join:
+    """Worker -> coordinator, first message on its agent socket (and again after being fenced).
+
+    Carries the calibration the worker ran at start: effective matmul FLOP/s, usable memory, host
+    and device kind. The coordinator answers with `Welcome` (or `Error`), then, once a plan that
+    includes the worker is ready, with a `PlanDelta`.
+    """
+
+    name: str
+    host: str
+    pid: int
+    device: str  # "cpu", "cuda:0", ...
+    flops: float  # calibrated matmul FLOP/s
+    memory_bytes: int  # usable memory (after --memory-limit)
+    threads: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Heartbeat:
+    """Worker -> coordinator, every `Welcome.heartbeat_s` from the control agent thread.
+
+    Sent while training computes too. A worker that misses heartbeats for `Welcome.lease_s` is
+    declared failed (a stopped or hung process); a killed one is seen at once by the socket monitor.
+    """
+
+    name: str
+    epoch: int  # the epoch the worker is training in (0 before its first plan)
+    step: int  # optimizer steps applied so far
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepReport:
+    """Worker -> coordinator after each committed step.
+
+    `loss` is the loss of the whole global batch (identical on every replica); `compute_s` is the
+    time spent in forward/backward on this replica's share, `step_s` the wall time of the step.
+    `digest` is a hash of the parameters after the step when the worker runs with
+    `--digest-every`, else "".
+    """
+
+    name: str
+    epoch: int
+    step: int  # steps applied, i.e. this report is for step index step-1
+    loss: float
+    samples: int  # this replica's share of the global batch
+    global_batch: int
+    compute_s: float
+    step_s: float
+    digest: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ack:
+    """Worker -> coordinator: the worker formed the group of `epoch` and holds state at `step`.
+
+    `reshard_bytes`/`reshard_s` say how much state it received (0 for a member already up to date)
+    and how long forming the group and moving state took.
+    """
+
+    name: str
+    epoch: int
+    step: int
+    reshard_bytes: int
+    reshard_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Leave:
+    """Worker -> coordinator: the worker leaves on purpose.
+
+    reason: "finished" (ran all steps), "preempted" (SIGTERM), "drained" (after `ctl drain`),
+    "error: ..." (the job raised).
+    """
+
+    name: str
+    reason: str
+
+
+# --- coordinator -> worker -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Welcome:
+    """Coordinator -> worker, answer to `Join`.
+
+    Carries the job itself (source text and its sha256) so that a fresh machine needs nothing but
+    adaptrain installed and the coordinator's address, and the liveness contract.
+    """
+
+    name: str
+    run_id: str
+    job_ref: str  # "PATH:NAME" or "module:NAME" as given to the coordinator
+    job_name: str  # the function in the job source that returns the Job
+    job_source: str
+    job_sha256: str
+    heartbeat_s: float
+    lease_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanDelta:
+    """Coordinator -> every member of the new plan (and to members that leave it).
+
+    A new epoch: `members` in rank order with each replica's number of samples of every global
+    batch (`shares`, summing to `global_batch`, contiguous slices in rank order). A worker whose
+    name is not in `members` leaves at the switch.
+
+    `abort` false (a planned change: join, drain): the workers switch at a step boundary that they
+    agree on through the data plane. `abort` true (a failure): in-flight work of older epochs is
+    abandoned at once and the new group is formed; survivors reconcile to the most advanced step.
+    """
+
+    epoch: int
+    reason: str
+    members: list[str]
+    shares: list[int]
+    global_batch: int
+    abort: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Abort:
+    """Coordinator -> workers: a member of `epoch` is gone; abandon any collective of that epoch
+    (or older) now. The `PlanDelta` of the next epoch follows as soon as it is solved."""
+
+    epoch: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Stop:
+    """Coordinator -> worker: finish the step in flight and exit (``ctl stop``, SIGTERM of the
+    coordinator, or the job already finished when a worker joins)."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Error:
+    """Either direction (and coordinator -> ctl): the request could not be honoured.
+
+    The coordinator sends one for every frame it cannot decode or accept and keeps serving.
+    A worker that gets `ERR_STALE_EPOCH` has been fenced out: it drops its state and joins again.
+    """
+
+    code: str
+    message: str
+
+
+# --- rendezvous store (worker threads <-> coordinator) ---------------------------------------
+
+STORE_OPS = ("set", "get", "add", "compare_set", "check", "wait", "num_keys", "delete")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoreRequest:
+    """Worker store client -> coordinator: one operation on the rendezvous key-value store that
+    torch.distributed uses to form each epoch's process group.
+
+    `get` and `wait` are answered when all `keys` exist or after `timeout_s` (then `ok` false);
+    `add` adds `amount` to an integer counter; `compare_set` takes `values` = [expected, desired].
+    """
+
+    req_id: int
+    op: str
+    keys: list[str]
+    values: list[bytes]
+    amount: int
+    timeout_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoreReply:
+    """Coordinator -> worker store client, answer to `StoreRequest` with the same `req_id`."""
+
+    req_id: int
+    ok: bool
+    values: list[bytes]
+    number: int  # add: the new value; check: 1/0; num_keys: the count; delete: 1/0
+    error: str
+
+
+# --- control (ctl <-> coordinator) -----------------------------------------------------------
+
+CONTROL_COMMANDS = ("status", "plan", "events", "drain", "stop")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ControlRequest:
+    """ctl -> coordinator control endpoint.
+
+    command: "status", "plan", "events" (args: [after_index]), "drain" (args: [NAME]), "stop".
+    """
+
+    command: str
+    args: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ControlReply:
+    """Coordinator -> ctl: `data` is the command's result as plain JSON-able values."""
+
+    ok: bool
+    data: dict[str, Any]
+    error: str
+
+
+MESSAGE_TYPES: tuple[type, ...] = (
+    Join,
+    Heartbeat,
+    StepReport,
+    Ack,
+    Leave,
+    Welcome,
+    PlanDelta,
+    Abort,
+    Stop,
+    Error,
+    StoreRequest,
+    StoreReply,
+    ControlRequest,
+    ControlReply,
+)
+
+Message = (
+    Join
+    | Heartbeat
+    | StepReport
+    | Ack
+    | Leave
+    | Welcome
+    | PlanDelta
+    | Abort
+    | Stop
+    | Error
+    | StoreRequest
+    | StoreReply
+    | ControlRequest
+    | ControlReply
+)

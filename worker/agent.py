@@ -1,0 +1,214 @@
+"""The worker's control agent: a thread that owns the worker's one socket to the coordinator.
+
+It keeps heartbeating while the training thread computes (torch releases the GIL in its kernels),
+sends what the trainer queues (step reports, acks, leaves), and keeps what the coordinator says in
+a small thread-safe mailbox that the trainer reads between (and during) collectives:
+
+* plan deltas, newest last; a planned one waits for the step boundary, an aborting one
+  supersedes every older epoch at once;
+* the highest epoch the coordinator aborted (`Abort`);
+* `Stop`, and fencing (`ERR_STALE_EPOCH`: the coordinator no longer counts this worker as a member;
+  the agent joins again and the trainer drops its state).
+
+The socket is a DEALER whose routing id is the worker's name, so the coordinator can address it.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from transport import (
+    ERR_STALE_EPOCH,
+    Abort,
+    CodecError,
+    Error,
+    Heartbeat,
+    Join,
+    Message,
+    PlanDelta,
+    Stop,
+    Welcome,
+    decode,
+    encode,
+)
+from worker.calibrate import Calibration
+
+POLL_S = 0.01
+REJOIN_GRACE_S = 1.0  # stale-epoch answers this soon after a Join are echoes of older heartbeats
+
+
+class FatalError(RuntimeError):
+    """The coordinator refused this worker for good (name taken, protocol mismatch)."""
+
+
+@dataclass(slots=True)
+class _Mailbox:
+    welcome: Welcome | None = None
+    deltas: list[PlanDelta] | None = None
+    aborted_epoch: int = 0  # every epoch <= this one is abandoned
+    stop: str | None = None
+    fenced: bool = False
+    fatal: str | None = None
+    joined_at: float = 0.0  # monotonic time of the last Join sent
+
+
+class Agent:
+    def __init__(self, endpoint: str, name: str, calibration: Calibration, *, verbose: bool = False) -> None:
+        self.endpoint = endpoint
+        self.name = name
+        self.calibration = calibration
+        self.verbose = verbose
+        self.epoch = 0  # set by the trainer: what heartbeats report
+        self.step = 0
+        self._box = _Mailbox(deltas=[])
+        self._cond = threading.Condition()
+        self._outbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="adaptrain-agent", daemon=True)
+
+    # --- trainer-facing API (thread-safe) ----------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def send(self, msg: Message) -> None:
+        self._outbox.put(msg)
+
+    def wait_welcome(self, timeout_s: float) -> Welcome:
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._box.welcome is None:
+                self._raise_fatal()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no answer from the coordinator at {self.endpoint} in {timeout_s:.0f} s")
+                self._cond.wait(min(left, 0.1))
+            return self._box.welcome
+
+    def superseded(self, epoch: int) -> bool:
+        """Whether work of `epoch` must be abandoned now (a failure, fencing, or a stop)."""
+        box = self._box
+        if box.fenced or box.aborted_epoch >= epoch or box.fatal is not None or box.stop is not None:
+            return True
+        return any(d.abort and d.epoch > epoch for d in box.deltas or ())
+
+    def pending_planned(self, epoch: int) -> PlanDelta | None:
+        """The planned delta waiting for the step boundary, if one newer than `epoch` arrived."""
+        with self._cond:
+            later = [d for d in self._box.deltas or () if d.epoch > epoch]
+            return later[-1] if later and not later[-1].abort else None
+
+    def next_delta(self, epoch: int, timeout_s: float) -> PlanDelta | None:
+        """Block until a delta newer than `epoch` (the newest one), a stop or fencing."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                self._raise_fatal()
+                later = [d for d in self._box.deltas or () if d.epoch > epoch]
+                if later:
+                    return later[-1]
+                left = deadline - time.monotonic()
+                if self._box.stop is not None or self._box.fenced or left <= 0:
+                    return None
+                self._cond.wait(min(left, 0.1))
+
+    def stop_reason(self) -> str | None:
+        return self._box.stop
+
+    def take_fenced(self) -> bool:
+        """True once after the coordinator fenced this worker out (the agent is joining again)."""
+        with self._cond:
+            fenced, self._box.fenced = self._box.fenced, False
+            if fenced:
+                self._box.deltas = []
+            return fenced
+
+    def close(self, linger_s: float = 1.0) -> None:
+        """Flush what is queued (up to `linger_s`) and stop the thread."""
+        self._closing.set()
+        self._thread.join(timeout=linger_s + 1.0)
+
+    # --- the thread ----------------------------------------------------------------------------
+
+    def _raise_fatal(self) -> None:
+        if self._box.fatal is not None:
+            raise FatalError(self._box.fatal)
+
+    def _join_message(self) -> Join:
+        c = self.calibration
+        return Join(name=self.name, host=c.host, pid=os.getpid(), device=c.device, flops=c.flops,
+                    memory_bytes=c.memory_bytes, threads=c.threads)
+
+    def _run(self) -> None:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self.name.encode())
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.connect(self.endpoint)
+        try:
+            self._loop(sock)
+        finally:
+            sock.close()
+
+    def _loop(self, sock: zmq.Socket[bytes]) -> None:
+        self._box.joined_at = time.monotonic()
+        sock.send(encode(self._join_message()))
+        next_beat = time.monotonic()
+        while True:
+            closing = self._closing.is_set()
+            while True:
+                try:
+                    sock.send(encode(self._outbox.get_nowait()))
+                except queue.Empty:
+                    break
+            if closing:
+                return
+            welcome = self._box.welcome
+            if welcome is not None and time.monotonic() >= next_beat:
+                sock.send(encode(Heartbeat(name=self.name, epoch=self.epoch, step=self.step)))
+                next_beat = time.monotonic() + welcome.heartbeat_s
+            if sock.poll(int(POLL_S * 1000)):
+                while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # drain: the FD is edge-triggered
+                    self._handle(sock, sock.recv())
+
+    def _handle(self, sock: zmq.Socket[bytes], frame: bytes) -> None:
+        try:
+            msg = decode(frame)
+        except CodecError as e:
+            self._log(f"ignoring an undecodable frame from the coordinator: {e}")
+            return
+        with self._cond:
+            box = self._box
+            match msg:
+                case Welcome():
+                    box.welcome = msg
+                case PlanDelta():
+                    assert box.deltas is not None
+                    box.deltas = [d for d in box.deltas if d.epoch < msg.epoch] + [msg]
+                case Abort(epoch=epoch):
+                    box.aborted_epoch = max(box.aborted_epoch, epoch)
+                case Stop(reason=reason):
+                    box.stop = reason
+                case Error(code=code, message=text) if code == ERR_STALE_EPOCH:
+                    # Answers to heartbeats sent before our new Join landed are not news.
+                    if not box.fenced and time.monotonic() - box.joined_at > REJOIN_GRACE_S:
+                        self._log(f"fenced out by the coordinator ({text}); joining again")
+                        box.fenced = True
+                        box.joined_at = time.monotonic()
+                        sock.send(encode(self._join_message()))
+                case Error(code=code, message=text):
+                    if box.welcome is None:
+                        box.fatal = f"the coordinator refused this worker: {text}"
+                    else:
+                        self._log(f"coordinator error {code}: {text}")
+                case _:
+                    self._log(f"ignoring unexpected {type(msg).__name__} from the coordinator")
+            self._cond.notify_all()
+
+    def _log(self, text: str) -> None:
+        print(f"[{self.name}] {text}", flush=True)

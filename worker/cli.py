@@ -1,0 +1,120 @@
+"""`worker --join tcp://HOST:PORT`: calibrate, join, take the job from the coordinator, train.
+
+Exit status: 0 when the job finished, the worker was drained or preempted (SIGTERM) or stopped;
+1 when the job failed on this worker; 2 for a usage error or a coordinator that refused it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+from types import FrameType
+
+EPILOG = """\
+examples:
+  worker --join tcp://10.0.0.5:5555                      # a spot instance joins a running job
+  worker --join tcp://127.0.0.1:5555 --name w3 --threads 1
+  worker --join tcp://coord:5555 --device cuda:0         # GPU worker (NCCL data plane)
+
+The job (model, data, optimizer) comes from the coordinator, so a new machine needs nothing but
+adaptrain installed and the coordinator's address. SIGTERM (a spot preemption notice) makes the
+worker hand its share back at the next step boundary and exit 0.
+"""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerConfig:
+    join: str
+    name: str
+    device: str
+    threads: int
+    memory_limit_gib: float | None
+    digest_every: int
+    log_every: int
+    group_timeout_s: float
+    connect_timeout_s: float
+
+
+def parse_args(argv: list[str] | None) -> WorkerConfig:
+    p = argparse.ArgumentParser(prog="worker", description="Join an adaptrain job and train on this machine.",
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--join", required=True, metavar="tcp://HOST:PORT",
+                   help="the coordinator's workers endpoint (its `ready` line prints it)")
+    p.add_argument("--name", help="how events and ctl name this worker (default: HOST-PID); must be unique")
+    p.add_argument("--device", default="cpu", help="cpu (gloo) or cuda[:N] (NCCL); default cpu")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    p.add_argument("--memory-limit", type=float, metavar="GIB", dest="memory_limit",
+                   help="report at most this much memory to the planner")
+    p.add_argument("--digest-every", type=int, default=0, metavar="N",
+                   help="hash the parameters every N steps and report it (to check replicas agree); 0: off")
+    p.add_argument("--log-every", type=int, default=10, metavar="N", help="print progress every N steps")
+    p.add_argument("--group-timeout", type=float, default=60.0, metavar="S",
+                   help="torch.distributed timeout of each epoch's group (failures are detected long before)")
+    p.add_argument("--connect-timeout", type=float, default=60.0, metavar="S",
+                   help="give up if the coordinator does not answer within S seconds")
+    a = p.parse_args(argv)
+    if not a.join.startswith(("tcp://", "ipc://")):
+        p.error(f"--join wants tcp://HOST:PORT, got {a.join!r}")
+    if a.threads < 1:
+        p.error("--threads must be at least 1")
+    if a.memory_limit is not None and a.memory_limit <= 0:
+        p.error("--memory-limit must be positive")
+    if not (a.device == "cpu" or a.device.startswith("cuda")):
+        p.error(f"--device must be cpu or cuda[:N], got {a.device!r}")
+    name = a.name or f"{socket.gethostname()}-{os.getpid()}"
+    return WorkerConfig(join=a.join, name=name, device=a.device, threads=a.threads,
+                        memory_limit_gib=a.memory_limit, digest_every=a.digest_every, log_every=a.log_every,
+                        group_timeout_s=a.group_timeout, connect_timeout_s=a.connect_timeout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    import torch  # after argument parsing: --help stays fast
+
+    from worker.agent import Agent, FatalError
+    from worker.calibrate import calibrate
+    from worker.job import JobError, load_job
+    from worker.trainer import Trainer, TrainerConfig
+
+    torch.set_num_threads(cfg.threads)
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"worker: --device {cfg.device} but torch sees no CUDA device", file=sys.stderr)
+        return 2
+    calibration = calibrate(cfg.device, memory_limit_gib=cfg.memory_limit_gib)
+    agent = Agent(cfg.join, cfg.name, calibration)
+    agent.start()
+    print(f"[{cfg.name}] joining {cfg.join} ({calibration.flops / 1e9:.1f} GFLOP/s, "
+          f"{calibration.memory_bytes / 2**30:.1f} GiB)", flush=True)
+    try:
+        welcome = agent.wait_welcome(cfg.connect_timeout_s)
+        if hashlib.sha256(welcome.job_source.encode()).hexdigest() != welcome.job_sha256:
+            raise JobError("the job source arrived damaged (sha256 mismatch)")
+        job = load_job(welcome.job_source, welcome.job_name, filename=welcome.job_ref)
+        trainer = Trainer(job, agent, cfg.join, TrainerConfig(group_timeout_s=cfg.group_timeout_s,
+                                                              digest_every=cfg.digest_every,
+                                                              log_every=cfg.log_every))
+
+        def on_sigterm(signum: int, frame: FrameType | None) -> None:
+            trainer.leave_reason = "preempted"
+            from transport import Leave
+
+            agent.send(Leave(name=cfg.name, reason="preempted"))
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+        outcome = trainer.run()
+    except (FatalError, TimeoutError) as e:
+        print(f"worker: {e}", file=sys.stderr)
+        agent.close()
+        return 2
+    except JobError as e:
+        print(f"worker: {e}", file=sys.stderr)
+        agent.close()
+        return 1
+    print(f"[{cfg.name}] done: {outcome} at step {trainer.step}", flush=True)
+    agent.close()
+    return 0

@@ -1,0 +1,293 @@
+"""The training loop of one worker: exact data parallelism across epochs that come and go.
+
+Each epoch has its own gloo group, formed through the coordinator's store. Per step a replica
+computes the summed loss of its contiguous slice of the step's global batch, divides by the global
+batch size, and all-reduces (SUM) one flat buffer holding the gradients, the loss sum and a
+"switch" flag. So every replica applies the full-batch gradient, and every replica learns the same
+two facts at once: the global loss, and whether all of them hold the next planned delta. When all
+do, they switch epochs right after that step, with no extra round trip (the agreed step boundary).
+
+Failures: every collective is issued with ``async_op`` on a buffer used once, and polled against the
+agent's abort flag. A superseded collective is not waited for (gloo can block for its whole timeout):
+its group, work and buffer go to a graveyard until the work ends, and the step is abandoned with no
+state touched. In the next epoch the survivors all-reduce their step counters; the lowest rank with
+the most steps sends its state (model, optimizer, step) to every rank that is behind or new, so all
+continue from one consistent step: no step is lost or applied twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from transport import Ack, Leave, PlanDelta, StepReport
+from worker.agent import Agent
+from worker.job import Job, sample_ids, share_slice
+from worker.store import CoordinatorStore
+
+POLL_S = 0.0002
+
+
+class Superseded(Exception):
+    """The epoch was abandoned (a failure elsewhere, fencing, or a stop)."""
+
+
+@dataclass(slots=True)
+class Group:
+    epoch: int
+    pg: Any  # dist.ProcessGroupGloo
+    store: CoordinatorStore
+    rank: int
+    members: list[str]
+    shares: list[int]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainerConfig:
+    group_timeout_s: float = 60.0
+    digest_every: int = 0  # 0: never hash parameters
+    log_every: int = 10
+    delta_timeout_s: float = 600.0  # how long to wait for a plan before giving up
+
+
+class Trainer:
+    def __init__(self, job: Job, agent: Agent, endpoint: str, config: TrainerConfig) -> None:
+        self.job = job
+        self.agent = agent
+        self.endpoint = endpoint
+        self.config = config
+        self.name = agent.name
+        self.model, self.optimizer = self._build()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.numel = sum(p.numel() for p in self.params)
+        self.step = 0  # optimizer steps applied
+        self.stale = False  # our state may differ from the survivors' (we were fenced): take theirs
+        self.graveyard: list[tuple[Any, Any, torch.Tensor]] = []
+        self.leave_reason: str | None = None  # set on SIGTERM
+        self.epoch_tried = 0  # the newest epoch this worker entered or tried to enter
+
+    def _build(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(self.job.seed)
+        model = self.job.model()
+        return model, self.job.optimizer(model.parameters())
+
+    # --- the loop ------------------------------------------------------------------------------
+
+    def run(self) -> str:
+        """Train until the job's last step, a stop or a planned exit; returns why it ended."""
+        group: Group | None = None
+        while True:
+            if self.agent.take_fenced():
+                self._log("fenced: dropping local state, will take the survivors'")
+                group, self.stale = None, True
+            if self.step >= self.job.num_steps:
+                return self._leave("finished")
+            if self.agent.stop_reason() is not None:
+                return f"stopped: {self.agent.stop_reason()}"
+            if group is None or self.agent.superseded(group.epoch):
+                delta = self.agent.next_delta(self.epoch_tried, self.config.delta_timeout_s)
+                if delta is None:
+                    continue
+                self.epoch_tried = delta.epoch
+                if self.name not in delta.members:
+                    return self._leave(self.leave_reason or "drained")
+                group = self._enter(delta)
+                continue
+            try:
+                switch_to = self._train_step(group)
+            except Superseded:
+                self._log(f"epoch {group.epoch} abandoned at step {self.step}")
+                group = None
+                continue
+            if switch_to is not None:
+                self.epoch_tried = switch_to.epoch
+                if self.name not in switch_to.members:
+                    return self._leave(self.leave_reason or "drained")
+                group = self._enter(switch_to)
+
+    def _leave(self, reason: str) -> str:
+        self.agent.send(Leave(name=self.name, reason=reason))
+        deadline = time.monotonic() + 2.0
+        while self.agent.stop_reason() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return reason
+
+    # --- epochs --------------------------------------------------------------------------------
+
+    def _enter(self, delta: PlanDelta) -> Group | None:
+        """Form the epoch's group and bring every member to one consistent step."""
+        t0 = time.perf_counter()
+        rank, world = delta.members.index(self.name), len(delta.members)
+        store = CoordinatorStore(self.endpoint, is_aborted=lambda: self.agent.superseded(delta.epoch),
+                                 timeout_s=self.config.group_timeout_s)
+        try:
+            pg = self._form_group(store, delta.epoch, rank, world)
+            group = Group(epoch=delta.epoch, pg=pg, store=store, rank=rank, members=list(delta.members),
+                          shares=list(delta.shares))
+            received = self._reconcile(group)
+        except Superseded:
+            self._log(f"epoch {delta.epoch} superseded while forming")
+            return None
+        self.agent.epoch = delta.epoch
+        self.agent.step = self.step
+        seconds = time.perf_counter() - t0
+        self.agent.send(Ack(name=self.name, epoch=delta.epoch, step=self.step, reshard_bytes=received,
+                            reshard_s=seconds))
+        self._log(f"epoch {delta.epoch} ({delta.reason}): rank {rank}/{world}, share "
+                  f"{delta.shares[rank]}/{delta.global_batch}, step {self.step}, formed in {seconds * 1e3:.0f} ms"
+                  + (f", received {received / 1e6:.1f} MB" if received else ""))
+        return group
+
+    def _form_group(self, store: CoordinatorStore, epoch: int, rank: int, world: int) -> Any:
+        """Build the gloo group in a helper thread, so a peer that hangs mid-handshake cannot hold us:
+        on abort the thread is left to fail on its own."""
+        box: dict[str, Any] = {}
+
+        def build() -> None:
+            try:
+                box["pg"] = dist.ProcessGroupGloo(dist.PrefixStore(f"epoch{epoch}/", store), rank, world,
+                                                  timedelta(seconds=self.config.group_timeout_s))
+            except Exception as e:  # noqa: BLE001 (reported below, in the trainer's thread)
+                box["error"] = e
+
+        thread = threading.Thread(target=build, name=f"form-epoch{epoch}", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            if self.agent.superseded(epoch):
+                raise Superseded
+            thread.join(0.002)
+        if "error" in box:
+            if self.agent.superseded(epoch):
+                raise Superseded
+            raise RuntimeError(f"could not form the group of epoch {epoch}: {box['error']}") from box["error"]
+        return box["pg"]
+
+    def _reconcile(self, g: Group) -> int:
+        """All-reduce step counters; the lowest rank with the most steps sends its state to every
+        rank that is behind (or new, or stale). Returns the bytes this rank received."""
+        world = len(g.members)
+        steps = torch.zeros(world, dtype=torch.float64)
+        steps[g.rank] = -1 if self.stale else self.step
+        self._wait(g, g.pg.allreduce([steps]))
+        counts = [int(s) for s in steps.tolist()]
+        best = max(counts)
+        if best < 0:  # nobody has state: start over from the seed
+            self.model, self.optimizer = self._build()
+            self.params = [p for p in self.model.parameters() if p.requires_grad]
+            self.step, self.stale = 0, False
+            return 0
+        source = counts.index(best)
+        behind = [r for r, s in enumerate(counts) if s < best]
+        if g.rank == source:
+            payload = self._serialize()
+            size = torch.tensor([payload.numel()], dtype=torch.int64)
+            for r in behind:
+                self._wait(g, g.pg.send([size], r, 0))
+                self._wait(g, g.pg.send([payload], r, 1))
+            return 0
+        if g.rank in behind:
+            size = torch.zeros(1, dtype=torch.int64)
+            self._wait(g, g.pg.recv([size], source, 0))
+            payload = torch.empty(int(size.item()), dtype=torch.uint8)
+            self._wait(g, g.pg.recv([payload], source, 1))
+            self._load(payload)
+            return payload.numel()
+        return 0
+
+    def _serialize(self) -> torch.Tensor:
+        buf = io.BytesIO()
+        torch.save({"step": self.step, "model": self.model.state_dict(),
+                    "optimizer": self.optimizer.state_dict()}, buf)
+        return torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
+
+    def _load(self, payload: torch.Tensor) -> None:
+        state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step, self.stale = int(state["step"]), False
+
+    def _wait(self, g: Group, work: Any, buf: torch.Tensor | None = None) -> None:
+        """Wait for a collective, or give it up the moment the epoch is superseded."""
+        while not work.is_completed():
+            if self.agent.superseded(g.epoch):
+                self.graveyard.append((g.pg, work, buf if buf is not None else torch.empty(0)))
+                raise Superseded
+            time.sleep(POLL_S)
+        try:
+            work.wait()
+        except RuntimeError as e:  # a peer died mid-collective: wait for the coordinator's verdict
+            self._log(f"collective failed in epoch {g.epoch}: {str(e).splitlines()[0]}")
+            self.graveyard.append((g.pg, work, buf if buf is not None else torch.empty(0)))
+            raise Superseded from e
+
+    # --- one step ------------------------------------------------------------------------------
+
+    def _train_step(self, g: Group) -> PlanDelta | None:
+        """One exact data-parallel step; returns the delta to switch to when all ranks agreed."""
+        self.graveyard = [e for e in self.graveyard if not e[1].is_completed()]
+        t0 = time.perf_counter()
+        job, G = self.job, self.job.global_batch
+        pending = self.agent.pending_planned(g.epoch)
+        ids = sample_ids(job.seed, self.step, len(job.dataset), G)[share_slice(g.shares, g.rank)]
+        for p in self.params:
+            p.grad = None
+        loss_sum = 0.0
+        if len(ids):
+            inputs, targets = job.dataset[ids]
+            loss = job.loss(self.model(inputs), targets)
+            (loss / G).backward()
+            loss_sum = float(loss.detach())
+        compute_s = time.perf_counter() - t0
+
+        buf = torch.empty(self.numel + 2, dtype=torch.float32)
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            if p.grad is None:
+                buf[offset:offset + n].zero_()
+            else:
+                buf[offset:offset + n].copy_(p.grad.reshape(-1))
+            offset += n
+        buf[self.numel] = loss_sum
+        buf[self.numel + 1] = 1.0 if pending is not None else 0.0
+        self._wait(g, g.pg.allreduce([buf]), buf)
+
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = buf[offset:offset + n].view_as(p)
+            offset += n
+        self.optimizer.step()
+        self.step += 1
+        self.agent.step = self.step
+        loss_value = float(buf[self.numel]) / G
+        step_s = time.perf_counter() - t0
+        digest = ""
+        every = self.config.digest_every
+        if every and (self.step % every == 0 or self.step == job.num_steps):
+            digest = self.digest()
+        self.agent.send(StepReport(name=self.name, epoch=g.epoch, step=self.step, loss=loss_value,
+                                   samples=len(ids), global_batch=G, compute_s=compute_s, step_s=step_s,
+                                   digest=digest))
+        if self.config.log_every and self.step % self.config.log_every == 0:
+            self._log(f"step {self.step}/{job.num_steps} loss {loss_value:.4f} ({step_s * 1e3:.0f} ms, "
+                      f"epoch {g.epoch}, {len(g.members)} replicas)")
+        agreed = round(float(buf[self.numel + 1])) == len(g.members)
+        return pending if agreed and pending is not None else None
+
+    def digest(self) -> str:
+        h = hashlib.sha256()
+        for p in self.model.parameters():
+            h.update(p.detach().contiguous().numpy().tobytes())
+        return h.hexdigest()[:16]
+
+    def _log(self, text: str) -> None:
+        print(f"[{self.name}] {text}", flush=True)
