@@ -44,6 +44,7 @@ from transport import (
     Join,
     Leave,
     Message,
+    Ready,
     StepReport,
     StoreRequest,
     TrioSocket,
@@ -52,7 +53,7 @@ from transport import (
     encode,
 )
 
-AGENT_MESSAGES = (Join, Heartbeat, StepReport, Ack, Leave)
+AGENT_MESSAGES = (Join, Ready, Heartbeat, StepReport, Ack, Leave)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -154,6 +155,8 @@ class Core:
         match msg:
             case Join():
                 self.apply(m.Joined(msg))
+            case Ready(name=name):
+                self.apply(m.MadeReady(name))
             case Heartbeat(name=name, epoch=epoch, step=step):
                 self.apply(m.Seen(name, epoch, step))
             case StepReport():

@@ -52,6 +52,7 @@ class Worker:
     last_seen: float
     epoch: int = 0  # last epoch it acknowledged
     step: int = 0  # steps it has applied, as last reported
+    ready: bool = False  # job loaded and model built: plans may include it
     leaving: str | None = None  # why it is being planned out ("drained", "preempted")
 
 
@@ -87,6 +88,11 @@ class State:
 @dataclass(frozen=True, slots=True)
 class Joined:
     msg: Join
+
+
+@dataclass(frozen=True, slots=True)
+class MadeReady:
+    name: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +141,7 @@ class StopRequested:
     reason: str
 
 
-Event = Joined | Seen | StepDone | Acked | Left | Lost | Tick | DrainRequested | StopRequested
+Event = Joined | MadeReady | Seen | StepDone | Acked | Left | Lost | Tick | DrainRequested | StopRequested
 
 
 # --- effects ---------------------------------------------------------------------------------
@@ -188,6 +194,12 @@ def apply(state: State, event: Event, config: Config, *, now: float) -> Result:
     match event:
         case Joined(msg):
             return _join(state, msg, config, now)
+        case MadeReady(name):
+            if name not in state.workers:
+                return state, [_fence(name)]
+            w = state.workers[name]
+            state = replace(state, workers={**state.workers, name: replace(w, ready=True, last_seen=now)})
+            return replan(state, config, "join", abort=False)
         case Seen(name, epoch, step):
             if name not in state.workers:
                 return state, [_fence(name)]
@@ -222,7 +234,7 @@ def replan(state: State, config: Config, reason: str, *, abort: bool) -> Result:
         return state, []
     if not abort and state.pending:
         return replace(state, replan_wanted=reason), []
-    eligible = {n: w for n, w in state.workers.items() if w.leaving is None}
+    eligible = {n: w for n, w in state.workers.items() if w.ready and w.leaving is None}
     if state.plan is None and len(eligible) < config.min_workers:
         return state, []
     cluster = Cluster({n: d for n, d in state.cluster.devices.items() if n in eligible})
@@ -258,8 +270,7 @@ def _join(state: State, msg: Join, config: Config, now: float) -> Result:
                              Log("joined", {"worker": msg.name, "host": msg.host, "device": msg.device})]
     if state.finished or state.stopping:
         return state, effects + [Send(msg.name, Stop(reason="the job is over"))]
-    state, more = replan(state, config, "join", abort=False)
-    return state, effects + more
+    return state, effects
 
 
 def _step_done(state: State, r: StepReport, config: Config, now: float) -> Result:

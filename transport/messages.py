@@ -55,6 +55,14 @@ class Join:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Ready:
+    """Worker -> coordinator, after `Welcome`: the job is loaded and the model built, so a plan may
+    include this worker now (until then a join would stall the running members at the switch)."""
+
+    name: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Heartbeat:
     """Worker -> coordinator, every `Welcome.heartbeat_s` from the control agent thread.
 
@@ -246,6 +254,7 @@ class ControlReply:
 
 MESSAGE_TYPES: tuple[type, ...] = (
     Join,
+    Ready,
     Heartbeat,
     StepReport,
     Ack,
@@ -263,6 +272,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
 
 Message = (
     Join
+    | Ready
     | Heartbeat
     | StepReport
     | Ack

@@ -32,6 +32,7 @@ from transport import (
     Join,
     Message,
     PlanDelta,
+    Ready,
     Stop,
     Welcome,
     decode,
@@ -66,6 +67,7 @@ class Agent:
         self.verbose = verbose
         self.epoch = 0  # set by the trainer: what heartbeats report
         self.step = 0
+        self._ready = False  # the trainer is built: (re)joins announce Ready at once
         self._box = _Mailbox(deltas=[])
         self._cond = threading.Condition()
         self._outbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
@@ -79,6 +81,11 @@ class Agent:
 
     def send(self, msg: Message) -> None:
         self._outbox.put(msg)
+
+    def mark_ready(self) -> None:
+        """The job is loaded and the model built: the coordinator may plan with this worker."""
+        self._ready = True
+        self.send(Ready(name=self.name))
 
     def wait_welcome(self, timeout_s: float) -> Welcome:
         deadline = time.monotonic() + timeout_s
@@ -201,6 +208,8 @@ class Agent:
                         box.fenced = True
                         box.joined_at = time.monotonic()
                         sock.send(encode(self._join_message()))
+                        if self._ready:
+                            sock.send(encode(Ready(name=self.name)))
                 case Error(code=code, message=text):
                     if box.welcome is None:
                         box.fatal = f"the coordinator refused this worker: {text}"

@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             agent.send(Leave(name=cfg.name, reason="preempted"))
 
         signal.signal(signal.SIGTERM, on_sigterm)
+        agent.mark_ready()
         outcome = trainer.run()
     except (FatalError, TimeoutError) as e:
         print(f"worker: {e}", file=sys.stderr)

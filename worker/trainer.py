@@ -34,6 +34,32 @@ from worker.job import Job, sample_ids, share_slice
 from worker.store import CoordinatorStore
 
 POLL_S = 0.0002
+# gloo's send/recv work never reports completion through is_completed(); only wait() finishes it.
+
+
+class _Pollable:
+    """Runs a p2p work's blocking wait() in a helper thread so the trainer can poll it (and walk
+    away from it when the epoch is superseded: the thread then ends with the group's timeout)."""
+
+    def __init__(self, work: Any) -> None:
+        self.work = work
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True, name="p2p-wait")
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.work.wait()
+        except BaseException as e:  # noqa: BLE001 (re-raised by wait() in the trainer's thread)
+            self.error = e
+
+    def is_completed(self) -> bool:
+        return not self.thread.is_alive()
+
+    def wait(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
 
 
 class Superseded(Exception):
@@ -190,14 +216,14 @@ class Trainer:
             payload = self._serialize()
             size = torch.tensor([payload.numel()], dtype=torch.int64)
             for r in behind:
-                self._wait(g, g.pg.send([size], r, 0))
-                self._wait(g, g.pg.send([payload], r, 1))
+                self._wait(g, g.pg.send([size], r, 0), p2p=True)
+                self._wait(g, g.pg.send([payload], r, 1), p2p=True)
             return 0
         if g.rank in behind:
             size = torch.zeros(1, dtype=torch.int64)
-            self._wait(g, g.pg.recv([size], source, 0))
+            self._wait(g, g.pg.recv([size], source, 0), p2p=True)
             payload = torch.empty(int(size.item()), dtype=torch.uint8)
-            self._wait(g, g.pg.recv([payload], source, 1))
+            self._wait(g, g.pg.recv([payload], source, 1), p2p=True)
             self._load(payload)
             return payload.numel()
         return 0
@@ -214,8 +240,9 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.stale = int(state["step"]), False
 
-    def _wait(self, g: Group, work: Any, buf: torch.Tensor | None = None) -> None:
+    def _wait(self, g: Group, work: Any, buf: torch.Tensor | None = None, *, p2p: bool = False) -> None:
         """Wait for a collective, or give it up the moment the epoch is superseded."""
+        work = _Pollable(work) if p2p else work
         while not work.is_completed():
             if self.agent.superseded(g.epoch):
                 self.graveyard.append((g.pg, work, buf if buf is not None else torch.empty(0)))

@@ -100,7 +100,7 @@ def test_load_job_returns_the_job() -> None:
 def test_two_loads_give_independent_modules() -> None:
     a = load_job(_GOOD_JOB, "job")
     b = load_job(_GOOD_JOB, "job")
-    assert a.model.__globals__ is not b.model.__globals__  # type: ignore[attr-defined]
+    assert a.model.__globals__ is not b.model.__globals__
 
 
 @pytest.mark.parametrize(

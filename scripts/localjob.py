@@ -1,0 +1,179 @@
+"""Run a whole adaptrain job on this machine: one coordinator and any number of workers as real
+processes on loopback. Used by the demo, the benchmarks and the system tests.
+
+Every process is started in its own session and is killed and reaped by `close()` (also on
+errors: use it as a context manager), so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+READY = re.compile(r"^ready workers=(\S+) control=(\S+)")
+
+
+class LocalJob:
+    def __init__(self, job_ref: str, state_dir: Path, *, min_workers: int = 1, lease_s: float = 1.0,
+                 heartbeat_s: float = 0.2, coordinator_args: list[str] | None = None,
+                 threads: int = 1) -> None:
+        self.job_ref = job_ref
+        self.state_dir = Path(state_dir)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.min_workers = min_workers
+        self.lease_s = lease_s
+        self.heartbeat_s = heartbeat_s
+        self.coordinator_args = coordinator_args or []
+        self.threads = threads
+        self.coordinator: subprocess.Popen[str] | None = None
+        self.workers: dict[str, subprocess.Popen[bytes]] = {}
+        self.workers_endpoint = ""
+        self.control_endpoint = ""
+
+    # --- processes -------------------------------------------------------------------------------
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        cmd = [sys.executable, "-m", "coordinator", "--bind", "tcp://127.0.0.1:0", "--job", self.job_ref,
+               "--state-dir", str(self.state_dir), "--min-workers", str(self.min_workers),
+               "--lease", str(self.lease_s), "--heartbeat", str(self.heartbeat_s), *self.coordinator_args]
+        log = (self.state_dir / "coordinator.log").open("w")
+        self.coordinator = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
+                                            start_new_session=True, env=_env())
+        assert self.coordinator.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            line = self.coordinator.stdout.readline()
+            if not line:
+                raise RuntimeError(f"coordinator exited before ready: {self.tail('coordinator')}")
+            m = READY.match(line)
+            if m:
+                self.workers_endpoint, self.control_endpoint = m.group(1), m.group(2)
+                break
+        else:
+            raise TimeoutError("coordinator did not print its ready line")
+        # Keep draining its stdout into the log so it never blocks on a full pipe.
+        import threading
+
+        def drain() -> None:
+            assert self.coordinator is not None and self.coordinator.stdout is not None
+            with (self.state_dir / "coordinator.out").open("w") as out:
+                for line in self.coordinator.stdout:
+                    out.write(line)
+                    out.flush()
+
+        threading.Thread(target=drain, daemon=True).start()
+
+    def add_worker(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        cmd = [sys.executable, "-m", "worker", "--join", self.workers_endpoint, "--name", name,
+               "--threads", str(self.threads), *args]
+        log = (self.state_dir / f"{name}.log").open("wb")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=_env())
+        self.workers[name] = proc
+        return proc
+
+    def signal(self, name: str, sig: int) -> None:
+        self.workers[name].send_signal(sig)
+
+    def kill(self, name: str) -> None:
+        self.signal(name, signal.SIGKILL)
+        self.workers[name].wait(timeout=10)
+
+    def wait_workers(self, timeout_s: float) -> dict[str, int | None]:
+        deadline = time.monotonic() + timeout_s
+        for proc in self.workers.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        return {n: p.poll() for n, p in self.workers.items()}
+
+    def wait_coordinator(self, timeout_s: float) -> int | None:
+        assert self.coordinator is not None
+        try:
+            return self.coordinator.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def close(self) -> None:
+        procs: list[subprocess.Popen[Any]] = list(self.workers.values())
+        if self.coordinator is not None:
+            procs.append(self.coordinator)
+        for proc in procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for proc in procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def __enter__(self) -> LocalJob:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- observing -------------------------------------------------------------------------------
+
+    def events(self) -> list[dict[str, Any]]:
+        path = self.state_dir / "events.jsonl"
+        if not path.exists():
+            return []
+        out = []
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # a line being written
+        return out
+
+    def wait_event(self, match: Callable[[dict[str, Any]], bool], timeout_s: float,
+                   what: str = "event") -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for ev in self.events():
+                if match(ev):
+                    return ev
+            if self.coordinator is not None and self.coordinator.poll() is not None:
+                break
+            time.sleep(0.02)
+        raise TimeoutError(f"no {what} within {timeout_s} s; coordinator: {self.tail('coordinator.out')}")
+
+    def wait_step(self, step: int, timeout_s: float) -> dict[str, Any]:
+        return self.wait_event(lambda e: e["kind"] == "step" and e["step"] >= step, timeout_s, f"step {step}")
+
+    def steps(self) -> dict[int, dict[str, Any]]:
+        """The last `step` event of every step number."""
+        return {e["step"]: e for e in self.events() if e["kind"] == "step"}
+
+    def ctl(self, *args: str) -> Any:
+        out = subprocess.run([sys.executable, str(Path(__file__).with_name("ctl.py")), "--control",
+                              self.control_endpoint, *args, "--json"], capture_output=True, text=True,
+                             timeout=30, env=_env())
+        if out.returncode != 0:
+            raise RuntimeError(f"ctl {' '.join(args)} failed: {out.stderr.strip()}")
+        return json.loads(out.stdout)
+
+    def tail(self, name: str, lines: int = 15) -> str:
+        path = self.state_dir / (name if "." in name else f"{name}.log")
+        if not path.exists():
+            return "(no log)"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
