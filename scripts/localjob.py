@@ -44,9 +44,9 @@ class LocalJob:
         cmd = [sys.executable, "-m", "coordinator", "--bind", "tcp://127.0.0.1:0", "--job", self.job_ref,
                "--state-dir", str(self.state_dir), "--min-workers", str(self.min_workers),
                "--lease", str(self.lease_s), "--heartbeat", str(self.heartbeat_s), *self.coordinator_args]
-        log = (self.state_dir / "coordinator.log").open("w")
-        self.coordinator = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
-                                            start_new_session=True, env=_env())
+        with (self.state_dir / "coordinator.log").open("w") as log:  # the child keeps its own copy
+            self.coordinator = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
+                                                start_new_session=True, env=_env())
         assert self.coordinator.stdout is not None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -74,8 +74,9 @@ class LocalJob:
     def add_worker(self, name: str, *args: str) -> subprocess.Popen[bytes]:
         cmd = [sys.executable, "-m", "worker", "--join", self.workers_endpoint, "--name", name,
                "--threads", str(self.threads), *args]
-        log = (self.state_dir / f"{name}.log").open("wb")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=_env())
+        with (self.state_dir / f"{name}.log").open("wb") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env=_env())
         self.workers[name] = proc
         return proc
 
@@ -117,6 +118,8 @@ class LocalJob:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
+        if self.coordinator is not None and self.coordinator.stdout is not None:
+            self.coordinator.stdout.close()
 
     def __enter__(self) -> LocalJob:
         return self

@@ -301,6 +301,7 @@ class Trainer:
         every = self.config.digest_every
         if every and (self.step % every == 0 or self.step == job.num_steps):
             digest = self.digest()
+            self._log(f"digest step {self.step} {digest}")
         self.agent.send(StepReport(name=self.name, epoch=g.epoch, step=self.step, loss=loss_value,
                                    samples=len(ids), global_batch=G, compute_s=compute_s, step_s=step_s,
                                    digest=digest))

@@ -1,0 +1,339 @@
+# ctl: the operator's control tool for a running adaptrain coordinator.
+#
+# Design. One request, one reply: every command is a `transport.ControlRequest` sent from a fresh
+# zmq DEALER to the coordinator's control ROUTER (the `control=` endpoint of its ready line), and the
+# answer is one `ControlReply` decoded by `transport.decode`. The coordinator computes every answer
+# (coordinator/control.py); this file only formats it. It imports transport and zmq, never torch
+# and never the coordinator, so it starts fast and runs on any machine with adaptrain installed.
+#
+# Invariants:
+# - Every wait has a deadline (`--timeout`, default 5 s). A request that times out is never
+#   retried on the same socket (a late reply would answer the next request: replies carry no id),
+#   and the socket is closed with linger 0, so ctl never hangs on exit.
+# - Exit status: 0 success; 1 the coordinator refused the command (ok=false, or an `Error` reply);
+#   2 usage error or no answer at all. `events --follow` ends with 0 on Ctrl-C, and with 0 plus a
+#   note when a coordinator that had answered stops answering (the job ended).
+# - `--json` prints the reply's `data` exactly as the coordinator sent it (for `events --follow`,
+#   one event object a line), so scripts never parse the human tables.
+#
+# scripts/ is not a package: this file is run as `python scripts/ctl.py ...` from any directory.
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NoReturn
+
+import zmq
+
+from transport import CodecError, ControlReply, ControlRequest, Error, decode, encode
+
+EPILOG = """\
+examples:
+  python scripts/ctl.py --control tcp://127.0.0.1:5556 status
+  python scripts/ctl.py --control tcp://127.0.0.1:5556 plan --json
+  python scripts/ctl.py --control tcp://127.0.0.1:5556 events --follow
+  python scripts/ctl.py --control tcp://127.0.0.1:5556 events --since 100 --json
+  python scripts/ctl.py --control tcp://127.0.0.1:5556 drain worker-3
+  python scripts/ctl.py --control tcp://127.0.0.1:5556 stop
+
+The control endpoint is the `control=` address in the coordinator's `ready` line (not the workers
+one). --control may also come from $ADAPTRAIN_CONTROL. --json and --timeout may go before or after
+the command.
+
+exit status: 0 done; 1 the coordinator refused the command (the reason goes to stderr);
+2 usage error, or no answer within --timeout.
+"""
+
+FOLLOW_POLL_S = 0.2
+EVENTS_PAGE = 1000  # the coordinator answers at most this many events per request
+
+
+class NoAnswer(Exception):
+    """The coordinator did not answer within the timeout."""
+
+
+class Refused(Exception):
+    """The coordinator answered, but not with ok=true."""
+
+
+# --- talking to the coordinator ------------------------------------------------------------------
+
+
+class Client:
+    """A DEALER to the control endpoint. A request that times out poisons the socket (a late reply
+    would be taken for the next answer), so the next request gets a fresh one."""
+
+    def __init__(self, endpoint: str, timeout_s: float) -> None:
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self.ctx = zmq.Context()
+        self.sock: zmq.Socket[bytes] | None = None
+
+    def request(self, command: str, *args: str) -> dict[str, Any]:
+        if self.sock is None:
+            self.sock = self.ctx.socket(zmq.DEALER)
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.connect(self.endpoint)
+        self.sock.send(encode(ControlRequest(command=command, args=list(args))))
+        if not self.sock.poll(int(self.timeout_s * 1000), zmq.POLLIN):
+            self.sock.close(linger=0)
+            self.sock = None
+            raise NoAnswer(f"no answer from the coordinator at {self.endpoint} within {self.timeout_s:g} s "
+                           "(is it running? is this the control endpoint from its ready line?)")
+        frames = self.sock.recv_multipart()
+        try:
+            reply = decode(frames[-1])
+        except CodecError as e:
+            raise Refused(f"could not read the coordinator's answer: {e}") from None
+        if isinstance(reply, Error):
+            hint = ""
+            if "ControlRequest" in reply.message:  # the workers endpoint answers ctl like this
+                hint = " (is --control the `control=` endpoint of the ready line, not `workers=`?)"
+            raise Refused(f"the coordinator answered with an error ({reply.code}): {reply.message}{hint}")
+        if not isinstance(reply, ControlReply):
+            raise Refused(f"the coordinator answered with an unexpected {type(reply).__name__}")
+        if not reply.ok:
+            raise Refused(reply.error or f"{command} failed (no reason given)")
+        return reply.data
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close(linger=0)
+        self.ctx.term()
+
+
+# --- formatting ----------------------------------------------------------------------------------
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    return "\n".join(lines)
+
+
+def _num(x: Any) -> str:
+    """A compact number: 1.23k, 45.6M; '-' for None."""
+    if x is None:
+        return "-"
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return str(x)
+    for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g}{suffix}"
+    return f"{x:.3g}" if isinstance(x, float) else str(x)
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    if isinstance(v, (dict, list)):
+        return json.dumps(v, separators=(",", ":"))
+    return str(v)
+
+
+def _yes(b: Any) -> str:
+    return "yes" if b else "no"
+
+
+def format_status(d: dict[str, Any]) -> str:
+    if d.get("finished"):
+        state = "finished"
+    elif d.get("stopping"):
+        state = "stopping"
+    elif d.get("pending"):
+        state = f"switching to epoch {d.get('epoch')} (waiting for acks)"
+    elif d.get("epoch"):
+        state = "training"
+    else:
+        state = "waiting for workers"
+    head = (f"job {d.get('job', '?')}  epoch {d.get('epoch', '?')}  step {d.get('step', '?')}/"
+            f"{d.get('num_steps', '?')}  global batch {d.get('global_batch', '?')}  up {d.get('uptime_s', '?')} s\n"
+            f"state: {state}  (pending {_yes(d.get('pending'))}, finished {_yes(d.get('finished'))})")
+    workers = d.get("workers") or []
+    if not workers:
+        return head + "\nno workers"
+    rows = [[str(w.get("name", "?")), str(w.get("role", "?")), _num(w.get("rank")), _num(w.get("share")),
+             _num(w.get("step")), _num(w.get("epoch")),
+             f"{w['last_seen_s']:.2f} s" if isinstance(w.get("last_seen_s"), (int, float)) else "-",
+             _num(w.get("speed")), str(w.get("host", "-")), str(w.get("device", "-"))] for w in workers]
+    headers = ["NAME", "ROLE", "RANK", "SHARE", "STEP", "EPOCH", "LAST SEEN", "SPEED", "HOST", "DEVICE"]
+    return head + "\n\n" + _table(headers, rows)
+
+
+def format_plan(d: dict[str, Any]) -> str:
+    if d.get("plan", True) is None or "members" not in d:
+        return f"no plan yet (epoch {d.get('epoch', 0)}): waiting for enough ready workers"
+    layout = d.get("layout") or {}
+    lay = " ".join(f"{k}={v}" for k, v in layout.items()) or "-"
+    predicted = d.get("predicted_step_s")
+    head = (f"epoch {d.get('epoch')}  mode {d.get('mode', '?')}  layout {lay}  global batch {d.get('global_batch')}"
+            f"  predicted step {f'{predicted:.4g} s' if isinstance(predicted, (int, float)) else '-'}")
+    acked = set(d.get("acknowledged") or [])
+    members, shares = d.get("members") or [], d.get("shares") or []
+    rows = [[str(i), str(n), _num(s), _yes(n in acked)] for i, (n, s) in enumerate(zip(members, shares))]
+    return head + "\n\n" + _table(["RANK", "MEMBER", "SHARE", "ACKED"], rows)
+
+
+def format_event(ev: dict[str, Any]) -> str:
+    ts = ev.get("ts")
+    if isinstance(ts, (int, float)):
+        clock = time.strftime("%H:%M:%S", time.localtime(ts)) + f".{int((ts % 1) * 1000):03d}"
+    else:
+        clock = "??:??:??.???"
+    fields = " ".join(f"{k}={_value(v)}" for k, v in ev.items() if k not in ("ts", "kind"))
+    return f"{clock} {str(ev.get('kind', '?')):<8} {fields}".rstrip()
+
+
+# --- commands ------------------------------------------------------------------------------------
+
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, sort_keys=False), flush=True)
+
+
+def cmd_simple(client: Client, a: argparse.Namespace) -> int:
+    args = [a.name] if a.command == "drain" else []
+    data = client.request(a.command, *args)
+    if a.json:
+        _print_json(data)
+    elif a.command == "status":
+        print(format_status(data))
+    elif a.command == "plan":
+        print(format_plan(data))
+    elif a.command == "drain":
+        print(f"draining {data.get('draining', a.name)}: it is planned out and leaves at the next switch")
+    elif a.command == "stop":
+        who = data.get("workers") or []
+        print(f"stopping: told {len(who)} worker(s) to stop" + (f" ({', '.join(who)})" if who else ""))
+    return 0
+
+
+def _pages(client: Client, since: int) -> Iterator[tuple[list[dict[str, Any]], int]]:
+    """Every page of events from index `since` up to now."""
+    while True:
+        data = client.request("events", str(since))
+        events, since = list(data.get("events") or []), int(data.get("next", since))
+        yield events, since
+        if len(events) < EVENTS_PAGE:
+            return
+
+
+def cmd_events(client: Client, a: argparse.Namespace) -> int:
+    emit: Callable[[dict[str, Any]], None] = (
+        (lambda ev: _print_json(ev)) if a.json else (lambda ev: print(format_event(ev), flush=True)))
+    if not a.follow:
+        everything: list[dict[str, Any]] = []
+        nxt = a.since
+        for events, nxt in _pages(client, a.since):
+            everything += events
+        if a.json:
+            _print_json({"events": everything, "next": nxt})
+        else:
+            for ev in everything:
+                emit(ev)
+        return 0
+    nxt, answered = a.since, False
+    try:
+        while True:
+            try:
+                for events, nxt in _pages(client, nxt):
+                    answered = True
+                    for ev in events:
+                        emit(ev)
+            except NoAnswer:
+                if not answered:
+                    raise
+                print(f"ctl: the coordinator at {client.endpoint} stopped answering (the job is over, "
+                      f"or it died); {nxt} events seen", file=sys.stderr)
+                return 0
+            time.sleep(FOLLOW_POLL_S)
+    except KeyboardInterrupt:
+        return 0
+
+
+# --- arguments -----------------------------------------------------------------------------------
+
+
+def _common(parser: argparse.ArgumentParser, *, suppress: bool) -> None:
+    """Options accepted both before and after the command. On subcommands their defaults are
+    suppressed, so a value given before the command is not overwritten by the subparser."""
+    d = (lambda v: argparse.SUPPRESS) if suppress else (lambda v: v)
+    parser.add_argument("--control", metavar="tcp://HOST:PORT", default=d(os.environ.get("ADAPTRAIN_CONTROL")),
+                        help="the coordinator's control endpoint (`control=` in its ready line)")
+    parser.add_argument("--timeout", type=float, metavar="S", default=d(5.0),
+                        help="give up when the coordinator does not answer within S seconds (default 5)")
+    parser.add_argument("--json", action="store_true", default=d(False),
+                        help="print the coordinator's reply as JSON instead of tables")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="ctl.py", description="Inspect and steer a running adaptrain job.",
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _common(p, suppress=False)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def add(name: str, help: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help, description=help)
+        _common(sp, suppress=True)
+        return sp
+
+    add("status", "the job, its epoch and progress, and every worker")
+    add("plan", "the current plan: members in rank order, their batch shares, the layout")
+    ev = add("events", "the coordinator's event log (joined, left, failed, plan, reshard, step)")
+    ev.add_argument("--follow", "-f", action="store_true",
+                    help=f"keep printing new events (polls every {FOLLOW_POLL_S} s) until Ctrl-C or the job ends")
+    ev.add_argument("--since", type=int, default=0, metavar="N", help="start at event index N (default 0)")
+    dr = add("drain", "plan a worker out at the next step boundary; it then leaves cleanly")
+    dr.add_argument("name", metavar="NAME", help="the worker's name, as `status` shows it")
+    add("stop", "tell every worker to stop after its current step, then the coordinator exits")
+
+    a = p.parse_args(argv)
+    if not a.control:
+        p.error("--control tcp://HOST:PORT is required (or set $ADAPTRAIN_CONTROL)")
+    if not a.control.startswith(("tcp://", "ipc://")):
+        p.error(f"--control wants tcp://HOST:PORT, got {a.control!r}")
+    if a.timeout <= 0:
+        p.error("--timeout must be positive")
+    if getattr(a, "since", 0) < 0:
+        p.error("--since must be 0 or more")
+    return a
+
+
+def _die(text: str, status: int) -> NoReturn:
+    print(f"ctl: {text}", file=sys.stderr, flush=True)
+    sys.exit(status)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    try:
+        client = Client(a.control, a.timeout)
+    except zmq.ZMQError as e:
+        _die(f"cannot use {a.control}: {e}", 2)
+    try:
+        if a.command == "events":
+            return cmd_events(client, a)
+        return cmd_simple(client, a)
+    except zmq.ZMQError as e:
+        _die(f"cannot talk to {a.control}: {e}", 2)
+    except NoAnswer as e:
+        _die(str(e), 2)
+    except Refused as e:
+        _die(str(e), 1)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # `ctl events | head`: the reader left; not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    finally:
+        client.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""The elastic loop with real processes on loopback: kills, stops and joins during training.
+
+Two runs of the same job are shared by several tests (module fixtures): an undisturbed one, and one
+in which a worker is SIGKILLed mid-run and a fourth worker joins later. The invariants of DESIGN.md
+are asserted on their event logs and worker logs: survivors continue without restart, no step is lost
+or applied twice, replicas hold bit-identical parameters, and the loss of every step equals the
+undisturbed run's.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from localjob import LocalJob
+
+JOB = f"{Path(__file__).with_name('paced_job.py')}:job"
+NUM_STEPS = 400
+DIGEST = re.compile(r"digest step (\d+) ([0-9a-f]+)")
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def digests(job: LocalJob, name: str) -> dict[int, str]:
+    return {int(m.group(1)): m.group(2) for m in DIGEST.finditer((job.state_dir / f"{name}.log").read_text())}
+
+
+def plans(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in events if e["kind"] == "plan"]
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    with LocalJob(JOB, tmp_path_factory.mktemp("undisturbed"), min_workers=3) as job:
+        job.start()
+        for name in ("w1", "w2", "w3"):
+            job.add_worker(name)
+        assert job.wait_coordinator(180) == 0, job.tail("coordinator.out")
+        return {s: e["loss"] for s, e in job.steps().items()}
+
+
+@pytest.fixture(scope="module")
+def disturbed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """3 workers; SIGKILL w2 at step ~60; then w4 starts (and joins once built); run to the end."""
+    with LocalJob(JOB, tmp_path_factory.mktemp("disturbed"), min_workers=3) as job:
+        job.start()
+        for name in ("w1", "w2", "w3"):
+            job.add_worker(name, "--digest-every", "1")
+        job.wait_step(60, 120)
+        pids = {n: p.pid for n, p in job.workers.items()}
+        last_before_kill = max(job.steps())
+        job.kill("w2")
+        failure_plan = job.wait_event(lambda e: e["kind"] == "plan" and e["reason"] == "failure", 30,
+                                      "failure plan")
+        job.add_worker("w4", "--digest-every", "1")  # ready some seconds later, mid-run
+        exits = job.wait_workers(180)
+        coordinator_exit = job.wait_coordinator(30)
+        return {"job": job, "events": job.events(), "exits": exits, "coordinator_exit": coordinator_exit,
+                "pids": pids, "last_before_kill": last_before_kill, "failure_plan": failure_plan}
+
+
+def test_kill_survivors_continue_without_restart(disturbed: dict[str, Any]) -> None:
+    events, job = disturbed["events"], disturbed["job"]
+    failed = [e for e in events if e["kind"] == "failed"]
+    assert [(e["worker"], e["detected_by"]) for e in failed] == [("w2", "disconnect")]
+    assert "w2" not in disturbed["failure_plan"]["layout"]["members"]
+    epoch = disturbed["failure_plan"]["epoch"]
+    after = [e["step"] for e in events if e["kind"] == "step" and e["epoch"] == epoch]
+    assert after and after[0] <= disturbed["last_before_kill"] + 2, "survivors resumed where they were"
+    # Same processes all along: each survivor joined once and exited 0 at the end.
+    assert disturbed["exits"] == {"w1": 0, "w2": -signal.SIGKILL, "w3": 0, "w4": 0}
+    for name in ("w1", "w3"):
+        assert job.workers[name].pid == disturbed["pids"][name]
+        assert (job.state_dir / f"{name}.log").read_text().count("joining") == 1
+    assert disturbed["coordinator_exit"] == 0
+
+
+def test_no_step_lost_or_applied_twice(disturbed: dict[str, Any]) -> None:
+    job = disturbed["job"]
+    assert sorted(job.steps()) == list(range(1, NUM_STEPS + 1))
+    # Every finisher applied the same sequence of updates: identical parameters at the end.
+    finals = {name: digests(job, name)[NUM_STEPS] for name in ("w1", "w3", "w4")}
+    assert len(set(finals.values())) == 1, finals
+
+
+def test_joiner_bit_identical_after_first_step(disturbed: dict[str, Any]) -> None:
+    job = disturbed["job"]
+    joined = [e for e in disturbed["events"] if e["kind"] == "joined" and e["worker"] == "w4"]
+    assert joined, "w4 joined"
+    join_plan = [p for p in plans(disturbed["events"]) if p["reason"] == "join" and "w4" in p["layout"]["members"]]
+    assert join_plan, "a plan took w4 in"
+    w4 = digests(job, "w4")
+    first = min(w4)
+    assert first < NUM_STEPS, "w4 trained before the end"
+    for name in ("w1", "w3"):
+        assert digests(job, name)[first] == w4[first], f"{name} and w4 differ after w4's first step {first}"
+    resharded = [e for e in disturbed["events"] if e["kind"] == "reshard" and e["epoch"] == join_plan[0]["epoch"]]
+    assert resharded and resharded[0]["bytes"] > 0, "the joiner received state"
+
+
+def test_loss_curve_equals_undisturbed_run(disturbed: dict[str, Any], undisturbed: dict[int, float]) -> None:
+    disturbed_losses = {s: e["loss"] for s, e in disturbed["job"].steps().items()}
+    assert sorted(undisturbed) == sorted(disturbed_losses) == list(range(1, NUM_STEPS + 1))
+    worst = max(abs(disturbed_losses[s] - undisturbed[s]) / abs(undisturbed[s]) for s in undisturbed)
+    assert worst <= 1e-4, f"largest relative loss difference {worst:.2e}"
+
+
+def test_stopped_worker_is_fenced_and_rejoins(tmp_path: Path) -> None:
+    """SIGSTOP: excluded after the lease, the rest continue; SIGCONT: it is fenced (its epoch is
+    gone), drops its state, joins again and finishes in step with the others."""
+    with LocalJob(JOB, tmp_path, min_workers=3, lease_s=1.0) as job:
+        job.start()
+        for name in ("w1", "w2", "w3"):
+            job.add_worker(name, "--digest-every", "1")
+        job.wait_step(40, 120)
+        job.signal("w2", signal.SIGSTOP)
+        failed = job.wait_event(lambda e: e["kind"] == "failed", 30, "failed")
+        assert (failed["worker"], failed["detected_by"]) == ("w2", "lease")
+        plan = job.wait_event(lambda e: e["kind"] == "plan" and e["reason"] == "failure", 10, "failure plan")
+        assert plan["layout"]["members"] == ["w1", "w3"]
+        progressed = job.wait_event(lambda e: e["kind"] == "step" and e["epoch"] == plan["epoch"], 30,
+                                    "a step without w2")
+        job.signal("w2", signal.SIGCONT)
+        job.wait_event(lambda e: e["kind"] == "plan" and "w2" in (e["layout"] or {}).get("members", [])
+                       and e["epoch"] > plan["epoch"], 60, "w2 planned in again")
+        exits = job.wait_workers(180)
+        assert exits == {"w1": 0, "w2": 0, "w3": 0}, {n: job.tail(n) for n in exits}
+        assert job.wait_coordinator(30) == 0
+        assert progressed["step"] < NUM_STEPS
+        assert sorted(job.steps()) == list(range(1, NUM_STEPS + 1))
+        finals = {name: digests(job, name)[NUM_STEPS] for name in ("w1", "w2", "w3")}
+        assert len(set(finals.values())) == 1, finals
+        assert "fenced" in (tmp_path / "w2.log").read_text()
