@@ -127,8 +127,7 @@ class Core:
             case _FromWorker(identity, msg, fd):
                 self._from_worker(identity, msg, fd)
             case _FromControl(identity, request):
-                reply = answer_control(self, request)
-                self.control.send([identity, encode(reply)])
+                self.control.send([identity, encode(answer_control(self, request))])
             case _Disconnected(fd):
                 name = self.fd_owner.pop(fd, None)
                 if name is not None and self.worker_fd.get(name) == fd:
@@ -137,8 +136,8 @@ class Core:
             case _Event(event):
                 self.apply(event)
                 if isinstance(event, m.Tick):
-                    for client, reply in self.store.expire(now=time.monotonic()):
-                        self.workers.send([client, encode(reply)])
+                    for client, late in self.store.expire(now=time.monotonic()):
+                        self.workers.send([client, encode(late)])
 
     def _from_worker(self, identity: bytes, msg: Message, fd: int) -> None:
         if isinstance(msg, StoreRequest):
@@ -208,15 +207,15 @@ class Core:
                 self._echo(kind, fields)
             case m.Planned(result, epoch, reason):
                 plan = result.plan
-                fields: dict[str, Any] = {
+                planned: dict[str, Any] = {
                     "epoch": epoch, "reason": reason, "status": result.status, "detail": result.reason,
                     "predicted_step_s": plan.predicted_step_s if plan else None,
                     "solve_s": round(elapsed_s, 6), "mode": "sync",
                     "layout": ({"dp": len(plan.members), "pp": 1, "tp": 1, "members": list(plan.members),
                                 "shares": list(plan.shares)} if plan else None),
                 }
-                self.log.write("plan", **fields)
-                self._echo("plan", fields)
+                self.log.write("plan", **planned)
+                self._echo("plan", planned)
             case m.Finished(reason):
                 self.finish_reason = reason
                 self.done.set()
@@ -305,7 +304,7 @@ def _bind(sock: TrioSocket, endpoint: str) -> str:
         sock.socket.bind(endpoint)
     except zmq.ZMQError as e:
         raise OSError(f"cannot listen on {endpoint}: {e}") from None
-    return str(sock.socket.getsockopt(zmq.LAST_ENDPOINT).decode())
+    return sock.socket.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
 async def serve(cfg: CoordinatorConfig, job: JobInfo, *,

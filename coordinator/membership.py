@@ -252,7 +252,8 @@ def replan(state: State, config: Config, reason: str, *, abort: bool) -> Result:
     recipients = sorted((old | set(new.members)) & set(state.workers))
     state = replace(state, epoch=epoch, plan=new, acked=frozenset(), reshard_bytes=0, reshard_s=0.0,
                     replan_wanted=None, running=frozenset(old & set(state.workers)))
-    return state, [Planned(result, epoch, reason)] + [Send(n, delta) for n in recipients]
+    effects: list[Effect] = [Planned(result, epoch, reason)]
+    return state, effects + [Send(n, delta) for n in recipients]
 
 
 def _join(state: State, msg: Join, config: Config, now: float) -> Result:

@@ -75,7 +75,9 @@ class RendezvousStore:
         """Failure answers for parked requests past their deadline."""
         late = [p for p in self.parked if p.deadline <= now]
         self.parked = [p for p in self.parked if p.deadline > now]
-        missing = lambda p: [k for k in p.request.keys if k not in self.data]  # noqa: E731
+        def missing(p: _Parked) -> list[str]:
+            return [k for k in p.request.keys if k not in self.data]
+
         return [
             (p.client, StoreReply(req_id=p.request.req_id, ok=False, values=[], number=0,
                                   error=f"timed out waiting for keys {missing(p)}"))

@@ -26,7 +26,7 @@ import types
 import typing
 from typing import Any
 
-import msgpack  # type: ignore[import-untyped]
+import msgpack
 
 from .messages import ERR_DECODE, ERR_PROTOCOL, MESSAGE_TYPES, PROTOCOL_VERSION, Message
 

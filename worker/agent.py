@@ -153,7 +153,7 @@ class Agent:
                     memory_bytes=c.memory_bytes, threads=c.threads)
 
     def _run(self) -> None:
-        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, self.name.encode())
         sock.setsockopt(zmq.LINGER, 1000)
         sock.connect(self.endpoint)
@@ -180,7 +180,7 @@ class Agent:
                 sock.send(encode(Heartbeat(name=self.name, epoch=self.epoch, step=self.step)))
                 next_beat = time.monotonic() + welcome.heartbeat_s
             if sock.poll(int(POLL_S * 1000)):
-                while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # drain: the FD is edge-triggered
+                while int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # drain: the FD is edge-triggered
                     self._handle(sock, sock.recv())
 
     def _handle(self, sock: zmq.Socket[bytes], frame: bytes) -> None:

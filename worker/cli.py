@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         job = load_job(welcome.job_source, welcome.job_name, filename=welcome.job_ref)
         trainer = Trainer(job, agent, cfg.join, TrainerConfig(group_timeout_s=cfg.group_timeout_s,
                                                               digest_every=cfg.digest_every,
-                                                              log_every=cfg.log_every))
+                                                              log_every=cfg.log_every, device=cfg.device))
 
         def on_sigterm(signum: int, frame: FrameType | None) -> None:
             trainer.leave_reason = "preempted"
@@ -107,7 +107,17 @@ def main(argv: list[str] | None = None) -> int:
 
         signal.signal(signal.SIGTERM, on_sigterm)
         agent.mark_ready()
-        outcome = trainer.run()
+        try:
+            outcome = trainer.run()
+        except (FatalError, TimeoutError, JobError):
+            raise
+        except Exception as e:  # the job's own code failed mid-training: say so, leave cleanly
+            from transport import Leave
+
+            print(f"worker: training failed at step {trainer.step}: {type(e).__name__}: {e}", file=sys.stderr)
+            agent.send(Leave(name=cfg.name, reason=f"error: {type(e).__name__}: {e}"[:500]))
+            agent.close()
+            return 1
     except (FatalError, TimeoutError) as e:
         print(f"worker: {e}", file=sys.stderr)
         agent.close()

@@ -31,7 +31,7 @@ class StoreAborted(RuntimeError):
     """The epoch this store serves was superseded while a call waited."""
 
 
-class CoordinatorStore(dist.Store):  # type: ignore[misc]
+class CoordinatorStore(dist.Store):  # type: ignore[misc,name-defined]
     def __init__(self, endpoint: str, *, is_aborted: Callable[[], bool], timeout_s: float) -> None:
         super().__init__()
         self._endpoint = endpoint

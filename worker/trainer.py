@@ -19,52 +19,18 @@ from __future__ import annotations
 
 import hashlib
 import io
-import threading
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from transport import Ack, Leave, PlanDelta, StepReport
+from worker import comm
 from worker.agent import Agent
+from worker.comm import Superseded
 from worker.job import Job, sample_ids, share_slice
 from worker.store import CoordinatorStore
-
-POLL_S = 0.0002
-# gloo's send/recv work never reports completion through is_completed(); only wait() finishes it.
-
-
-class _Pollable:
-    """Runs a p2p work's blocking wait() in a helper thread so the trainer can poll it (and walk
-    away from it when the epoch is superseded: the thread then ends with the group's timeout)."""
-
-    def __init__(self, work: Any) -> None:
-        self.work = work
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True, name="p2p-wait")
-        self.thread.start()
-
-    def _run(self) -> None:
-        try:
-            self.work.wait()
-        except BaseException as e:  # noqa: BLE001 (re-raised by wait() in the trainer's thread)
-            self.error = e
-
-    def is_completed(self) -> bool:
-        return not self.thread.is_alive()
-
-    def wait(self) -> None:
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-
-
-class Superseded(Exception):
-    """The epoch was abandoned (a failure elsewhere, fencing, or a stop)."""
-
 
 @dataclass(slots=True)
 class Group:
@@ -82,6 +48,7 @@ class TrainerConfig:
     digest_every: int = 0  # 0: never hash parameters
     log_every: int = 10
     delta_timeout_s: float = 600.0  # how long to wait for a plan before giving up
+    device: str = "cpu"
 
 
 class Trainer:
@@ -91,18 +58,19 @@ class Trainer:
         self.endpoint = endpoint
         self.config = config
         self.name = agent.name
+        self.device = torch.device(config.device)
         self.model, self.optimizer = self._build()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.numel = sum(p.numel() for p in self.params)
         self.step = 0  # optimizer steps applied
         self.stale = False  # our state may differ from the survivors' (we were fenced): take theirs
-        self.graveyard: list[tuple[Any, Any, torch.Tensor]] = []
+        self.graveyard = comm.Graveyard()
         self.leave_reason: str | None = None  # set on SIGTERM
         self.epoch_tried = 0  # the newest epoch this worker entered or tried to enter
 
     def _build(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(self.job.seed)
-        model = self.job.model()
+        model = self.job.model().to(self.device)
         return model, self.job.optimizer(model.parameters())
 
     # --- the loop ------------------------------------------------------------------------------
@@ -155,7 +123,9 @@ class Trainer:
         store = CoordinatorStore(self.endpoint, is_aborted=lambda: self.agent.superseded(delta.epoch),
                                  timeout_s=self.config.group_timeout_s)
         try:
-            pg = self._form_group(store, delta.epoch, rank, world)
+            pg = comm.form_group(store, delta.epoch, rank, world, self.device,
+                                 timeout_s=self.config.group_timeout_s,
+                                 superseded=lambda: self.agent.superseded(delta.epoch))
             group = Group(epoch=delta.epoch, pg=pg, store=store, rank=rank, members=list(delta.members),
                           shares=list(delta.shares))
             received = self._reconcile(group)
@@ -172,35 +142,11 @@ class Trainer:
                   + (f", received {received / 1e6:.1f} MB" if received else ""))
         return group
 
-    def _form_group(self, store: CoordinatorStore, epoch: int, rank: int, world: int) -> Any:
-        """Build the gloo group in a helper thread, so a peer that hangs mid-handshake cannot hold us:
-        on abort the thread is left to fail on its own."""
-        box: dict[str, Any] = {}
-
-        def build() -> None:
-            try:
-                box["pg"] = dist.ProcessGroupGloo(dist.PrefixStore(f"epoch{epoch}/", store), rank, world,
-                                                  timedelta(seconds=self.config.group_timeout_s))
-            except Exception as e:  # noqa: BLE001 (reported below, in the trainer's thread)
-                box["error"] = e
-
-        thread = threading.Thread(target=build, name=f"form-epoch{epoch}", daemon=True)
-        thread.start()
-        while thread.is_alive():
-            if self.agent.superseded(epoch):
-                raise Superseded
-            thread.join(0.002)
-        if "error" in box:
-            if self.agent.superseded(epoch):
-                raise Superseded
-            raise RuntimeError(f"could not form the group of epoch {epoch}: {box['error']}") from box["error"]
-        return box["pg"]
-
     def _reconcile(self, g: Group) -> int:
         """All-reduce step counters; the lowest rank with the most steps sends its state to every
         rank that is behind (or new, or stale). Returns the bytes this rank received."""
         world = len(g.members)
-        steps = torch.zeros(world, dtype=torch.float64)
+        steps = torch.zeros(world, dtype=torch.float64, device=self.device)
         steps[g.rank] = -1 if self.stale else self.step
         self._wait(g, g.pg.allreduce([steps]))
         counts = [int(s) for s in steps.tolist()]
@@ -213,16 +159,16 @@ class Trainer:
         source = counts.index(best)
         behind = [r for r, s in enumerate(counts) if s < best]
         if g.rank == source:
-            payload = self._serialize()
-            size = torch.tensor([payload.numel()], dtype=torch.int64)
+            payload = self._serialize().to(self.device)
+            size = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
             for r in behind:
                 self._wait(g, g.pg.send([size], r, 0), p2p=True)
                 self._wait(g, g.pg.send([payload], r, 1), p2p=True)
             return 0
         if g.rank in behind:
-            size = torch.zeros(1, dtype=torch.int64)
+            size = torch.zeros(1, dtype=torch.int64, device=self.device)
             self._wait(g, g.pg.recv([size], source, 0), p2p=True)
-            payload = torch.empty(int(size.item()), dtype=torch.uint8)
+            payload = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
             self._wait(g, g.pg.recv([payload], source, 1), p2p=True)
             self._load(payload)
             return payload.numel()
@@ -235,46 +181,42 @@ class Trainer:
         return torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
 
     def _load(self, payload: torch.Tensor) -> None:
-        state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
+        state = torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), map_location=self.device,
+                           weights_only=True)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.stale = int(state["step"]), False
 
     def _wait(self, g: Group, work: Any, buf: torch.Tensor | None = None, *, p2p: bool = False) -> None:
-        """Wait for a collective, or give it up the moment the epoch is superseded."""
-        work = _Pollable(work) if p2p else work
-        while not work.is_completed():
-            if self.agent.superseded(g.epoch):
-                self.graveyard.append((g.pg, work, buf if buf is not None else torch.empty(0)))
-                raise Superseded
-            time.sleep(POLL_S)
         try:
-            work.wait()
-        except RuntimeError as e:  # a peer died mid-collective: wait for the coordinator's verdict
-            self._log(f"collective failed in epoch {g.epoch}: {str(e).splitlines()[0]}")
-            self.graveyard.append((g.pg, work, buf if buf is not None else torch.empty(0)))
-            raise Superseded from e
+            comm.wait(g.pg, work, superseded=lambda: self.agent.superseded(g.epoch), graveyard=self.graveyard,
+                      buf=buf, p2p=p2p)
+        except Superseded as e:
+            if e.args:
+                self._log(f"epoch {g.epoch}: {e.args[0]}")
+            raise
 
     # --- one step ------------------------------------------------------------------------------
 
     def _train_step(self, g: Group) -> PlanDelta | None:
         """One exact data-parallel step; returns the delta to switch to when all ranks agreed."""
-        self.graveyard = [e for e in self.graveyard if not e[1].is_completed()]
+        self.graveyard.sweep()
         t0 = time.perf_counter()
         job, G = self.job, self.job.global_batch
         pending = self.agent.pending_planned(g.epoch)
         ids = sample_ids(job.seed, self.step, len(job.dataset), G)[share_slice(g.shares, g.rank)]
         for p in self.params:
             p.grad = None
-        loss_sum = 0.0
+        loss_sum: torch.Tensor | float = 0.0
         if len(ids):
             inputs, targets = job.dataset[ids]
+            inputs, targets = inputs.to(self.device), targets.to(self.device)
             loss = job.loss(self.model(inputs), targets)
-            (loss / G).backward()
-            loss_sum = float(loss.detach())
+            (loss / G).backward()  # type: ignore[no-untyped-call]
+            loss_sum = loss.detach()  # stays on the device: no sync before the all-reduce
         compute_s = time.perf_counter() - t0
 
-        buf = torch.empty(self.numel + 2, dtype=torch.float32)
+        buf = torch.empty(self.numel + 2, dtype=torch.float32, device=self.device)
         offset = 0
         for p in self.params:
             n = p.numel()
@@ -314,7 +256,7 @@ class Trainer:
     def digest(self) -> str:
         h = hashlib.sha256()
         for p in self.model.parameters():
-            h.update(p.detach().contiguous().numpy().tobytes())
+            h.update(p.detach().cpu().contiguous().numpy().tobytes())
         return h.hexdigest()[:16]
 
     def _log(self, text: str) -> None:
