@@ -163,6 +163,31 @@ def killpg(pid: int, sig: int = signal.SIGKILL) -> None:
         pass
 
 
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_snapshot(pids: list[int]) -> dict[str, Any]:
+    """CPU seconds used so far by each of `pids` and by the whole machine (busy, all cores)."""
+    per_pid = {}
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            per_pid[pid] = (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
+        except (OSError, IndexError, ValueError):
+            pass
+    cpu = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    busy = sum(int(x) for i, x in enumerate(cpu[:8]) if i not in (3, 4))  # all but idle, iowait
+    return {"t": time.monotonic(), "pids": per_pid, "busy": busy / CLK_TCK}
+
+
+def cpu_window(a: dict[str, Any], b: dict[str, Any], steps: int) -> dict[str, Any]:
+    """Our processes' CPU per step, and the CPU that others (other programs) used meanwhile."""
+    ours = sum(b["pids"][p] - a["pids"][p] for p in a["pids"] if p in b["pids"])
+    wall = b["t"] - a["t"]
+    return {"our_cpu_s_per_step": ours / steps, "our_cores": ours / wall,
+            "other_cores": max(0.0, (b["busy"] - a["busy"] - ours) / wall), "wall_s": wall}
+
+
 # --- torchrun ------------------------------------------------------------------------------------
 
 class Torchrun:
@@ -200,6 +225,9 @@ class Torchrun:
 
     def alive(self) -> bool:
         return any(a.poll() is None for a in self.agents)
+
+    def pids(self) -> list[int]:
+        return [p for a in self.agents if a.poll() is None for p in (a.pid, *children(a.pid))]
 
     def wait_step(self, step: int, timeout_s: float) -> dict[str, Any]:
         return wait_for(lambda: next((e for e in self.steps() if e["step"] >= step), None), timeout_s,
@@ -312,9 +340,13 @@ def torchrun_steady(a: argparse.Namespace, job_ref: str, batch: int, workdir: Pa
     try:
         t0 = time.time()
         tr.start_agent(args, None)
+        tr.wait_step(a.warmup, a.timeout)
+        before = cpu_snapshot(tr.pids())
         tr.wait_step(a.warmup + a.steps, a.timeout)
+        after = cpu_snapshot(tr.pids())
         out["startup_s"] = next(e["ts"] for e in tr.steps() if e["step"] == 1) - t0
         out["steady"] = throughput(tr.steps(), a.warmup, a.warmup + a.steps, batch)
+        out["steady"]["cpu"] = cpu_window(before, after, a.steps)
     except Exception as e:
         out["error"] = f"{type(e).__name__}: {e}\n{tr.tail()}"
     finally:
@@ -333,10 +365,15 @@ def adaptrain(a: argparse.Namespace, job_ref: str, batch: int, workdir: Path, rn
         job.start()
         for i in range(a.workers):
             job.add_worker(f"w{i}")
+        job.wait_step(a.warmup, a.timeout)
+        pids = [p.pid for p in job.workers.values()] + ([job.coordinator.pid] if job.coordinator else [])
+        before = cpu_snapshot(pids)
         job.wait_step(a.warmup + a.steps, a.timeout)
+        after = cpu_snapshot(pids)
         steps = [e for e in job.events() if e["kind"] == "step"]
         out["startup_s"] = next(e["ts"] for e in steps if e["step"] == 1) - t0
         out["steady"] = throughput(steps, a.warmup, a.warmup + a.steps, batch)
+        out["steady"]["cpu"] = cpu_window(before, after, a.steps)
 
         # kill
         k = steps[-1]["step"]

@@ -11,6 +11,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -128,25 +129,33 @@ def test_ctl_status_plan_events_drain_and_stop(tmp_path: Path) -> None:
         assert drain.returncode == 1
         assert "nosuchworker" in drain.stderr and drain.stdout == ""
 
-        follow = subprocess.Popen([sys.executable, str(CTL), "--control", endpoint, "events", "--follow",
-                                   "--json", "--timeout", "2"], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)
+        # Output goes to files: a pipe read line by line and then by communicate() loses what the
+        # line reader had buffered.
+        out_path, err_path = tmp_path / "follow.out", tmp_path / "follow.err"
+        with out_path.open("w") as out_file, err_path.open("w") as err_file:
+            follow = subprocess.Popen([sys.executable, str(CTL), "--control", endpoint, "events", "--follow",
+                                       "--json", "--timeout", "2"], stdout=out_file, stderr=err_file)
         try:
-            assert follow.stdout is not None
-            first = follow.stdout.readline()  # it has answered once: stopping the job ends it cleanly
-            assert json.loads(first)["kind"] == "joined"
+            while not out_path.read_text().count("\n"):  # it answered once: a stop ends it cleanly
+                assert follow.poll() is None, err_path.read_text()
+                time.sleep(0.05)
             stop = ctl(endpoint, "stop")
             assert stop.returncode == 0, stop.stderr
+            assert "w1" in stop.stdout and "w2" in stop.stdout
             assert job.wait_coordinator(60) == 0
             assert job.wait_workers(60) == {"w1": 0, "w2": 0}
-            out, err = follow.communicate(timeout=60)
+            follow.wait(timeout=60)
         finally:
             if follow.poll() is None:
                 follow.kill()
-                follow.communicate()
+                follow.wait()
+        err = err_path.read_text()
         assert follow.returncode == 0, err
-        lines = [json.loads(line) for line in (first + out).splitlines()]
+        lines = [json.loads(line) for line in out_path.read_text().splitlines()]
         assert {e["worker"] for e in lines if e["kind"] == "joined"} == {"w1", "w2"}
+        assert sum(e["kind"] == "joined" for e in lines) == 2, "each event printed once"
+        steps = [e["step"] for e in lines if e["kind"] == "step"]
+        assert steps == sorted(set(steps)) and len(steps) > 5, "steps in order, none twice"
         assert "stopped answering" in err
 
 
