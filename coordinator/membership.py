@@ -242,7 +242,15 @@ def replan(state: State, config: Config, reason: str, *, abort: bool) -> Result:
     result = make_plan(cluster, state.plan, limits=limits)
     new = result.plan
     if new is None:
-        return replace(state, replan_wanted=None), [Planned(result, state.epoch, reason)]
+        # Nobody can train. If nobody is left at all, their state is gone with them: the next
+        # workers start from the seed (durable checkpoints arrive with a later issue).
+        lost = not eligible and state.plan is not None
+        if lost:
+            result = replace(result, reason="no worker left: training state is lost; the next workers "
+                                             "start from step 0")
+        state = replace(state, plan=None, acked=frozenset(), running=frozenset(), replan_wanted=None,
+                        last_step=0 if lost else state.last_step)
+        return state, [Planned(result, state.epoch, reason)]
     if not abort and state.plan is not None and new == state.plan:
         return replace(state, replan_wanted=None), []
     epoch = state.epoch + 1
@@ -331,10 +339,11 @@ def _lost(state: State, name: str, detected_by: str, config: Config) -> Result:
     worker = state.workers.get(name)
     if worker is None:
         return state, []
-    in_plan = state.in_play(name)
+    in_plan = state.in_play(name) and not state.stopping  # when stopping, nobody waits for anyone
     state = _remove(state, name)
-    if worker.leaving is not None and not in_plan:
-        return state, [Log("left", {"worker": name, "reason": worker.leaving})] + _maybe_finished(state)
+    if state.stopping or (worker.leaving is not None and not in_plan):
+        reason = worker.leaving or "stopped"
+        return state, [Log("left", {"worker": name, "reason": reason})] + _maybe_finished(state)
     effects: list[Effect] = [Log("failed", {"worker": name, "detected_by": detected_by})]
     if in_plan and not state.finished:
         effects += [Send(n, Abort(epoch=state.epoch, reason=f"{name} failed")) for n in state.workers]

@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import random
+import re
 import shutil
 import signal
 import socket
@@ -48,7 +49,12 @@ rows of the table (times in seconds, measured from event timestamps, wall clock)
                                 `step` event; torchrun: rank 0's line after its checkpoint is in place)
   kill -> first step, new group  same, but the first step taken by the reformed group (new epoch /
                                 new rendezvous round); differs when the in-flight step still commits
-  failure detected              adaptrain: `failed` event - kill (torchrun logs no such event)
+  failure noticed               adaptrain: `failed` event - kill (how: disconnect or lease);
+                                torchrun: a surviving agent logs "Worker group FAILED" (its training
+                                process crashed on the gloo error), from the agents' INFO logs
+  kill -> new group agreed      adaptrain: the `plan` event of the new epoch; torchrun: the agents
+                                log "Rendezvous complete" (waits for the lost node's rendezvous
+                                keep-alive to expire: keep_alive_interval x keep_alive_max_attempt)
   kill -> processes restarted   torchrun: first restarted training process starts (failure noticed
                                 + re-rendezvous); adaptrain restarts nothing
   state moved/reloaded          adaptrain: `reshard` seconds of the post-failure epoch; torchrun:
@@ -64,13 +70,18 @@ rows of the table (times in seconds, measured from event timestamps, wall clock)
   join reshard                  seconds and MB moved to the joiner
   samples/s                     steady state, global batch x steps / elapsed, between two step
                                 timestamps after the warm-up; torchrun = plain DDP, no checkpoints
+  CPU s per step                user+system CPU of every process of the side (coordinator or agent
+                                included) during the window, per step
+  other programs' load          CPU the rest of the machine used meanwhile, in cores: other
+                                programs compete for the 2 cores and skew the comparison
   samples/s, ckpt every step    torchrun elastic as run for the kill experiment (checkpointing)
   ratio                         adaptrain samples/s / torchrun samples/s
 
-torchrun settings: 3 agents `--nnodes=2:N --nproc-per-node=1 --rdzv-backend=c10d --max-restarts=3
---monitor-interval=0.1 --rdzv-conf join_timeout=J,last_call_timeout=L` (see --last-call,
---join-timeout), TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (gloo restarts need it on torch 2.13), gloo
-group timeout --gloo-timeout. adaptrain: LocalJob defaults (lease 1 s, heartbeat 0.2 s).
+torchrun settings: N agents, each `--nnodes=2:N --nproc-per-node=1 --rdzv-backend=c10d
+--max-restarts=3 --monitor-interval=0.1 --rdzv-conf join_timeout=J,last_call_timeout=L,
+keep_alive_interval=K,keep_alive_max_attempt=A`; defaults here J=60 (torch: 600), L=2 (torch: 30),
+K=5 and A=3 (torch's); env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (gloo restarts need it on torch
+2.13); gloo group timeout --gloo-timeout. adaptrain: LocalJob defaults (lease 1 s, heartbeat 0.2 s).
 """
 
 
@@ -180,11 +191,16 @@ def cpu_snapshot(pids: list[int]) -> dict[str, Any]:
     return {"t": time.monotonic(), "pids": per_pid, "busy": busy / CLK_TCK}
 
 
-def cpu_window(a: dict[str, Any], b: dict[str, Any], steps: int) -> dict[str, Any]:
-    """Our processes' CPU per step, and the CPU that others (other programs) used meanwhile."""
-    ours = sum(b["pids"][p] - a["pids"][p] for p in a["pids"] if p in b["pids"])
+def cpu_window(a: dict[str, Any], b: dict[str, Any], steps: int, roles: dict[int, str]) -> dict[str, Any]:
+    """Our processes' CPU per step (in all, and per role), and the CPU other programs used meanwhile."""
+    per_role: dict[str, float] = {}
+    for pid in a["pids"]:
+        if pid in b["pids"]:
+            role = roles.get(pid, "training processes")
+            per_role[role] = per_role.get(role, 0.0) + (b["pids"][pid] - a["pids"][pid]) / steps
+    ours = sum(per_role.values()) * steps
     wall = b["t"] - a["t"]
-    return {"our_cpu_s_per_step": ours / steps, "our_cores": ours / wall,
+    return {"our_cpu_s_per_step": ours / steps, "cpu_s_per_step_by_role": per_role, "our_cores": ours / wall,
             "other_cores": max(0.0, (b["busy"] - a["busy"] - ours) / wall), "wall_s": wall}
 
 
@@ -275,7 +291,8 @@ class Torchrun:
 def torchrun_kill(a: argparse.Namespace, job_ref: str, batch: int, workdir: Path, rng: random.Random) -> dict[str, Any]:
     tr = Torchrun(workdir / "torchrun-elastic", job_ref, a.gloo_timeout)
     port = free_port()
-    conf = f"join_timeout={a.join_timeout},last_call_timeout={a.last_call}"
+    conf = (f"join_timeout={a.join_timeout},last_call_timeout={a.last_call},keep_alive_interval={a.keep_alive},"
+            f"keep_alive_max_attempt={a.keep_alive_attempts}")
     args = [f"--nnodes=2:{a.workers}", "--nproc-per-node=1", "--rdzv-backend=c10d",
             f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=bench", "--max-restarts=3", "--monitor-interval=0.1",
             f"--rdzv-conf={conf}"]
@@ -317,12 +334,35 @@ def torchrun_kill(a: argparse.Namespace, job_ref: str, batch: int, workdir: Path
         out["kill_to_restart_s"] = min(e["ts"] for e in starts) - t_kill
         out["restart_to_resumed_s"] = max(e["ts"] for e in resumed) - min(e["ts"] for e in starts)
         out["restart_counts"] = sorted({e["restart"] for e in starts})
+        out.update(agent_times(tr, t_kill))
     except Exception as e:  # report it, keep the rest of the benchmark
         out["error"] = f"{type(e).__name__}: {e}\n{tr.tail()}"
     finally:
         tr.close()
         ckpt.unlink(missing_ok=True)
     return out
+
+
+AGENT_LINE = re.compile(r"^[IWE](\d\d)(\d\d) (\d\d):(\d\d):(\d\d(?:\.\d+)?) \d+ [^\]]*\] (.*)$")
+
+
+def agent_times(tr: Torchrun, t_kill: float) -> dict[str, float]:
+    """From the surviving agents' INFO logs (glog timestamps, local time): when after the kill they
+    saw their worker group fail and when the new rendezvous completed."""
+    year = time.localtime(t_kill).tm_year
+    found: dict[str, float] = {}
+    marks = {"Worker group FAILED": "agent_saw_failure_s", "Rendezvous complete": "rendezvous_complete_s"}
+    for path in sorted(tr.dir.glob("agent*.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            m = AGENT_LINE.match(line)
+            if not m:
+                continue
+            mon, day, hh, mm, ss, msg = m.groups()
+            ts = time.mktime((year, int(mon), int(day), int(hh), int(mm), 0, 0, 0, -1)) + float(ss)
+            for text, key in marks.items():
+                if text in msg and ts > t_kill:
+                    found[key] = min(found.get(key, ts - t_kill), ts - t_kill)
+    return found
 
 
 def _listening(port: int) -> bool | None:
@@ -346,7 +386,7 @@ def torchrun_steady(a: argparse.Namespace, job_ref: str, batch: int, workdir: Pa
         after = cpu_snapshot(tr.pids())
         out["startup_s"] = next(e["ts"] for e in tr.steps() if e["step"] == 1) - t0
         out["steady"] = throughput(tr.steps(), a.warmup, a.warmup + a.steps, batch)
-        out["steady"]["cpu"] = cpu_window(before, after, a.steps)
+        out["steady"]["cpu"] = cpu_window(before, after, a.steps, {p.pid: "agent" for p in tr.agents})
     except Exception as e:
         out["error"] = f"{type(e).__name__}: {e}\n{tr.tail()}"
     finally:
@@ -373,7 +413,8 @@ def adaptrain(a: argparse.Namespace, job_ref: str, batch: int, workdir: Path, rn
         steps = [e for e in job.events() if e["kind"] == "step"]
         out["startup_s"] = next(e["ts"] for e in steps if e["step"] == 1) - t0
         out["steady"] = throughput(steps, a.warmup, a.warmup + a.steps, batch)
-        out["steady"]["cpu"] = cpu_window(before, after, a.steps)
+        roles = {job.coordinator.pid: "coordinator"} if job.coordinator else {}
+        out["steady"]["cpu"] = cpu_window(before, after, a.steps, roles)
 
         # kill
         k = steps[-1]["step"]
@@ -447,21 +488,27 @@ def table(r: dict[str, Any]) -> str:
     ddp_sps = ddp.get("steady", {}).get("samples_per_s")
     ratio = ours_sps / ddp_sps if ours_sps and ddp_sps else None
     r["ratio"] = ratio
+    oc, dc = ours.get("steady", {}).get("cpu", {}), ddp.get("steady", {}).get("cpu", {})
     rows = [
         ("kill -> next committed step (s)", f(ok.get("kill_to_next_step_s")), f(el.get("kill_to_next_step_s")), "small"),
         ("kill -> first step, new group (s)", f(ok.get("kill_to_new_group_step_s")),
          f(el.get("kill_to_new_group_step_s")), "small"),
-        ("failure detected (s)", f"{f(ok.get('detect_s'), '{:.3f}')} ({ok.get('detected_by', '?')})", "n/a", "< lease"),
+        ("failure noticed (s)", f"{f(ok.get('detect_s'), '{:.3f}')} ({ok.get('detected_by', '?')})",
+         f"{f(el.get('agent_saw_failure_s'))} (worker crash)", "< lease"),
+        ("kill -> new group agreed (s)", f"{f(ok.get('plan_s'), '{:.3f}')} (plan)",
+         f"{f(el.get('rendezvous_complete_s'))} (rendezvous)", ""),
         ("kill -> processes restarted (s)", "none restarted", f(el.get("kill_to_restart_s")), ""),
-        ("state moved / reloaded (s)", f"{f(ok.get('reshard_s'), '{:.3f}')} reshard",
-         f"{f(el.get('restart_to_resumed_s'))} restart->resumed", ""),
+        ("state moved / reloaded (s)", f"{f(ok.get('reshard_s'), '{:.3f}')} (reshard)",
+         f"{f(el.get('restart_to_resumed_s'))} (restart->resumed)", ""),
         ("steps lost", f(ok.get("steps_lost"), "{}"), f(el.get("steps_lost"), "{}"), "0"),
         ("steps continue from last committed", f(ok.get("steps_continue")), f(el.get("steps_continue")), "yes"),
-        ("join -> joiner's first step (s)", f(ej.get("joined_to_first_step_s")), "n/a",
-         "<= 1 s (10M params)"),
+        ("join -> joiner's first step (s)", f(ej.get("joined_to_first_step_s")), "n/a", "<= 1 s (10M params)"),
         ("spawn -> joiner's first step (s)", f(ej.get("spawn_to_first_step_s")), "n/a", ""),
         ("join reshard", mb(ej.get("reshard_s"), ej.get("reshard_bytes")), "n/a", ""),
         ("steady samples/s", f(ours_sps, "{:.1f}"), f(ddp_sps, "{:.1f}"), ""),
+        ("CPU s per step, all processes", f(oc.get("our_cpu_s_per_step"), "{:.3f}"),
+         f(dc.get("our_cpu_s_per_step"), "{:.3f}"), ""),
+        ("other programs' load (cores)", f(oc.get("other_cores")), f(dc.get("other_cores")), "~0"),
         ("samples/s, ckpt every step", "n/a", f(el.get("steady_with_checkpoint", {}).get("samples_per_s"), "{:.1f}"), ""),
         ("ratio adaptrain / torchrun DDP", f(ratio, "{:.3f}"), "", ">= 0.97"),
     ]
@@ -486,6 +533,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seeds where in the step the kill lands")
     p.add_argument("--last-call", type=int, default=2, help="torchrun rdzv last_call_timeout, s (default 2)")
     p.add_argument("--join-timeout", type=int, default=60, help="torchrun rdzv join_timeout, s (default 60)")
+    p.add_argument("--keep-alive", type=int, default=5, help="torchrun rdzv keep_alive_interval, s (default 5)")
+    p.add_argument("--keep-alive-attempts", type=int, default=3,
+                   help="torchrun rdzv keep_alive_max_attempt (default 3)")
     p.add_argument("--gloo-timeout", type=float, default=30.0, help="torchrun gloo group timeout, s (default 30)")
     p.add_argument("--timeout", type=float, default=180.0, help="give up waiting for start-up or steps after S s")
     p.add_argument("--recovery-timeout", type=float, default=120.0, help="give up waiting for a recovery after S s")

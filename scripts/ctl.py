@@ -237,6 +237,8 @@ def cmd_events(client: Client, a: argparse.Namespace) -> int:
         else:
             for ev in everything:
                 emit(ev)
+            if not everything:
+                print(f"no events since index {a.since}", file=sys.stderr)
         return 0
     nxt, answered = a.since, False
     try:

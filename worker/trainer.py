@@ -85,6 +85,7 @@ class Trainer:
             if self.step >= self.job.num_steps:
                 return self._leave("finished")
             if self.agent.stop_reason() is not None:
+                self.agent.send(Leave(name=self.name, reason="stopped"))
                 return f"stopped: {self.agent.stop_reason()}"
             if group is None or self.agent.superseded(group.epoch):
                 delta = self.agent.next_delta(self.epoch_tried, self.config.delta_timeout_s)

@@ -22,7 +22,7 @@ import zmq
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
-from localjob import LocalJob  # noqa: E402
+from localjob import LocalJob  # type: ignore[import-not-found, unused-ignore]  # noqa: E402
 
 from transport import ERR_DECODE, ERR_PROTOCOL, Error, decode  # noqa: E402
 

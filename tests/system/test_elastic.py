@@ -134,3 +134,65 @@ def test_stopped_worker_is_fenced_and_rejoins(tmp_path: Path) -> None:
         finals = {name: digests(job, name)[NUM_STEPS] for name in ("w1", "w2", "w3")}
         assert len(set(finals.values())) == 1, finals
         assert "fenced" in (tmp_path / "w2.log").read_text()
+
+
+def test_preempted_and_drained_workers_leave_cleanly(tmp_path: Path) -> None:
+    """SIGTERM (a spot preemption notice) and `ctl drain` plan a worker out at a step boundary:
+    it exits 0, nobody is aborted, the others train on to the end with the same loss curve."""
+    with LocalJob(JOB, tmp_path, min_workers=3) as job:
+        job.start()
+        for name in ("w1", "w2", "w3"):
+            job.add_worker(name, "--digest-every", "1")
+        job.wait_step(40, 120)
+        job.signal("w2", signal.SIGTERM)
+        left = job.wait_event(lambda e: e["kind"] == "left" and e["worker"] == "w2", 30, "w2 left")
+        assert left["reason"] == "preempted"
+        assert job.workers["w2"].wait(timeout=30) == 0
+        job.wait_step(left_step(job) + 20, 60)
+        drained = job.ctl("drain", "w3")
+        assert drained == {"draining": "w3"}
+        left = job.wait_event(lambda e: e["kind"] == "left" and e["worker"] == "w3", 30, "w3 left")
+        assert left["reason"] == "drained"
+        exits = job.wait_workers(180)
+        assert exits == {"w1": 0, "w2": 0, "w3": 0}
+        assert job.wait_coordinator(30) == 0
+        events = job.events()
+        assert not [e for e in events if e["kind"] in ("failed",)]
+        assert [p["reason"] for p in plans(events)] == ["join", "preempted", "drained"]
+        assert plans(events)[-1]["layout"]["members"] == ["w1"]
+        assert sorted(job.steps()) == list(range(1, NUM_STEPS + 1))
+        # Planned changes abandon nothing: every epoch switch happened at a step boundary.
+        for name in ("w1", "w2", "w3"):
+            assert "abandoned" not in (tmp_path / f"{name}.log").read_text()
+
+
+def left_step(job: LocalJob) -> int:
+    return max(job.steps())
+
+
+def test_coordinator_sigterm_stops_workers_cleanly(tmp_path: Path) -> None:
+    with LocalJob(JOB, tmp_path, min_workers=2) as job:
+        job.start()
+        for name in ("w1", "w2"):
+            job.add_worker(name)
+        job.wait_step(20, 120)
+        assert job.coordinator is not None
+        job.coordinator.send_signal(signal.SIGTERM)
+        assert job.wait_coordinator(30) == 0
+        assert job.wait_workers(30) == {"w1": 0, "w2": 0}
+        assert max(job.steps()) < NUM_STEPS
+        reasons = {e["worker"]: e["reason"] for e in job.events() if e["kind"] == "left"}
+        assert reasons == {"w1": "stopped", "w2": "stopped"}
+
+
+def test_bad_job_is_refused_at_start(tmp_path: Path) -> None:
+    bad = tmp_path / "bad_job.py"
+    bad.write_text("def job():\n    raise RuntimeError('no data here')\n")
+    job = LocalJob(f"{bad}:job", tmp_path / "state")
+    with pytest.raises(RuntimeError, match="no data here"):
+        job.start()
+    job.close()
+    missing = LocalJob(f"{tmp_path / 'nope.py'}:job", tmp_path / "state2")
+    with pytest.raises(RuntimeError, match="nope.py"):
+        missing.start()
+    missing.close()

@@ -17,6 +17,7 @@ SAMPLES: list[t.Message] = [
     t.Heartbeat(name="w1", epoch=3, step=120),
     t.StepReport(name="w1", epoch=3, step=121, loss=2.75, samples=16, global_batch=64,
                  compute_s=0.12, step_s=0.2, digest=""),
+    t.Ready(name="w1"),
     t.Ack(name="w1", epoch=4, step=121, reshard_bytes=126_000_000, reshard_s=0.15),
     t.Leave(name="w1", reason="error: RuntimeError('boom') ünïcode"),
     t.Welcome(name="w1", run_id="run-1", job_ref="examples/gpt.py:job", job_name="job",
@@ -37,6 +38,10 @@ SAMPLES: list[t.Message] = [
                                   "none": None, "raw": b"x", "nested": {"a": [1, [2.5]]}},
                    error=""),
 ]
+
+
+def _sample(cls: type) -> Any:
+    return next(m for m in SAMPLES if type(m) is cls)
 
 
 def test_samples_cover_every_message_type() -> None:
@@ -145,7 +150,7 @@ def test_bool_is_not_an_int() -> None:
 def test_int_is_accepted_for_float() -> None:
     obj = {"v": 1, "kind": "Abort", "epoch": 1, "reason": ""}
     assert decode(msgpack.packb(obj)) == t.Abort(epoch=1, reason="")
-    rep = dataclasses.asdict(SAMPLES[3]) | {"v": 1, "kind": "Ack", "reshard_s": 2}
+    rep = dataclasses.asdict(_sample(t.Ack)) | {"v": 1, "kind": "Ack", "reshard_s": 2}
     ack = decode(msgpack.packb(rep, use_bin_type=True))
     assert isinstance(ack, t.Ack) and type(ack.reshard_s) is float and ack.reshard_s == 2.0
     # and encode writes a float for an int given to a float field
@@ -163,7 +168,7 @@ def test_nested_list_items_are_checked() -> None:
     _reject(good | {"members": ["a", 2]}, match=r"PlanDelta.members\[1\]: expected str")
     _reject(good | {"shares": [1, True]}, match=r"shares\[1\]: expected int, got bool")
     _reject(good | {"members": "ab"}, match="expected a list")
-    store = dataclasses.asdict(SAMPLES[11]) | {"v": 1, "kind": "StoreRequest"}
+    store = dataclasses.asdict(_sample(t.StoreRequest)) | {"v": 1, "kind": "StoreRequest"}
     _reject(store | {"values": [b"ok", "not-bytes"]}, match=r"values\[1\]: expected bytes")
 
 
