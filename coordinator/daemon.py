@@ -333,7 +333,7 @@ async def serve(cfg: CoordinatorConfig, job: JobInfo, *,
                     with trio.move_on_after(cfg.tick_s):
                         item = await receive.receive()
                         core.handle(item)
-            nursery.cancel_scope.cancel()
+                nursery.cancel_scope.cancel()  # before the inbox closes under the pumps
         core.say(f"done: {core.finish_reason} (last step {core.state.last_step}/{job.num_steps})")
         return core.finish_reason
     finally:

@@ -237,20 +237,35 @@ def replan(state: State, config: Config, reason: str, *, abort: bool) -> Result:
     eligible = {n: w for n, w in state.workers.items() if w.ready and w.leaving is None}
     if state.plan is None and len(eligible) < config.min_workers:
         return state, []
+    holders = [n for n in state.plan.members if n in state.workers] if state.plan else []
+    if not eligible and holders:
+        # Only leaving members hold the state and nobody can take it over: they train on.
+        if not abort:
+            detail = (f"no other worker to hand the state to: {', '.join(holders)} keep(s) training "
+                      "until one joins")
+            return replace(state, replan_wanted=None), [
+                Planned(PlanResult(plan=None, status="infeasible", reason=detail), state.epoch, reason)]
+        eligible = {n: state.workers[n] for n in holders}  # aborted: they need a new epoch anyway
     cluster = Cluster({n: d for n, d in state.cluster.devices.items() if n in eligible})
     limits = PlanLimits(global_batch=config.global_batch, max_workers=config.max_workers)
     result = make_plan(cluster, state.plan, limits=limits)
     new = result.plan
     if new is None:
-        # Nobody can train. If nobody is left at all, their state is gone with them: the next
+        # Nobody can train, and nobody holds state any more: it is gone with them, and the next
         # workers start from the seed (durable checkpoints arrive with a later issue).
-        lost = not eligible and state.plan is not None
+        lost = state.plan is not None
         if lost:
             result = replace(result, reason="no worker left: training state is lost; the next workers "
                                              "start from step 0")
         state = replace(state, plan=None, acked=frozenset(), running=frozenset(), replan_wanted=None,
                         last_step=0 if lost else state.last_step)
         return state, [Planned(result, state.epoch, reason)]
+    handoff = None
+    if holders and not set(holders) & set(new.members):
+        # No state holder stays: keep one leaving holder for one epoch with no samples, so that it
+        # hands its state to the newcomers inside the new group; the next plan lets it go.
+        handoff = holders[0]
+        new = replace(new, members=new.members + (handoff,), shares=new.shares + (0,))
     if not abort and state.plan is not None and new == state.plan:
         return replace(state, replan_wanted=None), []
     epoch = state.epoch + 1
@@ -259,7 +274,8 @@ def replan(state: State, config: Config, reason: str, *, abort: bool) -> Result:
     old = set(state.plan.members) if state.plan else set()
     recipients = sorted((old | set(new.members)) & set(state.workers))
     state = replace(state, epoch=epoch, plan=new, acked=frozenset(), reshard_bytes=0, reshard_s=0.0,
-                    replan_wanted=None, running=frozenset(old & set(state.workers)))
+                    replan_wanted=f"{handoff} handed off" if handoff else None,
+                    running=frozenset(old & set(state.workers)))
     effects: list[Effect] = [Planned(result, epoch, reason)]
     return state, effects + [Send(n, delta) for n in recipients]
 

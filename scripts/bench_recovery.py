@@ -63,19 +63,22 @@ rows of the table (times in seconds, measured from event timestamps, wall clock)
   steps lost                    steps committed before the kill that were redone after it
   steps continue                step numbers after the kill run on from the last committed one
   join -> first step            adaptrain: `joined` event of the new worker -> first step of the
-                                epoch that took it in (includes loading the job, building the model,
-                                waiting for the step boundary, the state transfer)
+                                epoch that took it in (includes loading the job, building the model
+                                and optimizer, waiting for the step boundary, the state transfer);
+                                in brackets: joined -> the `plan` event that takes it in
   spawn -> first step           the same from the moment its process was started (adds python
                                 start-up, importing torch, calibration)
   join reshard                  seconds and MB moved to the joiner
   samples/s                     steady state, global batch x steps / elapsed, between two step
-                                timestamps after the warm-up; torchrun = plain DDP, no checkpoints
+                                timestamps after the warm-up; torchrun = plain DDP, no checkpoints;
+                                --repeat windows per side, alternating, pooled
+  ratio                         adaptrain samples/s / torchrun samples/s
   CPU s per step                user+system CPU of every process of the side (coordinator or agent
                                 included) during the window, per step
+  ratio of samples per CPU-s     the same per CPU-second used: less sensitive to other programs
   other programs' load          CPU the rest of the machine used meanwhile, in cores: other
                                 programs compete for the 2 cores and skew the comparison
   samples/s, ckpt every step    torchrun elastic as run for the kill experiment (checkpointing)
-  ratio                         adaptrain samples/s / torchrun samples/s
 
 torchrun settings: N agents, each `--nnodes=2:N --nproc-per-node=1 --rdzv-backend=c10d
 --max-restarts=3 --monitor-interval=0.1 --rdzv-conf join_timeout=J,last_call_timeout=L,
@@ -374,7 +377,7 @@ def _listening(port: int) -> bool | None:
 
 
 def torchrun_steady(a: argparse.Namespace, job_ref: str, batch: int, workdir: Path) -> dict[str, Any]:
-    tr = Torchrun(workdir / "torchrun-ddp", job_ref, a.gloo_timeout)
+    tr = Torchrun(workdir, job_ref, a.gloo_timeout)
     args = ["--standalone", "--nnodes=1", f"--nproc-per-node={a.workers}"]
     out: dict[str, Any] = {"torchrun_args": args, "checkpoint": "none"}
     try:
@@ -396,10 +399,11 @@ def torchrun_steady(a: argparse.Namespace, job_ref: str, batch: int, workdir: Pa
 
 # --- adaptrain -----------------------------------------------------------------------------------
 
-def adaptrain(a: argparse.Namespace, job_ref: str, batch: int, workdir: Path, rng: random.Random) -> dict[str, Any]:
-    """One job: N workers (steady state), kill one (recovery), add one back (join)."""
+def adaptrain(a: argparse.Namespace, job_ref: str, batch: int, workdir: Path, rng: random.Random,
+              *, steady_only: bool = False) -> dict[str, Any]:
+    """One job: N workers (steady state), then kill one (recovery) and add one back (join)."""
     out: dict[str, Any] = {"localjob": {"lease_s": 1.0, "heartbeat_s": 0.2, "threads": 1}}
-    job = LocalJob(job_ref, workdir / "adaptrain", min_workers=a.workers)
+    job = LocalJob(job_ref, workdir, min_workers=a.workers)
     try:
         t0 = time.time()
         job.start()
@@ -415,6 +419,8 @@ def adaptrain(a: argparse.Namespace, job_ref: str, batch: int, workdir: Path, rn
         out["steady"] = throughput(steps, a.warmup, a.warmup + a.steps, batch)
         roles = {job.coordinator.pid: "coordinator"} if job.coordinator else {}
         out["steady"]["cpu"] = cpu_window(before, after, a.steps, roles)
+        if steady_only:
+            return out
 
         # kill
         k = steps[-1]["step"]
@@ -458,7 +464,7 @@ def adaptrain(a: argparse.Namespace, job_ref: str, batch: int, workdir: Path, rn
         out["join"] = {
             "joiner": joiner, "epoch": plan["epoch"], "plan_reason": plan["reason"], "step": first["step"],
             "spawn_to_joined_s": joined["ts"] - t_spawn, "joined_to_plan_s": plan["ts"] - joined["ts"],
-            "joined_to_first_step_s": first["ts"] - joined["ts"], "spawn_to_first_step_s": first["ts"] - t_spawn,
+            "joined_to_first_step_s": first["ts"] - joined["ts"], "plan_to_first_step_s": first["ts"] - plan["ts"], "spawn_to_first_step_s": first["ts"] - t_spawn,
             "reshard_s": reshard["seconds"] if reshard else None, "reshard_bytes": reshard["bytes"] if reshard else None,
         }
     except Exception as e:
@@ -470,9 +476,25 @@ def adaptrain(a: argparse.Namespace, job_ref: str, batch: int, workdir: Path, rn
 
 # --- report --------------------------------------------------------------------------------------
 
+def pooled(runs: list[dict[str, Any]], batch: int) -> dict[str, Any]:
+    """Steady-state numbers over every run's window: total samples / total elapsed, and so on."""
+    windows = [r["steady"] for r in runs if "steady" in r]
+    if not windows:
+        return {}
+    steps = sum(w["last_step"] - w["first_step"] for w in windows)
+    elapsed = sum(w["elapsed_s"] for w in windows)
+    cpu = sum(w["cpu"]["our_cpu_s_per_step"] * (w["last_step"] - w["first_step"]) for w in windows) / steps
+    return {"windows": len(windows), "steps": steps, "samples_per_s": batch * steps / elapsed,
+            "per_window_samples_per_s": [w["samples_per_s"] for w in windows], "cpu_s_per_step": cpu,
+            "samples_per_cpu_s": batch / cpu,
+            "other_cores": sum(w["cpu"]["other_cores"] * w["cpu"]["wall_s"] for w in windows)
+            / sum(w["cpu"]["wall_s"] for w in windows)}
+
+
 def table(r: dict[str, Any]) -> str:
-    ours, el, ddp = r["adaptrain"], r["torchrun_elastic"], r["torchrun_ddp"]
+    ours, el = r["adaptrain"], r["torchrun_elastic"]
     ok, ej = ours.get("kill", {}), ours.get("join", {})
+    so, sd = r["steady"]["adaptrain"], r["steady"]["torchrun"]
 
     def f(x: Any, fmt: str = "{:.2f}") -> str:
         if x is None:
@@ -484,11 +506,11 @@ def table(r: dict[str, Any]) -> str:
     def mb(s: Any, b: Any) -> str:
         return "error" if s is None or b is None else f"{s:.2f} s / {b / 1e6:.1f} MB"
 
-    ours_sps = ours.get("steady", {}).get("samples_per_s")
-    ddp_sps = ddp.get("steady", {}).get("samples_per_s")
-    ratio = ours_sps / ddp_sps if ours_sps and ddp_sps else None
-    r["ratio"] = ratio
-    oc, dc = ours.get("steady", {}).get("cpu", {}), ddp.get("steady", {}).get("cpu", {})
+    ours_sps, ddp_sps = so.get("samples_per_s"), sd.get("samples_per_s")
+    ratio = r["steady"]["ratio"] = ours_sps / ddp_sps if ours_sps and ddp_sps else None
+    per_cpu = r["steady"]["ratio_per_cpu_s"] = (so["samples_per_cpu_s"] / sd["samples_per_cpu_s"]
+                                                 if so and sd else None)
+    building = ej.get("joined_to_plan_s")
     rows = [
         ("kill -> next committed step (s)", f(ok.get("kill_to_next_step_s")), f(el.get("kill_to_next_step_s")), "small"),
         ("kill -> first step, new group (s)", f(ok.get("kill_to_new_group_step_s")),
@@ -502,15 +524,17 @@ def table(r: dict[str, Any]) -> str:
          f"{f(el.get('restart_to_resumed_s'))} (restart->resumed)", ""),
         ("steps lost", f(ok.get("steps_lost"), "{}"), f(el.get("steps_lost"), "{}"), "0"),
         ("steps continue from last committed", f(ok.get("steps_continue")), f(el.get("steps_continue")), "yes"),
-        ("join -> joiner's first step (s)", f(ej.get("joined_to_first_step_s")), "n/a", "<= 1 s (10M params)"),
+        ("join -> joiner's first step (s)", f(ej.get("joined_to_first_step_s"))
+         + (f" ({building:.2f} to Ready+plan)" if building is not None else ""), "n/a", "<= 1 s (10M params)"),
         ("spawn -> joiner's first step (s)", f(ej.get("spawn_to_first_step_s")), "n/a", ""),
         ("join reshard", mb(ej.get("reshard_s"), ej.get("reshard_bytes")), "n/a", ""),
-        ("steady samples/s", f(ours_sps, "{:.1f}"), f(ddp_sps, "{:.1f}"), ""),
-        ("CPU s per step, all processes", f(oc.get("our_cpu_s_per_step"), "{:.3f}"),
-         f(dc.get("our_cpu_s_per_step"), "{:.3f}"), ""),
-        ("other programs' load (cores)", f(oc.get("other_cores")), f(dc.get("other_cores")), "~0"),
-        ("samples/s, ckpt every step", "n/a", f(el.get("steady_with_checkpoint", {}).get("samples_per_s"), "{:.1f}"), ""),
+        (f"steady samples/s ({so.get('windows', 0)} + {sd.get('windows', 0)} windows)", f(ours_sps, "{:.1f}"),
+         f(ddp_sps, "{:.1f}"), ""),
         ("ratio adaptrain / torchrun DDP", f(ratio, "{:.3f}"), "", ">= 0.97"),
+        ("CPU s per step, all processes", f(so.get("cpu_s_per_step"), "{:.3f}"), f(sd.get("cpu_s_per_step"), "{:.3f}"), ""),
+        ("ratio of samples per CPU-second", f(per_cpu, "{:.3f}"), "", ""),
+        ("other programs' load (cores)", f(so.get("other_cores")), f(sd.get("other_cores")), "~0"),
+        ("samples/s, ckpt every step", "n/a", f(el.get("steady_with_checkpoint", {}).get("samples_per_s"), "{:.1f}"), ""),
     ]
     head = ["metric", "adaptrain", "torchrun", "goal"]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
@@ -529,6 +553,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--post-steps", type=int, default=3, help="steps to wait for after the kill (default 3)")
     p.add_argument("--ckpt-window", type=int, default=20,
                    help="steps measured in the checkpointing torchrun run before its kill (default 20)")
+    p.add_argument("--repeat", type=int, help="steady-state windows per side, alternating adaptrain and "
+                   "torchrun, pooled (default 2; --quick 1): other programs' load varies")
     p.add_argument("--quick", action="store_true", help="short run: fewer steps (about 2 minutes)")
     p.add_argument("--seed", type=int, default=0, help="seeds where in the step the kill lands")
     p.add_argument("--last-call", type=int, default=2, help="torchrun rdzv last_call_timeout, s (default 2)")
@@ -546,6 +572,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     small = a.model == "small"
     a.steps = a.steps or ((30 if small else 5) if a.quick else (100 if small else 10))
     a.warmup = a.warmup or ((5 if small else 2) if a.quick else (10 if small else 3))
+    a.repeat = a.repeat or (1 if a.quick else 2)
     if a.quick:
         a.ckpt_window = min(a.ckpt_window, 10 if small else 3)
     if a.workers < 3:
@@ -576,24 +603,37 @@ def main(argv: list[str] | None = None) -> int:
                          "workdir": str(workdir) if a.keep else None}
     t0 = time.time()
     try:
-        print(f"adaptrain: {a.workers} workers, {job_ref} ({n_params / 1e6:.1f}M params) ...", flush=True)
-        r["adaptrain"] = adaptrain(a, job_ref, job.global_batch, workdir, rng)
+        print(f"adaptrain: {a.workers} workers, {job_ref} ({n_params / 1e6:.1f}M params): steady, kill, join ...",
+              flush=True)
+        r["adaptrain"] = adaptrain(a, job_ref, job.global_batch, workdir / "adaptrain", rng)
+        r["adaptrain_repeats"], r["torchrun_ddp"] = [], []
+        for i in range(a.repeat):
+            if a.skip_torchrun:
+                break
+            print(f"torchrun DDP, steady state ({i + 1}/{a.repeat}) ...", flush=True)
+            r["torchrun_ddp"].append(torchrun_steady(a, job_ref, job.global_batch, workdir / f"torchrun-ddp{i}"))
+            if i + 1 < a.repeat:
+                print(f"adaptrain, steady state ({i + 2}/{a.repeat}) ...", flush=True)
+                r["adaptrain_repeats"].append(adaptrain(a, job_ref, job.global_batch, workdir / f"adaptrain{i + 1}",
+                                                        rng, steady_only=True))
         if a.skip_torchrun:
-            r["torchrun_elastic"] = r["torchrun_ddp"] = {"error": "skipped"}
+            r["torchrun_elastic"] = {"error": "skipped"}
         else:
-            print("torchrun DDP, steady state ...", flush=True)
-            r["torchrun_ddp"] = torchrun_steady(a, job_ref, job.global_batch, workdir)
             print("torchrun elastic, kill a node ...", flush=True)
             r["torchrun_elastic"] = torchrun_kill(a, job_ref, job.global_batch, workdir, rng)
     finally:
         if not a.keep:
             shutil.rmtree(workdir, ignore_errors=True)
     r["machine"]["loadavg_after"] = os.getloadavg()
+    r["steady"] = {"adaptrain": pooled([r["adaptrain"], *r["adaptrain_repeats"]], job.global_batch),
+                   "torchrun": pooled(r["torchrun_ddp"], job.global_batch)}
     r["total_s"] = time.time() - t0
     text = table(r)
     print(text)
-    errors = {k: r[k]["error"] for k in ("adaptrain", "torchrun_ddp", "torchrun_elastic")
-              if "error" in r[k] and r[k]["error"] != "skipped"}
+    runs = {"adaptrain": r["adaptrain"], "torchrun_elastic": r["torchrun_elastic"],
+            **{f"adaptrain_repeat{i}": x for i, x in enumerate(r["adaptrain_repeats"])},
+            **{f"torchrun_ddp{i}": x for i, x in enumerate(r["torchrun_ddp"])}}
+    errors = {k: x["error"] for k, x in runs.items() if "error" in x and x["error"] != "skipped"}
     for k, e in errors.items():
         print(f"\n{k} failed: {e}", file=sys.stderr)
     print(f"\ntotal {r['total_s']:.0f} s; model {a.model} ({n_params / 1e6:.2f}M params), global batch "

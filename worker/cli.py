@@ -15,6 +15,8 @@ import sys
 from dataclasses import dataclass
 from types import FrameType
 
+from transport import Leave
+
 EPILOG = """\
 examples:
   worker --join tcp://10.0.0.5:5555                      # a spot instance joins a running job
@@ -87,6 +89,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     calibration = calibrate(cfg.device, memory_limit_gib=cfg.memory_limit_gib)
     agent = Agent(cfg.join, cfg.name, calibration)
+    trainer: Trainer | None = None
+    preempted = False
+
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        # A spot preemption notice: ask to be planned out; the trainer leaves at the step boundary.
+        nonlocal preempted
+        preempted = True
+        if trainer is not None:
+            trainer.leave_reason = "preempted"
+        agent.send(Leave(name=cfg.name, reason="preempted"))
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     agent.start()
     print(f"[{cfg.name}] joining {cfg.join} ({calibration.flops / 1e9:.1f} GFLOP/s, "
           f"{calibration.memory_bytes / 2**30:.1f} GiB)", flush=True)
@@ -98,32 +112,23 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(job, agent, cfg.join, TrainerConfig(group_timeout_s=cfg.group_timeout_s,
                                                               digest_every=cfg.digest_every,
                                                               log_every=cfg.log_every, device=cfg.device))
-
-        def on_sigterm(signum: int, frame: FrameType | None) -> None:
-            trainer.leave_reason = "preempted"
-            from transport import Leave
-
-            agent.send(Leave(name=cfg.name, reason="preempted"))
-
-        signal.signal(signal.SIGTERM, on_sigterm)
-        agent.mark_ready()
-        try:
-            outcome = trainer.run()
-        except (FatalError, TimeoutError, JobError):
-            raise
-        except Exception as e:  # the job's own code failed mid-training: say so, leave cleanly
-            from transport import Leave
-
-            print(f"worker: training failed at step {trainer.step}: {type(e).__name__}: {e}", file=sys.stderr)
-            agent.send(Leave(name=cfg.name, reason=f"error: {type(e).__name__}: {e}"[:500]))
+        if preempted:  # SIGTERM while loading: we were never planned in, so just go
             agent.close()
-            return 1
+            return 0
+        agent.mark_ready()
+        outcome = trainer.run()
     except (FatalError, TimeoutError) as e:
         print(f"worker: {e}", file=sys.stderr)
         agent.close()
         return 2
     except JobError as e:
         print(f"worker: {e}", file=sys.stderr)
+        agent.close()
+        return 1
+    except Exception as e:  # the job's own code failed mid-training: say so, leave cleanly
+        step = trainer.step if trainer is not None else 0
+        print(f"worker: training failed at step {step}: {type(e).__name__}: {e}", file=sys.stderr)
+        agent.send(Leave(name=cfg.name, reason=f"error: {type(e).__name__}: {e}"[:500]))
         agent.close()
         return 1
     print(f"[{cfg.name}] done: {outcome} at step {trainer.step}", flush=True)

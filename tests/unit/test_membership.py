@@ -373,32 +373,20 @@ def test_stop_tells_everyone_and_finishes_when_they_have_left() -> None:
     stops = sent(effects, Stop)
     assert set(stops) == {"a", "b", "c"} and stops["a"].reason == "stopped by ctl"
     assert not finished(effects) and sim.state.stopping
-    assert not finished(sim(m.Left("a", "finished")))
-    assert not finished(sim(m.Lost("c", "disconnect")))
-    assert finished(sim(m.Lost("b", "disconnect"))) == [m.Finished("stopped")]
+    effects = sim(m.Left("a", "stopped"))
+    assert logs(effects, "left") == [{"worker": "a", "reason": "stopped"}] and not finished(effects)
+    assert not deltas(effects), "no re-plan while stopping"
+    effects = sim(m.Lost("c", "disconnect"))
+    assert not finished(effects)
+    assert not logs(effects, "failed"), "exiting after Stop is not a failure"
+    effects = sim(m.Lost("b", "disconnect"))
+    assert not logs(effects, "failed") and not sent(effects, Abort)
+    assert finished(effects) == [m.Finished("stopped")]
     assert not sim.state.workers
     effects = sim(m.Joined(_join_msg("late")))
     assert set(sent(effects, Stop)) == {"late"}, "a worker joining a stopped job is told to stop"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "membership._lost/_left treat a worker that exits after the coordinator's Stop as a failure: "
-    "it logs `failed` (the worker's trainer sends no Leave on Stop, the coordinator sees a "
-    "disconnect) and sends Abort to the other workers, which abandon the step they were told to "
-    "finish"))
-def test_workers_exiting_after_stop_are_not_failures() -> None:
-    sim = Sim()
-    sim.running("a", "b")
-    sim(m.StopRequested("stopped by ctl"))
-    effects = sim(m.Lost("a", "disconnect"))
-    assert not logs(effects, "failed")
-    assert not sent(effects, Abort)
-
-
-@pytest.mark.xfail(strict=True, reason=(
-    "membership.replan keeps the dead plan when no survivor is left (make_plan infeasible), and "
-    "_remove drops the dead member from `acked`, so `pending` stays true forever: the rejoined "
-    "worker's planned replan is deferred (replan_wanted) and no PlanDelta is ever sent"))
 def test_a_lone_worker_that_crashes_and_rejoins_is_planned_again() -> None:
     """A one-worker job whose worker is restarted (same name) must train again."""
     sim = Sim()
@@ -408,3 +396,21 @@ def test_a_lone_worker_that_crashes_and_rejoins_is_planned_again() -> None:
     effects = sim.join("a")
     d = the_delta(effects)
     assert d.members == ["a"] and d.epoch == 2 and sum(d.shares) == GLOBAL_BATCH
+
+
+def test_draining_the_only_member_does_not_lose_the_job() -> None:
+    sim = Sim()
+    sim.running("a")
+    for step in (1, 2, 3):
+        sim(report("a", step))
+    sim(m.DrainRequested("a"))
+    assert sim.state.last_step == 3, "a still holds the training state"
+    effects = sim.join("b")
+    assert "a" in deltas(effects), "a is told about the next epoch: it cannot train on alone"
+    handoff = the_delta(effects)
+    assert handoff.members == ["b", "a"] and handoff.shares == [GLOBAL_BATCH, 0], \
+        "a stays one epoch with no samples, to hand its state to b inside the new group"
+    effects = sim.ack("b") + sim.ack("a")
+    final = the_delta(effects)
+    assert final.members == ["b"] and final.epoch == handoff.epoch + 1 and not final.abort
+    assert "a" in deltas(effects), "a learns it is planned out, and leaves at the switch"
