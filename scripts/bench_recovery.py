@@ -186,7 +186,9 @@ def cpu_snapshot(pids: list[int]) -> dict[str, Any]:
     for pid in pids:
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            per_pid[pid] = (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
+            status = Path(f"/proc/{pid}/status").read_text()
+            switches = sum(int(line.split()[1]) for line in status.splitlines() if "ctxt_switches" in line)
+            per_pid[pid] = (int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK, switches)  # utime, stime
         except (OSError, IndexError, ValueError):
             pass
     cpu = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
@@ -196,14 +198,16 @@ def cpu_snapshot(pids: list[int]) -> dict[str, Any]:
 
 def cpu_window(a: dict[str, Any], b: dict[str, Any], steps: int, roles: dict[int, str]) -> dict[str, Any]:
     """Our processes' CPU per step (in all, and per role), and the CPU other programs used meanwhile."""
-    per_role: dict[str, float] = {}
+    per_role: dict[str, list[float]] = {}
     for pid in a["pids"]:
         if pid in b["pids"]:
-            role = roles.get(pid, "training processes")
-            per_role[role] = per_role.get(role, 0.0) + (b["pids"][pid] - a["pids"][pid]) / steps
-    ours = sum(per_role.values()) * steps
+            role = per_role.setdefault(roles.get(pid, "training processes"), [0.0, 0.0, 0.0])
+            for i in (0, 1, 2):
+                role[i] += (b["pids"][pid][i] - a["pids"][pid][i]) / steps
+    ours = sum(v[0] + v[1] for v in per_role.values()) * steps
     wall = b["t"] - a["t"]
-    return {"our_cpu_s_per_step": ours / steps, "cpu_s_per_step_by_role": per_role, "our_cores": ours / wall,
+    return {"our_cpu_s_per_step": ours / steps, "per_step_by_role_user_s_sys_s_ctxt_switches": per_role,
+            "our_cores": ours / wall,
             "other_cores": max(0.0, (b["busy"] - a["busy"] - ours) / wall), "wall_s": wall}
 
 

@@ -171,11 +171,6 @@ def test_ctl_against_a_dead_port_exits_2() -> None:
 
 def _assert_coordinator_exits_0(job: LocalJob, timeout_s: float) -> None:
     rc = job.wait_coordinator(timeout_s)
-    if rc == 1 and "BrokenResourceError" in job.tail("coordinator", 80):
-        # Known race in coordinator/daemon.py serve(): `async with receive:` closes the inbox (with
-        # a checkpoint) before `nursery.cancel_scope.cancel()`, so a pump that receives a frame in
-        # that window crashes the daemon. Excused only in exactly this form.
-        pytest.xfail("coordinator/daemon.py: inbox closed before the pumps are cancelled")
     assert rc == 0, job.tail("coordinator")
 
 
