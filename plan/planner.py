@@ -52,21 +52,24 @@ class PlanResult:
 def split_shares(total: int, weights: list[float]) -> list[int]:
     """Split `total` samples in proportion to `weights` (largest remainder, ties to lower index).
 
-    Every weight gets at least one sample while there are enough samples to go round.
+    Every weight gets at least one sample while there are enough to go round (taken from the
+    largest shares), so that no replica sits in the group doing nothing.
     """
     n = len(weights)
     if n == 0:
         return []
     assert all(w > 0 for w in weights), "weights must be positive"
-    floor_each = 1 if total >= n else 0
-    rest = total - floor_each * n
     scale = sum(weights)
-    exact = [rest * w / scale for w in weights]
-    shares = [floor_each + math.floor(x) for x in exact]
-    left = total - sum(shares)
-    order = sorted(range(n), key=lambda i: (-(exact[i] - math.floor(exact[i])), i))
-    for i in order[:left]:
+    exact = [total * w / scale for w in weights]
+    shares = [math.floor(x) for x in exact]
+    order = sorted(range(n), key=lambda i: (-(exact[i] - shares[i]), i))
+    for i in order[: total - sum(shares)]:
         shares[i] += 1
+    if total >= n:
+        for i in range(n):
+            if shares[i] == 0:
+                shares[max(range(n), key=lambda k: (shares[k], -k))] -= 1
+                shares[i] = 1
     return shares
 
 
@@ -82,7 +85,10 @@ def make_plan(cluster: Cluster, previous: Plan | None, *, limits: PlanLimits) ->
     members = kept + sorted(m for m in chosen if m not in kept)
     weights = [speeds[m] for m in members]
     shares = split_shares(limits.global_batch, weights)
-    slowest = max(s / speeds[m] for m, s in zip(members, shares))
+    measured = all(cluster.devices[m].samples_per_s for m in members)
+    # Compute time of the slowest replica; only meaningful once every member has measured steps
+    # (calibrated FLOP/s are not samples/s). The cost model of the next issue replaces this.
+    slowest = max(s / speeds[m] for m, s in zip(members, shares)) if measured else None
     plan = Plan(members=tuple(members), shares=tuple(shares), predicted_step_s=slowest)
     left_out = len(speeds) - len(members)
     reason = f"{len(members)} replicas, shares by speed" + (f", {left_out} on standby" if left_out else "")
