@@ -73,7 +73,7 @@ def main() -> None:
         inputs, targets = job.dataset[ids]
         optimizer.zero_grad(set_to_none=True)
         loss = job.loss(ddp(inputs), targets)
-        (loss * (world / G)).backward()  # DDP divides by world: the full-batch gradient
+        (loss * (world / G)).backward()  # type: ignore[no-untyped-call]  # DDP divides by world
         optimizer.step()
         step += 1
         if rank == 0:

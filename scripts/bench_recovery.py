@@ -47,7 +47,7 @@ rows of the table (times in seconds, measured from event timestamps, wall clock)
   kill -> next committed step   SIGKILL time -> timestamp of the first committed step numbered above
                                 the last step committed before the kill (adaptrain: coordinator
                                 `step` event; torchrun: rank 0's line after its checkpoint is in place)
-  kill -> first step, new group  same, but the first step taken by the reformed group (new epoch /
+  kill -> first step, new group same, but the first step taken by the reformed group (new epoch /
                                 new rendezvous round); differs when the in-flight step still commits
   failure noticed               adaptrain: `failed` event - kill (how: disconnect or lease);
                                 torchrun: a surviving agent logs "Worker group FAILED" (its training
@@ -65,7 +65,9 @@ rows of the table (times in seconds, measured from event timestamps, wall clock)
   join -> first step            adaptrain: `joined` event of the new worker -> first step of the
                                 epoch that took it in (includes loading the job, building the model
                                 and optimizer, waiting for the step boundary, the state transfer);
-                                in brackets: joined -> the `plan` event that takes it in
+                                in brackets: joined -> the `plan` event that takes it in (the
+                                joiner is built and Ready) -> the step boundary (last step of the
+                                old epoch) -> its first step (state transfer + one step)
   spawn -> first step           the same from the moment its process was started (adds python
                                 start-up, importing torch, calibration)
   join reshard                  seconds and MB moved to the joiner
@@ -75,7 +77,7 @@ rows of the table (times in seconds, measured from event timestamps, wall clock)
   ratio                         adaptrain samples/s / torchrun samples/s
   CPU s per step                user+system CPU of every process of the side (coordinator or agent
                                 included) during the window, per step
-  ratio of samples per CPU-s     the same per CPU-second used: less sensitive to other programs
+  ratio of samples per CPU-s    the same per CPU-second used: less sensitive to other programs
   other programs' load          CPU the rest of the machine used meanwhile, in cores: other
                                 programs compete for the 2 cores and skew the comparison
   samples/s, ckpt every step    torchrun elastic as run for the kill experiment (checkpointing)
@@ -253,8 +255,9 @@ class Torchrun:
         return [p for a in self.agents if a.poll() is None for p in (a.pid, *children(a.pid))]
 
     def wait_step(self, step: int, timeout_s: float) -> dict[str, Any]:
-        return wait_for(lambda: next((e for e in self.steps() if e["step"] >= step), None), timeout_s,
-                        f"torchrun step {step}", self.alive)
+        event: dict[str, Any] = wait_for(lambda: next((e for e in self.steps() if e["step"] >= step), None),
+                                         timeout_s, f"torchrun step {step}", self.alive)
+        return event
 
     def kill_node(self, agent: subprocess.Popen[bytes]) -> float:
         """SIGKILL a node: the agent's process group and its training processes, back to back."""
@@ -436,6 +439,7 @@ def adaptrain(a: argparse.Namespace, job_ref: str, batch: int, workdir: Path, rn
         job.kill(victim)
         kill: dict[str, Any] = {"victim": victim, "kill_fraction_of_step": fraction, "t_kill": t_kill}
         out["kill"] = kill
+        steps = [e for e in job.events() if e["kind"] == "step"]
         last = continuity(steps, t_kill)["last_committed_before_kill"]
         job.wait_step(last + a.post_steps, a.recovery_timeout)
         events = job.events()
@@ -465,11 +469,15 @@ def adaptrain(a: argparse.Namespace, job_ref: str, batch: int, workdir: Path, rn
         job.wait_step(first["step"] + 2, a.timeout)
         events = job.events()
         reshard = next((e for e in events if e["kind"] == "reshard" and e["epoch"] == plan["epoch"]), None)
+        boundary = [e for e in events if e["kind"] == "step" and e["epoch"] < plan["epoch"]][-1]  # last old step
         out["join"] = {
             "joiner": joiner, "epoch": plan["epoch"], "plan_reason": plan["reason"], "step": first["step"],
             "spawn_to_joined_s": joined["ts"] - t_spawn, "joined_to_plan_s": plan["ts"] - joined["ts"],
-            "joined_to_first_step_s": first["ts"] - joined["ts"], "plan_to_first_step_s": first["ts"] - plan["ts"], "spawn_to_first_step_s": first["ts"] - t_spawn,
-            "reshard_s": reshard["seconds"] if reshard else None, "reshard_bytes": reshard["bytes"] if reshard else None,
+            "joined_to_first_step_s": first["ts"] - joined["ts"], "plan_to_first_step_s": first["ts"] - plan["ts"],
+            "plan_to_boundary_s": boundary["ts"] - plan["ts"],
+            "boundary_to_first_step_s": first["ts"] - boundary["ts"], "spawn_to_first_step_s": first["ts"] - t_spawn,
+            "reshard_s": reshard["seconds"] if reshard else None,
+            "reshard_bytes": reshard["bytes"] if reshard else None,
         }
     except Exception as e:
         out["error"] = f"{type(e).__name__}: {e}\n{job.tail('coordinator.out')}"
@@ -514,9 +522,12 @@ def table(r: dict[str, Any]) -> str:
     ratio = r["steady"]["ratio"] = ours_sps / ddp_sps if ours_sps and ddp_sps else None
     per_cpu = r["steady"]["ratio_per_cpu_s"] = (so["samples_per_cpu_s"] / sd["samples_per_cpu_s"]
                                                  if so and sd else None)
-    building = ej.get("joined_to_plan_s")
+    join_parts = ("" if "boundary_to_first_step_s" not in ej else
+                  f" ({ej['joined_to_plan_s']:.2f} to plan, {ej['plan_to_boundary_s']:.2f} to boundary, "
+                  f"{ej['boundary_to_first_step_s']:.2f} to step)")
     rows = [
-        ("kill -> next committed step (s)", f(ok.get("kill_to_next_step_s")), f(el.get("kill_to_next_step_s")), "small"),
+        ("kill -> next committed step (s)", f(ok.get("kill_to_next_step_s")), f(el.get("kill_to_next_step_s")),
+         "small"),
         ("kill -> first step, new group (s)", f(ok.get("kill_to_new_group_step_s")),
          f(el.get("kill_to_new_group_step_s")), "small"),
         ("failure noticed (s)", f"{f(ok.get('detect_s'), '{:.3f}')} ({ok.get('detected_by', '?')})",
@@ -528,21 +539,26 @@ def table(r: dict[str, Any]) -> str:
          f"{f(el.get('restart_to_resumed_s'))} (restart->resumed)", ""),
         ("steps lost", f(ok.get("steps_lost"), "{}"), f(el.get("steps_lost"), "{}"), "0"),
         ("steps continue from last committed", f(ok.get("steps_continue")), f(el.get("steps_continue")), "yes"),
-        ("join -> joiner's first step (s)", f(ej.get("joined_to_first_step_s"))
-         + (f" ({building:.2f} to Ready+plan)" if building is not None else ""), "n/a", "<= 1 s (10M params)"),
+        ("join -> joiner's first step (s)", f(ej.get("joined_to_first_step_s")) + join_parts, "n/a",
+         "<= 1 s (10M params)"),
         ("spawn -> joiner's first step (s)", f(ej.get("spawn_to_first_step_s")), "n/a", ""),
         ("join reshard", mb(ej.get("reshard_s"), ej.get("reshard_bytes")), "n/a", ""),
         (f"steady samples/s ({so.get('windows', 0)} + {sd.get('windows', 0)} windows)", f(ours_sps, "{:.1f}"),
          f(ddp_sps, "{:.1f}"), ""),
         ("ratio adaptrain / torchrun DDP", f(ratio, "{:.3f}"), "", ">= 0.97"),
-        ("CPU s per step, all processes", f(so.get("cpu_s_per_step"), "{:.3f}"), f(sd.get("cpu_s_per_step"), "{:.3f}"), ""),
+        ("CPU s per step, all processes", f(so.get("cpu_s_per_step"), "{:.3f}"),
+         f(sd.get("cpu_s_per_step"), "{:.3f}"), ""),
         ("ratio of samples per CPU-second", f(per_cpu, "{:.3f}"), "", ""),
         ("other programs' load (cores)", f(so.get("other_cores")), f(sd.get("other_cores")), "~0"),
-        ("samples/s, ckpt every step", "n/a", f(el.get("steady_with_checkpoint", {}).get("samples_per_s"), "{:.1f}"), ""),
+        ("samples/s, ckpt every step", "n/a",
+         f(el.get("steady_with_checkpoint", {}).get("samples_per_s"), "{:.1f}"), ""),
     ]
     head = ["metric", "adaptrain", "torchrun", "goal"]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+
+    def line(cells: tuple[str, ...] | list[str]) -> str:
+        return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
+
     return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
 
 
@@ -571,7 +587,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--recovery-timeout", type=float, default=120.0, help="give up waiting for a recovery after S s")
     p.add_argument("--skip-torchrun", action="store_true", help="run only the adaptrain side")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs) instead of deleting it")
-    p.add_argument("--out", type=Path, default=Path("bench-out/recovery.json"), help="JSON results (default %(default)s)")
+    p.add_argument("--out", type=Path, default=Path("bench-out/recovery.json"),
+                   help="JSON results (default %(default)s)")
     a = p.parse_args(argv)
     small = a.model == "small"
     a.steps = a.steps or ((30 if small else 5) if a.quick else (100 if small else 10))

@@ -19,6 +19,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
@@ -68,6 +69,7 @@ class Agent:
         self.epoch = 0  # set by the trainer: what heartbeats report
         self.step = 0
         self._ready = False  # the trainer is built: (re)joins announce Ready at once
+        self.on_interrupt: Callable[[], None] | None = None  # called when work may be superseded
         self._box = _Mailbox(deltas=[])
         self._cond = threading.Condition()
         self._outbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
@@ -218,6 +220,8 @@ class Agent:
                 case _:
                     self._log(f"ignoring unexpected {type(msg).__name__} from the coordinator")
             self._cond.notify_all()
+        if self.on_interrupt is not None and isinstance(msg, (PlanDelta, Abort, Stop, Error)):
+            self.on_interrupt()
 
     def _log(self, text: str) -> None:
         print(f"[{self.name}] {text}", flush=True)

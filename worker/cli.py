@@ -77,6 +77,7 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     import torch  # after argument parsing: --help stays fast
+    import torch._dynamo  # noqa: F401  (part of torch's import cost: the first optimizer pulls it in)
 
     from worker.agent import Agent, FatalError
     from worker.calibrate import calibrate

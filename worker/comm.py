@@ -1,9 +1,9 @@
 """One epoch's torch.distributed group, and collectives that can be walked away from.
 
 gloo (CPU) or NCCL (GPU) is chosen by the worker's device. Every group is built on a PrefixStore
-"epoch{E}/" over the coordinator's store, in a helper thread, and every wait polls a `superseded`
-predicate (the agent's abort flag), because a dead or stopped peer can hold a gloo collective for
-the whole group timeout (DESIGN.md, measured). A superseded operation is not waited for and not
+"epoch{E}/" over the coordinator's store, in a helper thread, and every wait can be given up the
+moment the agent reports an abort (`Waiter`), because a dead or stopped peer can hold a gloo
+collective for the whole group timeout (DESIGN.md, measured). A superseded operation is not waited for and not
 destroyed (destroying a group with an op in flight blocks until that op's timeout): its group, work
 and buffer go to the `Graveyard` and are dropped once the op ends on its own. NCCL groups are
 aborted instead (ncclCommAbort frees the GPU from a kernel that would spin forever).
@@ -15,8 +15,8 @@ possible.
 
 from __future__ import annotations
 
+import queue
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -24,9 +24,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-POLL_S = 0.0002
-
 
 class Superseded(Exception):
     """The epoch was abandoned (a failure elsewhere, fencing, or a stop)."""
@@ -80,48 +77,77 @@ def form_group(store: Any, epoch: int, rank: int, world: int, device: torch.devi
     return box["pg"]
 
 
-def wait(pg: Any, work: Any, *, superseded: Callable[[], bool], graveyard: Graveyard, buf: Any = None,
-         p2p: bool = False) -> None:
-    """Wait for `work`, or give it up (raising Superseded) the moment the epoch is superseded.
-    A collective that fails (a peer died under it) is also given up: the coordinator's verdict
-    decides what comes next, never a gloo error alone."""
-    pollable = _Pollable(work) if p2p else work
-    while not pollable.is_completed():
-        if superseded():
-            graveyard.bury(pg, work, buf)
-            raise Superseded
-        time.sleep(POLL_S)
-    try:
-        pollable.wait()
-    except RuntimeError as e:
-        graveyard.bury(pg, work, buf)
-        raise Superseded(f"collective failed: {str(e).splitlines()[0]}") from e
+class Waiter:
+    """Waits for torch work without polling, and can be walked away from.
 
+    A helper thread blocks in `work.wait()` (gloo's send/recv only ever complete through wait(),
+    never through is_completed()) and sets an Event; the trainer blocks on that Event, which the
+    agent also sets (`interrupt`) when an abort arrives. So a step costs two thread switches, not
+    thousands of wake-ups. A helper stuck in an abandoned op is retired: it ends when that op ends
+    (at the latest at the group timeout) and a fresh helper serves the next waits.
+    """
 
-class _Pollable:
-    """gloo's send/recv work never reports completion through is_completed(); only wait() ends it.
-    So its wait() runs in a helper thread that the trainer can poll (and walk away from: the thread
-    then ends with the group's timeout)."""
+    SAFETY_NET_S = 0.05  # re-check `superseded` this often even without a wake-up
 
-    def __init__(self, work: Any) -> None:
-        self.work = work
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True, name="p2p-wait")
-        self.thread.start()
+    def __init__(self, device: torch.device) -> None:
+        # NCCL's work.wait() only orders the CUDA stream; the helper must wait for the GPU itself.
+        self._sync_cuda = device.type == "cuda"
+        self._lock = threading.Lock()
+        self._waiting: threading.Event | None = None
+        self._queue: queue.SimpleQueue[tuple[Any, threading.Event, dict[str, Any]] | None] | None = None
 
-    def _run(self) -> None:
+    def interrupt(self) -> None:
+        """Wake the trainer's current wait so it re-checks whether its epoch is superseded."""
+        with self._lock:
+            if self._waiting is not None:
+                self._waiting.set()
+
+    def wait(self, pg: Any, work: Any, *, superseded: Callable[[], bool], graveyard: Graveyard,
+             buf: Any = None) -> None:
+        """Wait for `work`, or give it up (raising Superseded) the moment the epoch is superseded.
+        A collective that fails (a peer died under it) is also given up: the coordinator's verdict
+        decides what comes next, never a gloo error alone."""
+        done, box = threading.Event(), dict[str, Any]()
+        with self._lock:
+            self._waiting = done
         try:
-            self.work.wait()
-        except BaseException as e:  # noqa: BLE001 (re-raised by wait() in the trainer's thread)
-            self.error = e
+            self._helper().put((work, done, box))
+            while True:
+                done.wait(self.SAFETY_NET_S)
+                if "ok" in box:
+                    break
+                if superseded():
+                    self._queue = None  # the helper is stuck in this op: retire it
+                    graveyard.bury(pg, work, buf)
+                    raise Superseded
+                done.clear()
+        finally:
+            with self._lock:
+                self._waiting = None
+        if box["ok"] is not True:
+            graveyard.bury(pg, work, buf)
+            raise Superseded(f"collective failed: {str(box['ok']).splitlines()[0]}")
 
-    def is_completed(self) -> bool:
-        return not self.thread.is_alive()
+    def _helper(self) -> queue.SimpleQueue[tuple[Any, threading.Event, dict[str, Any]] | None]:
+        if self._queue is None:
+            self._queue = queue.SimpleQueue()
+            threading.Thread(target=_serve_waits, args=(self._queue, self._sync_cuda), daemon=True,
+                             name="work-wait").start()
+        return self._queue
 
-    def wait(self) -> None:
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
+
+def _serve_waits(jobs: queue.SimpleQueue[tuple[Any, threading.Event, dict[str, Any]] | None],
+                 sync_cuda: bool) -> None:
+    while (job := jobs.get()) is not None:
+        work, done, box = job
+        try:
+            work.wait()
+            if sync_cuda:
+                torch.cuda.synchronize()
+            box["ok"] = True
+        except BaseException as e:  # noqa: BLE001 (reported by Waiter.wait in the trainer's thread)
+            box["ok"] = e
+        done.set()
 
 
 def _is_nccl(pg: Any) -> bool:

@@ -18,7 +18,6 @@ continue from one consistent step: no step is lost or applied twice.
 from __future__ import annotations
 
 import hashlib
-import io
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +25,7 @@ from typing import Any
 import torch
 
 from transport import Ack, Leave, PlanDelta, StepReport
-from worker import comm
+from worker import comm, state
 from worker.agent import Agent
 from worker.comm import Superseded
 from worker.job import Job, sample_ids, share_slice
@@ -65,6 +64,8 @@ class Trainer:
         self.step = 0  # optimizer steps applied
         self.stale = False  # our state may differ from the survivors' (we were fenced): take theirs
         self.graveyard = comm.Graveyard()
+        self.waiter = comm.Waiter(self.device)
+        agent.on_interrupt = self.waiter.interrupt
         self.leave_reason: str | None = None  # set on SIGTERM
         self.epoch_tried = 0  # the newest epoch this worker entered or tried to enter
 
@@ -159,39 +160,37 @@ class Trainer:
             return 0
         source = counts.index(best)
         behind = [r for r, s in enumerate(counts) if s < best]
-        if g.rank == source:
-            payload = self._serialize().to(self.device)
-            size = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
+        if g.rank == source and behind:
+            packed = state.pack(self._state(), self.device)
+            size = torch.tensor([packed.skeleton.numel()], dtype=torch.int64, device=self.device)
             for r in behind:
-                self._wait(g, g.pg.send([size], r, 0), p2p=True)
-                self._wait(g, g.pg.send([payload], r, 1), p2p=True)
+                for tag, tensor in enumerate([size, packed.skeleton, *packed.buffers]):
+                    self._wait(g, g.pg.send([tensor], r, tag))
             return 0
         if g.rank in behind:
             size = torch.zeros(1, dtype=torch.int64, device=self.device)
-            self._wait(g, g.pg.recv([size], source, 0), p2p=True)
-            payload = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-            self._wait(g, g.pg.recv([payload], source, 1), p2p=True)
-            self._load(payload)
-            return payload.numel()
+            self._wait(g, g.pg.recv([size], source, 0))
+            skeleton = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+            self._wait(g, g.pg.recv([skeleton], source, 1))
+            meta = state.read_meta(skeleton)
+            buffers = state.empty_buffers(meta, self.device)
+            for tag, buf in enumerate(buffers, start=2):
+                self._wait(g, g.pg.recv([buf], source, tag))
+            # Unpack on the CPU: optimizers keep some state (Adam's step) there.
+            received = state.unpack(meta, [b.cpu() for b in buffers])
+            self.model.load_state_dict(received["model"])
+            self.optimizer.load_state_dict(received["optimizer"])
+            self.step, self.stale = int(received["step"]), False
+            return int(size.item()) + sum(b.numel() * b.element_size() for b in buffers)
         return 0
 
-    def _serialize(self) -> torch.Tensor:
-        buf = io.BytesIO()
-        torch.save({"step": self.step, "model": self.model.state_dict(),
-                    "optimizer": self.optimizer.state_dict()}, buf)
-        return torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
+    def _state(self) -> dict[str, Any]:
+        return {"step": self.step, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
 
-    def _load(self, payload: torch.Tensor) -> None:
-        state = torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), map_location=self.device,
-                           weights_only=True)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.step, self.stale = int(state["step"]), False
-
-    def _wait(self, g: Group, work: Any, buf: torch.Tensor | None = None, *, p2p: bool = False) -> None:
+    def _wait(self, g: Group, work: Any, buf: torch.Tensor | None = None) -> None:
         try:
-            comm.wait(g.pg, work, superseded=lambda: self.agent.superseded(g.epoch), graveyard=self.graveyard,
-                      buf=buf, p2p=p2p)
+            self.waiter.wait(g.pg, work, superseded=lambda: self.agent.superseded(g.epoch),
+                             graveyard=self.graveyard, buf=buf)
         except Superseded as e:
             if e.args:
                 self._log(f"epoch {g.epoch}: {e.args[0]}")
