@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from localjob import LocalJob  # noqa: E402
+from localjob import LocalJob, read_jsonl  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"small": ("examples/gpt.py:job", 300), "10m": ("examples/gpt.py:job_10m", 100)}  # ref, num_steps
@@ -91,18 +91,6 @@ K=5 and A=3 (torch's); env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (gloo restarts n
 
 
 # --- small helpers -------------------------------------------------------------------------------
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            break  # a line being written
-    return out
-
 
 def wait_for(get: Callable[[], Any], timeout_s: float, what: str, alive: Callable[[], bool] = lambda: True,
              poll_s: float = 0.01) -> Any:
@@ -510,13 +498,13 @@ def table(r: dict[str, Any]) -> str:
 
     def f(x: Any, fmt: str = "{:.2f}") -> str:
         if x is None:
-            return "error"
+            return "-"  # not measured: skipped, or failed (errors are listed under the table)
         if isinstance(x, bool):
             return "yes" if x else "NO"
         return fmt.format(x) if isinstance(x, (int, float)) else str(x)
 
     def mb(s: Any, b: Any) -> str:
-        return "error" if s is None or b is None else f"{s:.2f} s / {b / 1e6:.1f} MB"
+        return "-" if s is None or b is None else f"{s:.2f} s / {b / 1e6:.1f} MB"
 
     ours_sps, ddp_sps = so.get("samples_per_s"), sd.get("samples_per_s")
     ratio = r["steady"]["ratio"] = ours_sps / ddp_sps if ours_sps and ddp_sps else None

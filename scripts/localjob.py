@@ -130,16 +130,7 @@ class LocalJob:
     # --- observing -------------------------------------------------------------------------------
 
     def events(self) -> list[dict[str, Any]]:
-        path = self.state_dir / "events.jsonl"
-        if not path.exists():
-            return []
-        out = []
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                break  # a line being written
-        return out
+        return read_jsonl(self.state_dir / "events.jsonl")
 
     def wait_event(self, match: Callable[[dict[str, Any]], bool], timeout_s: float,
                    what: str = "event") -> dict[str, Any]:
@@ -173,6 +164,19 @@ class LocalJob:
         if not path.exists():
             return "(no log)"
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The complete JSON lines of a file that may be being appended to."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a line being written
+    return out
 
 
 def _env() -> dict[str, str]:
