@@ -293,7 +293,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ev.add_argument("--since", type=int, default=0, metavar="N", help="start at event index N (default 0)")
     dr = add("drain", "plan a worker out at the next step boundary; it then leaves cleanly")
     dr.add_argument("name", metavar="NAME", help="the worker's name, as `status` shows it")
-    add("stop", "tell every worker to stop after its current step, then the coordinator exits")
+    add("stop", "stop every worker now (a step in flight is abandoned), then the coordinator exits")
 
     a = p.parse_args(argv)
     if not a.control:

@@ -176,8 +176,9 @@ class Abort:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Stop:
-    """Coordinator -> worker: finish the step in flight and exit (``ctl stop``, SIGTERM of the
-    coordinator, or the job already finished when a worker joins)."""
+    """Coordinator -> worker: stop now and exit (``ctl stop``, SIGTERM of the coordinator, the
+    answer to a `Leave`, or the job already over when a worker joins). A step in flight is
+    abandoned; the worker answers with `Leave(reason="stopped")`."""
 
     reason: str
 
