@@ -54,6 +54,7 @@ class Worker:
     step: int = 0  # steps it has applied, as last reported
     ready: bool = False  # job loaded and model built: plans may include it
     leaving: str | None = None  # why it is being planned out ("drained", "preempted")
+    nudged_at: float = 0.0  # when the latest plan was last (re)sent to it
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,6 +63,7 @@ class State:
     cluster: Cluster = field(default_factory=Cluster)
     epoch: int = 0  # epoch of `plan`, the latest plan sent (0: none yet)
     plan: Plan | None = None
+    delta: PlanDelta | None = None  # the latest plan as sent, re-sent to a member that lost it
     acked: frozenset[str] = frozenset()  # members of `plan` that acknowledged it
     running: frozenset[str] = frozenset()  # members of the previous plan, while `plan` is pending
     reshard_bytes: int = 0  # summed over the acks of `epoch`
@@ -199,28 +201,28 @@ def apply(state: State, event: Event, config: Config, *, now: float) -> Result:
                 return state, [_fence(name)]
             w = state.workers[name]
             state = replace(state, workers={**state.workers, name: replace(w, ready=True, last_seen=now)})
-            return replan(state, config, "join", abort=False)
+            return replan(state, config, "join", abort=False, now=now)
         case Seen(name, epoch, step):
             if name not in state.workers:
                 return state, [_fence(name)]
-            return _touch(state, name, now, step=step), []
+            return _nudge(_touch(state, name, now, step=step), name, epoch, config, now)
         case StepDone(report):
             return _step_done(state, report, config, now)
         case Acked(ack):
             return _acked(state, ack, config, now)
         case Left(name, reason):
-            return _left(state, name, reason, config)
+            return _left(state, name, reason, config, now)
         case Lost(name, detected_by):
-            return _lost(state, name, detected_by, config)
+            return _lost(state, name, detected_by, config, now)
         case Tick():
             effects: list[Effect] = []
             for w in list(state.workers.values()):
                 if now - w.last_seen > config.lease_s:
-                    state, more = _lost(state, w.name, "lease", config)
+                    state, more = _lost(state, w.name, "lease", config, now)
                     effects += more
             return state, effects
         case DrainRequested(name):
-            return _drain(state, name, "drained", config)
+            return _drain(state, name, "drained", config, now)
         case StopRequested(reason):
             state = replace(state, stopping=True)
             effects = [Send(n, Stop(reason=reason)) for n in state.workers]
@@ -228,7 +230,7 @@ def apply(state: State, event: Event, config: Config, *, now: float) -> Result:
     raise AssertionError(f"unhandled event {event!r}")
 
 
-def replan(state: State, config: Config, reason: str, *, abort: bool) -> Result:
+def replan(state: State, config: Config, reason: str, *, abort: bool, now: float) -> Result:
     """Make a new plan if one is due, and send it as a new epoch."""
     if state.finished or state.stopping:
         return state, []
@@ -273,11 +275,28 @@ def replan(state: State, config: Config, reason: str, *, abort: bool) -> Result:
                       global_batch=config.global_batch, abort=abort)
     old = set(state.plan.members) if state.plan else set()
     recipients = sorted((old | set(new.members)) & set(state.workers))
+    workers = {n: replace(w, nudged_at=now) if n in recipients else w for n, w in state.workers.items()}
+    state = replace(state, workers=workers, delta=delta)
     state = replace(state, epoch=epoch, plan=new, acked=frozenset(), reshard_bytes=0, reshard_s=0.0,
                     replan_wanted=f"{handoff} handed off" if handoff else None,
                     running=frozenset(old & set(state.workers)))
     effects: list[Effect] = [Planned(result, epoch, reason)]
     return state, effects + [Send(n, delta) for n in recipients]
+
+
+def _nudge(state: State, name: str, epoch: int, config: Config, now: float) -> Result:
+    """A member of the pending plan still heartbeats an older epoch a lease after the plan went out:
+    it may have lost the delta (a reconnect, a fenced worker re-joining), so send it again. A worker
+    that has it already just replaces it with the same message."""
+    w = state.workers[name]
+    lagging = (state.pending and state.delta is not None and state.plan is not None
+               and name in state.plan.members and name not in state.acked and epoch < state.epoch)
+    if not lagging or now - w.nudged_at < config.lease_s:
+        return state, []
+    delta = state.delta
+    assert delta is not None
+    state = replace(state, workers={**state.workers, name: replace(w, nudged_at=now)})
+    return state, [Send(name, delta)]
 
 
 def _join(state: State, msg: Join, config: Config, now: float) -> Result:
@@ -327,18 +346,18 @@ def _acked(state: State, ack: Ack, config: Config, now: float) -> Result:
     effects: list[Effect] = [Log("reshard", {"epoch": state.epoch, "bytes": state.reshard_bytes,
                                              "seconds": round(state.reshard_s, 4)})]
     if state.replan_wanted is not None:
-        state, more = replan(state, config, state.replan_wanted, abort=False)
+        state, more = replan(state, config, state.replan_wanted, abort=False, now=now)
         effects += more
     return state, effects
 
 
-def _left(state: State, name: str, reason: str, config: Config) -> Result:
+def _left(state: State, name: str, reason: str, config: Config, now: float) -> Result:
     if name not in state.workers:
         return state, [Send(name, Stop(reason="not a member"))]
     in_latest = state.plan is not None and name in state.plan.members
     planned_out = reason in ("preempted", "drained")
     if in_latest and planned_out and not state.finished:
-        return _drain(state, name, reason, config)
+        return _drain(state, name, reason, config, now)
     clean = reason == "finished" or planned_out  # planned out: it left at the agreed switch
     in_plan = state.in_play(name) and not clean
     state = _remove(state, name)
@@ -346,12 +365,12 @@ def _left(state: State, name: str, reason: str, config: Config) -> Result:
                              Send(name, Stop(reason="goodbye"))]
     if in_plan and not state.finished:
         effects += [Send(n, Abort(epoch=state.epoch, reason=f"{name} left")) for n in state.workers]
-        state, more = replan(state, config, "leave", abort=True)
+        state, more = replan(state, config, "leave", abort=True, now=now)
         effects += more
     return state, effects + _maybe_finished(state)
 
 
-def _lost(state: State, name: str, detected_by: str, config: Config) -> Result:
+def _lost(state: State, name: str, detected_by: str, config: Config, now: float) -> Result:
     worker = state.workers.get(name)
     if worker is None:
         return state, []
@@ -363,18 +382,18 @@ def _lost(state: State, name: str, detected_by: str, config: Config) -> Result:
     effects: list[Effect] = [Log("failed", {"worker": name, "detected_by": detected_by})]
     if in_plan and not state.finished:
         effects += [Send(n, Abort(epoch=state.epoch, reason=f"{name} failed")) for n in state.workers]
-        state, more = replan(state, config, "failure", abort=True)
+        state, more = replan(state, config, "failure", abort=True, now=now)
         effects += more
     return state, effects + _maybe_finished(state)
 
 
-def _drain(state: State, name: str, why: str, config: Config) -> Result:
+def _drain(state: State, name: str, why: str, config: Config, now: float) -> Result:
     worker = state.workers[name]
     if state.plan is None or name not in state.plan.members:
         state = _remove(state, name)
         return state, [Send(name, Stop(reason=why)), Log("left", {"worker": name, "reason": why})]
     state = replace(state, workers={**state.workers, name: replace(worker, leaving=why)})
-    return replan(state, config, why, abort=False)
+    return replan(state, config, why, abort=False, now=now)
 
 
 def _remove(state: State, name: str) -> State:

@@ -134,8 +134,6 @@ class Agent:
         """True once after the coordinator fenced this worker out (the agent is joining again)."""
         with self._cond:
             fenced, self._box.fenced = self._box.fenced, False
-            if fenced:
-                self._box.deltas = []
             return fenced
 
     def close(self, linger_s: float = 1.0) -> None:
@@ -208,6 +206,7 @@ class Agent:
                     if not box.fenced and time.monotonic() - box.joined_at > REJOIN_GRACE_S:
                         self._log(f"fenced out by the coordinator ({text}); joining again")
                         box.fenced = True
+                        box.deltas = []  # plans for the old membership; new ones follow the re-join
                         box.joined_at = time.monotonic()
                         sock.send(encode(self._join_message()))
                         if self._ready:

@@ -31,6 +31,9 @@ from worker.comm import Superseded
 from worker.job import Job, sample_ids, share_slice
 from worker.store import CoordinatorStore
 
+RETRY_S = 0.5  # pause before forming an epoch's group again after a failed rendezvous
+
+
 @dataclass(slots=True)
 class Group:
     epoch: int
@@ -133,6 +136,12 @@ class Trainer:
             received = self._reconcile(group)
         except Superseded:
             self._log(f"epoch {delta.epoch} superseded while forming")
+            return None
+        except RuntimeError as e:  # e.g. a peer never came to the rendezvous: the coordinator
+            # re-sends the plan to a member that lost it, or re-plans; try again until then.
+            self._log(f"could not form epoch {delta.epoch} ({str(e).splitlines()[0]}); retrying")
+            self.epoch_tried = delta.epoch - 1
+            time.sleep(RETRY_S)
             return None
         self.agent.epoch = delta.epoch
         self.agent.step = self.step

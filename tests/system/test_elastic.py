@@ -108,7 +108,7 @@ def test_loss_curve_equals_undisturbed_run(disturbed: dict[str, Any], undisturbe
     assert worst <= 1e-4, f"largest relative loss difference {worst:.2e}"
 
 
-def test_stopped_worker_is_fenced_and_rejoins(tmp_path: Path) -> None:
+def test_stopped_worker_is_fenced_and_rejoins(tmp_path: Path, undisturbed: dict[int, float]) -> None:
     """SIGSTOP: excluded after the lease, the rest continue; SIGCONT: it is fenced (its epoch is
     gone), drops its state, joins again and finishes in step with the others."""
     with LocalJob(JOB, tmp_path, min_workers=3, lease_s=1.0) as job:
@@ -134,9 +134,13 @@ def test_stopped_worker_is_fenced_and_rejoins(tmp_path: Path) -> None:
         finals = {name: digests(job, name)[NUM_STEPS] for name in ("w1", "w2", "w3")}
         assert len(set(finals.values())) == 1, finals
         assert "fenced" in (tmp_path / "w2.log").read_text()
+        losses = {s: e["loss"] for s, e in job.steps().items()}
+        worst = max(abs(losses[s] - undisturbed[s]) / abs(undisturbed[s]) for s in undisturbed)
+        assert worst <= 1e-4, f"largest relative loss difference {worst:.2e}"
+        assert not [e for e in job.events() if e["kind"] == "left" and e["reason"].startswith("error")]
 
 
-def test_preempted_and_drained_workers_leave_cleanly(tmp_path: Path) -> None:
+def test_preempted_and_drained_workers_leave_cleanly(tmp_path: Path, undisturbed: dict[int, float]) -> None:
     """SIGTERM (a spot preemption notice) and `ctl drain` plan a worker out at a step boundary:
     it exits 0, nobody is aborted, the others train on to the end with the same loss curve."""
     with LocalJob(JOB, tmp_path, min_workers=3) as job:
@@ -161,6 +165,8 @@ def test_preempted_and_drained_workers_leave_cleanly(tmp_path: Path) -> None:
         assert [p["reason"] for p in plans(events)] == ["join", "preempted", "drained"]
         assert plans(events)[-1]["layout"]["members"] == ["w1"]
         assert sorted(job.steps()) == list(range(1, NUM_STEPS + 1))
+        losses = {s: e["loss"] for s, e in job.steps().items()}
+        assert max(abs(losses[s] - undisturbed[s]) / abs(undisturbed[s]) for s in undisturbed) <= 1e-4
         # Planned changes abandon nothing: every epoch switch happened at a step boundary.
         for name in ("w1", "w2", "w3"):
             assert "abandoned" not in (tmp_path / f"{name}.log").read_text()

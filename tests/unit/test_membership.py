@@ -414,3 +414,19 @@ def test_draining_the_only_member_does_not_lose_the_job() -> None:
     final = the_delta(effects)
     assert final.members == ["b"] and final.epoch == handoff.epoch + 1 and not final.abort
     assert "a" in deltas(effects), "a learns it is planned out, and leaves at the switch"
+
+
+def test_a_member_that_lost_the_plan_gets_it_again() -> None:
+    """A member still heartbeating an older epoch a lease after the plan went out is sent the
+    plan again (a fenced worker re-joining can drop it); before a lease has passed, it is not."""
+    sim = Sim()
+    sim.running("a", "b")
+    effects = sim.join("c")
+    delta = the_delta(effects)
+    sim(m.Acked(Ack(name="a", epoch=delta.epoch, step=0, reshard_bytes=0, reshard_s=0.0)))
+    assert not sent(sim(m.Seen("c", 0, 0)), PlanDelta), "too early to resend"
+    sim.now += sim.config.lease_s + 0.1
+    resent = sent(sim(m.Seen("c", 0, 0)), PlanDelta)
+    assert resent == {"c": delta}
+    assert not sent(sim(m.Seen("a", delta.epoch, 0)), PlanDelta), "a member that acked is left alone"
+    assert not sent(sim(m.Seen("c", 0, 0)), PlanDelta), "at most once a lease"
