@@ -343,7 +343,12 @@ def _acked(state: State, ack: Ack, config: Config, now: float) -> Result:
     if state.pending:
         return state, []
     state = replace(state, running=frozenset())
-    effects: list[Effect] = [Log("reshard", {"epoch": state.epoch, "bytes": state.reshard_bytes,
+    plan = state.plan
+    assert plan is not None  # not pending, and ack.name was a member
+    # Drained workers switched out with everyone else: now they can go.
+    effects: list[Effect] = [Send(n, Stop(reason=w.leaving)) for n, w in state.workers.items()
+                             if w.leaving is not None and n not in plan.members]
+    effects += [Log("reshard", {"epoch": state.epoch, "bytes": state.reshard_bytes,
                                              "seconds": round(state.reshard_s, 4)})]
     if state.replan_wanted is not None:
         state, more = replan(state, config, state.replan_wanted, abort=False, now=now)

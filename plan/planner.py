@@ -74,15 +74,17 @@ def split_shares(total: int, weights: list[float]) -> list[int]:
 
 
 def make_plan(cluster: Cluster, previous: Plan | None, *, limits: PlanLimits) -> PlanResult:
-    """All devices (up to `max_workers`, fastest first) in data parallel, shares by speed."""
+    """All devices (up to `max_workers`) in data parallel, shares by speed."""
     speeds = cluster.speeds()
     if not speeds:
         return PlanResult(plan=None, status="infeasible", reason="no devices")
-    chosen = sorted(speeds, key=lambda name: (-speeds[name], name))
+    # Members of the previous plan stay (a swap would move state for a guess at speed); free
+    # slots up to max_workers go to the fastest newcomers.
+    kept = [m for m in (previous.members if previous else ()) if m in speeds][: limits.max_workers]
+    newcomers = sorted((n for n in speeds if n not in kept), key=lambda n: (-speeds[n], n))
     if limits.max_workers is not None:
-        chosen = chosen[: limits.max_workers]
-    kept = [m for m in (previous.members if previous else ()) if m in chosen]
-    members = kept + sorted(m for m in chosen if m not in kept)
+        newcomers = newcomers[: max(limits.max_workers - len(kept), 0)]
+    members = kept + sorted(newcomers)
     weights = [speeds[m] for m in members]
     shares = split_shares(limits.global_batch, weights)
     measured = all(cluster.devices[m].samples_per_s for m in members)

@@ -88,17 +88,19 @@ class Trainer:
                 group, self.stale = None, True
             if self.step >= self.job.num_steps:
                 return self._leave("finished")
-            if self.agent.stop_reason() is not None:
-                self.agent.send(Leave(name=self.name, reason="stopped"))
-                return f"stopped: {self.agent.stop_reason()}"
+            stop = self.agent.stop_reason()
+            if stop is not None:  # "drained" comes once the plan without us is in place
+                reason = "drained" if stop == "drained" else "stopped"
+                self.agent.send(Leave(name=self.name, reason=reason))
+                return reason if reason == "drained" else f"stopped: {stop}"
             if group is None or self.agent.superseded(group.epoch):
                 delta = self.agent.next_delta(self.epoch_tried, self.config.delta_timeout_s)
                 if delta is None:
                     continue
                 self.epoch_tried = delta.epoch
-                if self.name not in delta.members:
-                    return self._leave(self.leave_reason or "drained")
-                group = self._enter(delta)
+                group = self._enter(delta) if self.name in delta.members else self._standby(delta)
+                if group is None and self.leave_reason is not None and self.name not in delta.members:
+                    return self._leave(self.leave_reason)
                 continue
             try:
                 switch_to = self._train_step(group)
@@ -108,9 +110,19 @@ class Trainer:
                 continue
             if switch_to is not None:
                 self.epoch_tried = switch_to.epoch
-                if self.name not in switch_to.members:
-                    return self._leave(self.leave_reason or "drained")
-                group = self._enter(switch_to)
+                if self.name in switch_to.members:
+                    group = self._enter(switch_to)
+                elif self.leave_reason is not None:
+                    return self._leave(self.leave_reason)
+                else:
+                    group = self._standby(switch_to)
+
+    def _standby(self, delta: PlanDelta) -> Group | None:
+        """Planned out without asking to leave (drained, or more workers than the plan uses):
+        keep the process and wait for the next plan (or a Stop)."""
+        self.agent.epoch = delta.epoch
+        self._log(f"not in epoch {delta.epoch} ({delta.reason}): on standby")
+        return None
 
     def _leave(self, reason: str) -> str:
         self.agent.send(Leave(name=self.name, reason=reason))

@@ -202,3 +202,25 @@ def test_bad_job_is_refused_at_start(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="nope.py"):
         missing.start()
     missing.close()
+
+
+def test_standby_worker_takes_over_a_failed_member(tmp_path: Path) -> None:
+    """--max-workers 2 keeps a third worker on standby; when a member is killed, the standby is
+    planned in and receives the state, and training goes on to the end."""
+    with LocalJob(JOB, tmp_path, min_workers=2, coordinator_args=["--max-workers", "2"]) as job:
+        job.start()
+        for name in ("w1", "w2"):
+            job.add_worker(name, "--digest-every", "1")
+        job.wait_step(10, 120)
+        job.add_worker("w3", "--digest-every", "1")
+        job.wait_event(lambda e: e["kind"] == "joined" and e["worker"] == "w3", 60, "w3 joined")
+        job.wait_step(max(job.steps()) + 20, 60)
+        assert all(p["layout"]["members"] == ["w1", "w2"] for p in plans(job.events())), "w3 waits"
+        job.kill("w1")
+        plan = job.wait_event(lambda e: e["kind"] == "plan" and e["reason"] == "failure", 30, "failure plan")
+        assert sorted(plan["layout"]["members"]) == ["w2", "w3"]
+        exits = job.wait_workers(180)
+        assert exits == {"w1": -signal.SIGKILL, "w2": 0, "w3": 0}
+        assert job.wait_coordinator(30) == 0
+        assert sorted(job.steps()) == list(range(1, NUM_STEPS + 1))
+        assert digests(job, "w2")[NUM_STEPS] == digests(job, "w3")[NUM_STEPS]

@@ -430,3 +430,16 @@ def test_a_member_that_lost_the_plan_gets_it_again() -> None:
     assert resent == {"c": delta}
     assert not sent(sim(m.Seen("a", delta.epoch, 0)), PlanDelta), "a member that acked is left alone"
     assert not sent(sim(m.Seen("c", 0, 0)), PlanDelta), "at most once a lease"
+
+
+def test_drained_worker_is_stopped_once_the_new_epoch_is_in_place() -> None:
+    sim = Sim()
+    sim.running("a", "b")
+    effects = sim(m.DrainRequested("b"))
+    delta = the_delta(effects)
+    assert delta.members == ["a"] and "b" in deltas(effects)
+    assert not sent(effects, Stop), "b must first switch with everyone at the step boundary"
+    effects = sim.ack("a")
+    assert sent(effects, Stop) == {"b": Stop(reason="drained")}
+    effects = sim(m.Left("b", "drained"))
+    assert logs(effects, "left") == [{"worker": "b", "reason": "drained"}] and not sent(effects, Abort)

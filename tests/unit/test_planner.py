@@ -57,3 +57,14 @@ def test_max_workers_keeps_the_fastest() -> None:
 def test_no_device_is_infeasible() -> None:
     result = make_plan(Cluster(), None, limits=PlanLimits(global_batch=8))
     assert result.plan is None and result.status == "infeasible"
+
+
+def test_max_workers_keeps_running_members_over_a_faster_newcomer() -> None:
+    cluster = Cluster().with_device(device("a", 1e9)).with_device(device("b", 1e9))
+    first = make_plan(cluster, None, limits=PlanLimits(global_batch=8, max_workers=2)).plan
+    faster = cluster.with_device(device("c", 9e9))
+    second = make_plan(faster, first, limits=PlanLimits(global_batch=8, max_workers=2)).plan
+    assert second is not None and second.members == ("a", "b"), "no swap for a newcomer"
+    gone = faster.without("a")
+    third = make_plan(gone, second, limits=PlanLimits(global_batch=8, max_workers=2)).plan
+    assert third is not None and third.members == ("b", "c"), "the standby fills the free slot"

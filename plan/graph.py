@@ -1,0 +1,193 @@
+"""The unified distributed graph, as the planner sees it: plain numbers per layer, no torch.
+
+A worker captures the model (meta-device tracing) and uploads it as JSON; the coordinator rebuilds
+a `Graph` with `Graph.from_dict`, which validates every field and raises `ValueError` naming the
+layer and field at fault. All quantities are per sample unless the name says otherwise:
+`forward_flops`, `backward_flops` (≈ 2× forward), `activation_bytes` (saved for backward) and
+`boundary_bytes` (the output tensor handed to the next layer, what a pipeline cut sends);
+`param_bytes` is per layer.
+
+`Placement` and `TensorSpec` describe how one tensor lies on a device mesh (DTensor's vocabulary):
+`Replicate()`, `Shard(dim)` or `Partial()` per mesh dimension.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Replicate:
+    """Every device along the mesh dimension holds the whole tensor."""
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """The tensor is split along tensor dimension `dim` across the mesh dimension."""
+
+    dim: int
+
+    def __post_init__(self) -> None:
+        if self.dim < 0:
+            raise ValueError(f"Shard dim must be non-negative, got {self.dim}")
+
+
+@dataclass(frozen=True, slots=True)
+class Partial:
+    """Each device holds a partial sum; the tensor is their sum (pending reduction)."""
+
+
+Placement = Replicate | Shard | Partial
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One placement per mesh dimension."""
+
+    mesh_shape: tuple[int, ...]
+    placements: tuple[Placement, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.mesh_shape) != len(self.placements):
+            raise ValueError(
+                f"TensorSpec: {len(self.mesh_shape)} mesh dimensions but {len(self.placements)} placements"
+            )
+        if any(n < 1 for n in self.mesh_shape):
+            raise ValueError(f"TensorSpec: mesh sizes must be >= 1, got {self.mesh_shape}")
+
+    def local_fraction(self) -> float:
+        """The fraction of the whole tensor one device holds (sharding divides, the rest copies)."""
+        fraction = 1.0
+        for size, placement in zip(self.mesh_shape, self.placements):
+            if isinstance(placement, Shard):
+                fraction /= size
+        return fraction
+
+
+_NUMBER_FIELDS = ("forward_flops", "backward_flops", "param_bytes", "activation_bytes", "boundary_bytes")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Layer:
+    name: str
+    kind: str
+    forward_flops: float
+    backward_flops: float = -1.0  # -1: 2 × forward (filled in by __post_init__)
+    param_bytes: int = 0
+    activation_bytes: int = 0
+    boundary_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("layer name must be non-empty")
+        if self.backward_flops == -1.0:
+            object.__setattr__(self, "backward_flops", 2.0 * self.forward_flops)
+        for field in _NUMBER_FIELDS:
+            value = getattr(self, field)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"layer {self.name!r}: {field} must be a finite number >= 0, got {value}")
+
+    @property
+    def train_flops(self) -> float:
+        """Forward + backward FLOPs per sample."""
+        return self.forward_flops + self.backward_flops
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "forward_flops": self.forward_flops,
+            "backward_flops": self.backward_flops,
+            "param_bytes": self.param_bytes,
+            "activation_bytes": self.activation_bytes,
+            "boundary_bytes": self.boundary_bytes,
+        }
+
+    @staticmethod
+    def from_dict(data: Any, index: int = 0) -> Layer:
+        where = f"layer {index}"
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: expected an object, got {type(data).__name__}")
+        name = data.get("name")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{where}: 'name' must be a non-empty string")
+        where = f"layer {index} ({name!r})"
+        kind = data.get("kind", "")
+        if not isinstance(kind, str):
+            raise ValueError(f"{where}: 'kind' must be a string")
+        unknown = set(data) - {"name", "kind", *_NUMBER_FIELDS}
+        if unknown:
+            raise ValueError(f"{where}: unknown fields {sorted(unknown)}")
+        if "forward_flops" not in data:
+            raise ValueError(f"{where}: 'forward_flops' is required")
+        values: dict[str, float] = {}
+        for field in _NUMBER_FIELDS:
+            if field not in data:
+                continue
+            value = data[field]
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{where}: {field!r} must be a number, got {value!r}")
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{where}: {field!r} must be finite and >= 0, got {value!r}")
+            values[field] = float(value)
+        return Layer(
+            name=name,
+            kind=kind,
+            forward_flops=values["forward_flops"],
+            backward_flops=values.get("backward_flops", 2.0 * values["forward_flops"]),
+            param_bytes=int(values.get("param_bytes", 0)),
+            activation_bytes=int(values.get("activation_bytes", 0)),
+            boundary_bytes=int(values.get("boundary_bytes", 0)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Graph:
+    """The model as an ordered chain of layers (the order a pipeline would cut)."""
+
+    layers: tuple[Layer, ...]
+
+    def __post_init__(self) -> None:
+        names = [layer.name for layer in self.layers]
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"graph: duplicate layer names {dup}")
+
+    @property
+    def forward_flops(self) -> float:
+        return sum(layer.forward_flops for layer in self.layers)
+
+    @property
+    def backward_flops(self) -> float:
+        return sum(layer.backward_flops for layer in self.layers)
+
+    @property
+    def train_flops(self) -> float:
+        """Forward + backward FLOPs per sample of the whole model."""
+        return sum(layer.train_flops for layer in self.layers)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(layer.param_bytes for layer in self.layers)
+
+    @property
+    def activation_bytes(self) -> int:
+        """Activation bytes saved for backward per sample, whole model."""
+        return sum(layer.activation_bytes for layer in self.layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layers": [layer.to_dict() for layer in self.layers]}
+
+    @staticmethod
+    def from_dict(data: Any) -> Graph:
+        if not isinstance(data, dict):
+            raise ValueError(f"graph: expected an object, got {type(data).__name__}")
+        unknown = set(data) - {"layers"}
+        if unknown:
+            raise ValueError(f"graph: unknown fields {sorted(unknown)}")
+        layers = data.get("layers")
+        if not isinstance(layers, list) or not layers:
+            raise ValueError("graph: 'layers' must be a non-empty list")
+        return Graph(tuple(Layer.from_dict(item, i) for i, item in enumerate(layers)))
