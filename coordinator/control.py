@@ -37,6 +37,7 @@ def _status(core: Core, args: list[str]) -> dict[str, Any]:
     plan = s.plan
     members = list(plan.members) if plan else []
     workers = []
+    speeds = s.cluster.speeds()
     for w in sorted(s.workers.values(), key=lambda w: (w.name not in members, members.index(w.name)
                                                        if w.name in members else 0, w.name)):
         rank = members.index(w.name) if w.name in members else None
@@ -45,7 +46,7 @@ def _status(core: Core, args: list[str]) -> dict[str, Any]:
             "role": "leaving" if w.leaving else ("member" if rank is not None else "standby"),
             "rank": rank, "share": plan.shares[rank] if plan and rank is not None else 0,
             "epoch": w.epoch, "step": w.step, "last_seen_s": round(now - w.last_seen, 3),
-            "speed": round(s.cluster.speeds().get(w.name, 0.0), 3),
+            "speed": round(speeds.get(w.name, 0.0), 3),
         })
     return {"job": core.job.ref, "epoch": s.epoch, "step": s.last_step, "num_steps": core.job.num_steps,
             "global_batch": core.job.global_batch, "pending": s.pending, "finished": s.finished,

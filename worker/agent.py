@@ -61,11 +61,10 @@ class _Mailbox:
 
 
 class Agent:
-    def __init__(self, endpoint: str, name: str, calibration: Calibration, *, verbose: bool = False) -> None:
+    def __init__(self, endpoint: str, name: str, calibration: Calibration) -> None:
         self.endpoint = endpoint
         self.name = name
         self.calibration = calibration
-        self.verbose = verbose
         self.epoch = 0  # set by the trainer: what heartbeats report
         self.step = 0
         self._ready = False  # the trainer is built: (re)joins announce Ready at once
