@@ -62,6 +62,15 @@ def _plan(core: Core, args: list[str]) -> dict[str, Any]:
             "layout": {"dp": len(s.plan.members), "pp": 1, "tp": 1}, "acknowledged": sorted(s.acked)}
 
 
+def _graph(core: Core, args: list[str]) -> dict[str, Any]:
+    g = core.graph
+    if g is None:
+        raise ValueError("no graph yet: the first worker to join captures the model and uploads it")
+    layers = [{**layer.to_dict(), "flops": layer.train_flops} for layer in g.layers]
+    return {"layers": layers, "param_bytes": g.param_bytes, "flops": g.train_flops,
+            "activation_bytes": g.activation_bytes, "per": "sample (flops, activation and boundary bytes)"}
+
+
 def _events(core: Core, args: list[str]) -> dict[str, Any]:
     try:
         after = int(args[0]) if args else 0
@@ -87,4 +96,4 @@ def _stop(core: Core, args: list[str]) -> dict[str, Any]:
     return {"stopping": True, "workers": sorted(core.state.workers)}
 
 
-_HANDLERS = {"status": _status, "plan": _plan, "events": _events, "drain": _drain, "stop": _stop}
+_HANDLERS = {"status": _status, "plan": _plan, "graph": _graph, "events": _events, "drain": _drain, "stop": _stop}

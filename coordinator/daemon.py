@@ -33,6 +33,7 @@ from coordinator.control import answer_control
 from coordinator.events import EventLog
 from coordinator.jobinfo import JobInfo
 from coordinator.store import RendezvousStore
+from plan.graph import Graph
 from transport import (
     ERR_BAD_REQUEST,
     Ack,
@@ -40,6 +41,7 @@ from transport import (
     ControlReply,
     ControlRequest,
     Error,
+    GraphUpload,
     Heartbeat,
     Join,
     Leave,
@@ -53,7 +55,7 @@ from transport import (
     encode,
 )
 
-AGENT_MESSAGES = (Join, Ready, Heartbeat, StepReport, Ack, Leave)
+AGENT_MESSAGES = (Join, Ready, GraphUpload, Heartbeat, StepReport, Ack, Leave)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -114,6 +116,7 @@ class Core:
                                min_workers=cfg.min_workers, max_workers=cfg.max_workers)
         self.state = m.State()
         self.store = RendezvousStore()
+        self.graph: Graph | None = None  # the model as the first worker captured it
         self.fd_owner: dict[int, str] = {}  # connection fd -> worker name (agent sockets only)
         self.worker_fd: dict[str, int] = {}
         self.done = trio.Event()
@@ -156,6 +159,8 @@ class Core:
                 self.apply(m.Joined(msg))
             case Ready(name=name):
                 self.apply(m.MadeReady(name))
+            case GraphUpload(name=name, graph=graph):
+                self._graph(identity, name, graph)
             case Heartbeat(name=name, epoch=epoch, step=step):
                 self.apply(m.Seen(name, epoch, step))
             case StepReport():
@@ -164,6 +169,18 @@ class Core:
                 self.apply(m.Acked(msg))
             case Leave(name=name, reason=reason):
                 self.apply(m.Left(name, reason))
+
+    def _graph(self, identity: bytes, name: str, data: dict[str, Any]) -> None:
+        if self.graph is not None:
+            return  # the first upload wins: every worker runs the same job
+        try:
+            self.graph = Graph.from_dict(data)
+        except ValueError as e:
+            self._refuse(identity, f"bad graph from {name}: {e}")
+            return
+        g = self.graph
+        self.say(f"graph from {name}: {len(g.layers)} layers, {g.param_bytes / 1e6:.1f} MB of parameters, "
+                 f"{g.train_flops / 1e6:.1f} MFLOP per sample")
 
     def _store(self, identity: bytes, req: StoreRequest) -> None:
         try:
@@ -201,7 +218,8 @@ class Core:
                 job = self.job
                 self.workers.send([to.encode(), encode(Welcome(
                     name=to, run_id=self.run_id, job_ref=job.ref, job_name=job.name, job_source=job.source,
-                    job_sha256=job.sha256, heartbeat_s=self.cfg.heartbeat_s, lease_s=self.cfg.lease_s))])
+                    job_sha256=job.sha256, heartbeat_s=self.cfg.heartbeat_s, lease_s=self.cfg.lease_s,
+                    want_graph=self.graph is None))])
             case m.Log(kind, fields):
                 self.log.write(kind, **fields)
                 self._echo(kind, fields)

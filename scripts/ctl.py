@@ -36,6 +36,7 @@ EPILOG = """\
 examples:
   python scripts/ctl.py --control tcp://127.0.0.1:5556 status
   python scripts/ctl.py --control tcp://127.0.0.1:5556 plan --json
+  python scripts/ctl.py --control tcp://127.0.0.1:5556 graph
   python scripts/ctl.py --control tcp://127.0.0.1:5556 events --follow
   python scripts/ctl.py --control tcp://127.0.0.1:5556 events --since 100 --json
   python scripts/ctl.py --control tcp://127.0.0.1:5556 drain worker-3
@@ -180,6 +181,24 @@ def format_plan(d: dict[str, Any]) -> str:
     return head + "\n\n" + _table(["RANK", "MEMBER", "SHARE", "ACKED"], rows)
 
 
+def format_graph(d: dict[str, Any]) -> str:
+    def si(x: Any, unit: str) -> str:
+        x = float(x or 0)
+        for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+            if x >= scale:
+                return f"{x / scale:.2f} {prefix}{unit}"
+        return f"{x:.0f} {unit}"
+
+    rows = [[str(layer.get("name")), str(layer.get("kind")), si(layer.get("param_bytes"), "B"),
+             si(layer.get("flops"), "FLOP"), si(layer.get("activation_bytes"), "B"),
+             si(layer.get("boundary_bytes"), "B")] for layer in d.get("layers") or []]
+    head = (f"{len(rows)} layers, {si(d.get('param_bytes'), 'B')} of parameters, "
+            f"{si(d.get('flops'), 'FLOP')} (forward + backward) and {si(d.get('activation_bytes'), 'B')} "
+            "of saved activations per sample")
+    return head + "\n\n" + _table(["LAYER", "KIND", "PARAMS", "FLOPS/SAMPLE", "ACTIVATIONS/SAMPLE",
+                                     "BOUNDARY/SAMPLE"], rows)
+
+
 def format_event(ev: dict[str, Any]) -> str:
     ts = ev.get("ts")
     if isinstance(ts, (int, float)):
@@ -206,6 +225,8 @@ def cmd_simple(client: Client, a: argparse.Namespace) -> int:
         print(format_status(data))
     elif a.command == "plan":
         print(format_plan(data))
+    elif a.command == "graph":
+        print(format_graph(data))
     elif a.command == "drain":
         print(f"draining {data.get('draining', a.name)}: it is planned out and leaves at the next switch")
     elif a.command == "stop":
@@ -287,6 +308,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
     add("status", "the job, its epoch and progress, and every worker")
     add("plan", "the current plan: members in rank order, their batch shares, the layout")
+    add("graph", "the model as the planner sees it: per layer parameters, FLOPs, activation bytes")
     ev = add("events", "the coordinator's event log (joined, left, failed, plan, reshard, step)")
     ev.add_argument("--follow", "-f", action="store_true",
                     help=f"keep printing new events (polls every {FOLLOW_POLL_S} s) until Ctrl-C or the job ends")

@@ -63,6 +63,16 @@ class Ready:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class GraphUpload:
+    """Worker -> coordinator, when its `Welcome` asked for it: the job's model captured as a
+    distributed graph (`plan.graph.Graph.to_dict()`: per layer FLOPs, parameter, activation and
+    boundary bytes per sample), so the torch-free coordinator can plan from it."""
+
+    name: str
+    graph: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Heartbeat:
     """Worker -> coordinator, every `Welcome.heartbeat_s` from the control agent thread.
 
@@ -142,6 +152,7 @@ class Welcome:
     job_sha256: str
     heartbeat_s: float
     lease_s: float
+    want_graph: bool  # the coordinator has no graph of the model yet: capture and upload it
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -230,7 +241,7 @@ class StoreReply:
 
 # --- control (ctl <-> coordinator) -----------------------------------------------------------
 
-CONTROL_COMMANDS = ("status", "plan", "events", "drain", "stop")
+CONTROL_COMMANDS = ("status", "plan", "graph", "events", "drain", "stop")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -256,6 +267,7 @@ class ControlReply:
 MESSAGE_TYPES: tuple[type, ...] = (
     Join,
     Ready,
+    GraphUpload,
     Heartbeat,
     StepReport,
     Ack,
@@ -274,6 +286,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
 Message = (
     Join
     | Ready
+    | GraphUpload
     | Heartbeat
     | StepReport
     | Ack

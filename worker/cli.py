@@ -14,8 +14,9 @@ import socket
 import sys
 from dataclasses import dataclass
 from types import FrameType
+from typing import Any
 
-from transport import Leave
+from transport import GraphUpload, Leave
 
 EPILOG = """\
 examples:
@@ -74,6 +75,19 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
                         group_timeout_s=a.group_timeout, connect_timeout_s=a.connect_timeout)
 
 
+def upload_graph(agent: Any, name: str, job: Any) -> None:
+    """Capture the model's graph for the planner; a capture that fails costs the plan its
+    detail, never the worker its job."""
+    from worker.graph import capture_graph
+
+    try:
+        graph = capture_graph(job)
+    except Exception as e:  # noqa: BLE001 (reported, not fatal)
+        print(f"[{name}] could not capture the model's graph: {type(e).__name__}: {e}", flush=True)
+        return
+    agent.send(GraphUpload(name=name, graph=graph.to_dict()))
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     import torch  # after argument parsing: --help stays fast
@@ -116,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         if preempted:  # SIGTERM while loading: we were never planned in, so just go
             agent.close()
             return 0
+        if welcome.want_graph:
+            upload_graph(agent, cfg.name, job)
         agent.mark_ready()
         outcome = trainer.run()
     except (FatalError, TimeoutError) as e:
