@@ -31,6 +31,7 @@ from transport import (
     Error,
     Heartbeat,
     Join,
+    Leave,
     Message,
     PlanDelta,
     Ready,
@@ -68,6 +69,7 @@ class Agent:
         self.epoch = 0  # set by the trainer: what heartbeats report
         self.step = 0
         self._ready = False  # the trainer is built: (re)joins announce Ready at once
+        self._gone = False  # the final Leave was sent
         self.on_interrupt: Callable[[], None] | None = None  # called when work may be superseded
         self._box = _Mailbox(deltas=[])
         self._cond = threading.Condition()
@@ -82,6 +84,12 @@ class Agent:
 
     def send(self, msg: Message) -> None:
         self._outbox.put(msg)
+
+    def say_goodbye(self, msg: Leave) -> None:
+        """Send the final `Leave`: from now on no heartbeats, and fencing no longer re-joins
+        (the coordinator has let this worker go; it must not be planned in again)."""
+        self._gone = True
+        self.send(msg)
 
     def mark_ready(self) -> None:
         """The job is loaded and the model built: the coordinator may plan with this worker."""
@@ -175,7 +183,7 @@ class Agent:
             if closing:
                 return
             welcome = self._box.welcome
-            if welcome is not None and time.monotonic() >= next_beat:
+            if welcome is not None and not self._gone and time.monotonic() >= next_beat:
                 sock.send(encode(Heartbeat(name=self.name, epoch=self.epoch, step=self.step)))
                 next_beat = time.monotonic() + welcome.heartbeat_s
             if sock.poll(int(POLL_S * 1000)):
@@ -202,7 +210,9 @@ class Agent:
                     box.stop = reason
                 case Error(code=code, message=text) if code == ERR_STALE_EPOCH:
                     # Answers to heartbeats sent before our new Join landed are not news.
-                    if not box.fenced and time.monotonic() - box.joined_at > REJOIN_GRACE_S:
+                    if self._gone:
+                        pass  # we left: the coordinator forgetting us is the point
+                    elif not box.fenced and time.monotonic() - box.joined_at > REJOIN_GRACE_S:
                         self._log(f"fenced out by the coordinator ({text}); joining again")
                         box.fenced = True
                         box.deltas = []  # plans for the old membership; new ones follow the re-join

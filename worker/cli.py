@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # the job's own code failed mid-training: say so, leave cleanly
         step = trainer.step if trainer is not None else 0
         print(f"worker: training failed at step {step}: {type(e).__name__}: {e}", file=sys.stderr)
-        agent.send(Leave(name=cfg.name, reason=f"error: {type(e).__name__}: {e}"[:500]))
+        agent.say_goodbye(Leave(name=cfg.name, reason=f"error: {type(e).__name__}: {e}"[:500]))
         agent.close()
         return 1
     print(f"[{cfg.name}] done: {outcome} at step {trainer.step}", flush=True)

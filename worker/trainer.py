@@ -91,7 +91,7 @@ class Trainer:
             stop = self.agent.stop_reason()
             if stop is not None:  # "drained" comes once the plan without us is in place
                 reason = "drained" if stop == "drained" else "stopped"
-                self.agent.send(Leave(name=self.name, reason=reason))
+                self.agent.say_goodbye(Leave(name=self.name, reason=reason))
                 return reason if reason == "drained" else f"stopped: {stop}"
             if group is None or self.agent.superseded(group.epoch):
                 delta = self.agent.next_delta(self.epoch_tried, self.config.delta_timeout_s)
@@ -125,7 +125,7 @@ class Trainer:
         return None
 
     def _leave(self, reason: str) -> str:
-        self.agent.send(Leave(name=self.name, reason=reason))
+        self.agent.say_goodbye(Leave(name=self.name, reason=reason))
         deadline = time.monotonic() + 2.0
         while self.agent.stop_reason() is None and time.monotonic() < deadline:
             time.sleep(0.01)
