@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 
@@ -53,7 +53,7 @@ class FatalError(RuntimeError):
 @dataclass(slots=True)
 class _Mailbox:
     welcome: Welcome | None = None
-    deltas: list[PlanDelta] | None = None
+    deltas: list[PlanDelta] = field(default_factory=list)
     aborted_epoch: int = 0  # every epoch <= this one is abandoned
     stop: str | None = None
     fenced: bool = False
@@ -71,7 +71,7 @@ class Agent:
         self._ready = False  # the trainer is built: (re)joins announce Ready at once
         self._gone = False  # the final Leave was sent
         self.on_interrupt: Callable[[], None] | None = None  # called when work may be superseded
-        self._box = _Mailbox(deltas=[])
+        self._box = _Mailbox()
         self._cond = threading.Condition()
         self._outbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._closing = threading.Event()
@@ -112,12 +112,12 @@ class Agent:
         box = self._box
         if box.fenced or box.aborted_epoch >= epoch or box.fatal is not None or box.stop is not None:
             return True
-        return any(d.abort and d.epoch > epoch for d in box.deltas or ())
+        return any(d.abort and d.epoch > epoch for d in box.deltas)
 
     def pending_planned(self, epoch: int) -> PlanDelta | None:
         """The planned delta waiting for the step boundary, if one newer than `epoch` arrived."""
         with self._cond:
-            later = [d for d in self._box.deltas or () if d.epoch > epoch]
+            later = [d for d in self._box.deltas if d.epoch > epoch]
             return later[-1] if later and not later[-1].abort else None
 
     def next_delta(self, epoch: int, timeout_s: float) -> PlanDelta | None:
@@ -126,7 +126,7 @@ class Agent:
         with self._cond:
             while True:
                 self._raise_fatal()
-                later = [d for d in self._box.deltas or () if d.epoch > epoch]
+                later = [d for d in self._box.deltas if d.epoch > epoch]
                 if later:
                     return later[-1]
                 left = deadline - time.monotonic()
@@ -202,7 +202,6 @@ class Agent:
                 case Welcome():
                     box.welcome = msg
                 case PlanDelta():
-                    assert box.deltas is not None
                     box.deltas = [d for d in box.deltas if d.epoch < msg.epoch] + [msg]
                 case Abort(epoch=epoch):
                     box.aborted_epoch = max(box.aborted_epoch, epoch)

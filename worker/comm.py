@@ -3,10 +3,11 @@
 gloo (CPU) or NCCL (GPU) is chosen by the worker's device. Every group is built on a PrefixStore
 "epoch{E}/" over the coordinator's store, in a helper thread, and every wait can be given up the
 moment the agent reports an abort (`Waiter`), because a dead or stopped peer can hold a gloo
-collective for the whole group timeout (DESIGN.md, measured). A superseded operation is not waited for and not
-destroyed (destroying a group with an op in flight blocks until that op's timeout): its group, work
-and buffer go to the `Graveyard` and are dropped once the op ends on its own. NCCL groups are
-aborted instead (ncclCommAbort frees the GPU from a kernel that would spin forever).
+collective for the whole group timeout (DESIGN.md, measured). A superseded operation is neither
+waited for nor destroyed (destroying a group with an op in flight blocks until that op's timeout):
+its group, work and buffer stay with the helper thread that waits for it and are dropped once the
+op ends on its own. NCCL groups are also aborted (ncclCommAbort frees the GPU from a kernel that
+would spin).
 
 Why not `init_process_group`/`new_group`: they keep one process-wide default group and block in
 `destroy_process_group` on a pending op; a group object per epoch is what makes live re-forming
@@ -27,21 +28,6 @@ import torch.distributed as dist
 
 class Superseded(Exception):
     """The epoch was abandoned (a failure elsewhere, fencing, or a stop)."""
-
-
-@dataclass(slots=True)
-class Graveyard:
-    """Abandoned operations kept alive until they end by themselves."""
-
-    entries: list[tuple[Any, Any, Any]] = field(default_factory=list)
-
-    def bury(self, pg: Any, work: Any, buf: Any) -> None:
-        if _is_nccl(pg):
-            threading.Thread(target=_abort_nccl, args=(pg,), daemon=True).start()
-        self.entries.append((pg, work, buf))
-
-    def sweep(self) -> None:
-        self.entries = [e for e in self.entries if not e[1].is_completed()]
 
 
 def form_group(store: Any, epoch: int, rank: int, world: int, device: torch.device, *,
@@ -77,6 +63,22 @@ def form_group(store: Any, epoch: int, rank: int, world: int, device: torch.devi
     return box["pg"]
 
 
+@dataclass(slots=True)
+class _Wait:
+    """One wait handed to a helper thread. While the helper is blocked in it, the helper holds
+    the group, the work and its buffer: an abandoned op keeps them alive until it ends by itself
+    (destroying a group with an op in flight blocks until that op's timeout)."""
+
+    pg: Any
+    work: Any
+    buf: Any
+    done: threading.Event = field(default_factory=threading.Event)
+    outcome: BaseException | bool | None = None  # True: completed; an exception: it failed
+
+
+_Jobs = queue.SimpleQueue[_Wait | None]
+
+
 class Waiter:
     """Waits for torch work without polling, and can be walked away from.
 
@@ -94,7 +96,7 @@ class Waiter:
         self._sync_cuda = device.type == "cuda"
         self._lock = threading.Lock()
         self._waiting: threading.Event | None = None
-        self._queue: queue.SimpleQueue[tuple[Any, threading.Event, dict[str, Any]] | None] | None = None
+        self._jobs: _Jobs | None = None
 
     def interrupt(self) -> None:
         """Wake the trainer's current wait so it re-checks whether its epoch is superseded."""
@@ -102,52 +104,56 @@ class Waiter:
             if self._waiting is not None:
                 self._waiting.set()
 
-    def wait(self, pg: Any, work: Any, *, superseded: Callable[[], bool], graveyard: Graveyard,
-             buf: Any = None) -> None:
+    def wait(self, pg: Any, work: Any, *, superseded: Callable[[], bool], buf: Any = None) -> None:
         """Wait for `work`, or give it up (raising Superseded) the moment the epoch is superseded.
         A collective that fails (a peer died under it) is also given up: the coordinator's verdict
         decides what comes next, never a gloo error alone."""
-        done, box = threading.Event(), dict[str, Any]()
+        job = _Wait(pg, work, buf)
         with self._lock:
-            self._waiting = done
+            self._waiting = job.done
         try:
-            self._helper().put((work, done, box))
+            self._helper().put(job)
             while True:
-                done.wait(self.SAFETY_NET_S)
-                if "ok" in box:
+                job.done.wait(self.SAFETY_NET_S)
+                if job.outcome is not None:
                     break
                 if superseded():
-                    self._queue = None  # the helper is stuck in this op: retire it
-                    graveyard.bury(pg, work, buf)
+                    self._retire_helper()
+                    if _is_nccl(pg):  # free the GPU from a kernel that would spin forever
+                        threading.Thread(target=_abort_nccl, args=(pg,), daemon=True).start()
                     raise Superseded
-                done.clear()
+                job.done.clear()
         finally:
             with self._lock:
                 self._waiting = None
-        if box["ok"] is not True:
-            graveyard.bury(pg, work, buf)
-            raise Superseded(f"collective failed: {str(box['ok']).splitlines()[0]}")
+        if job.outcome is not True:
+            raise Superseded(f"collective failed: {str(job.outcome).splitlines()[0]}")
 
-    def _helper(self) -> queue.SimpleQueue[tuple[Any, threading.Event, dict[str, Any]] | None]:
-        if self._queue is None:
-            self._queue = queue.SimpleQueue()
-            threading.Thread(target=_serve_waits, args=(self._queue, self._sync_cuda), daemon=True,
+    def _helper(self) -> _Jobs:
+        if self._jobs is None:
+            self._jobs = queue.SimpleQueue()
+            threading.Thread(target=_serve_waits, args=(self._jobs, self._sync_cuda), daemon=True,
                              name="work-wait").start()
-        return self._queue
+        return self._jobs
+
+    def _retire_helper(self) -> None:
+        """The helper is stuck in an abandoned op: it exits once that op ends."""
+        assert self._jobs is not None
+        self._jobs.put(None)
+        self._jobs = None
 
 
-def _serve_waits(jobs: queue.SimpleQueue[tuple[Any, threading.Event, dict[str, Any]] | None],
-                 sync_cuda: bool) -> None:
+def _serve_waits(jobs: _Jobs, sync_cuda: bool) -> None:
     while (job := jobs.get()) is not None:
-        work, done, box = job
         try:
-            work.wait()
+            job.work.wait()
             if sync_cuda:
                 torch.cuda.synchronize()
-            box["ok"] = True
+            job.outcome = True
         except BaseException as e:  # noqa: BLE001 (reported by Waiter.wait in the trainer's thread)
-            box["ok"] = e
-        done.set()
+            job.outcome = e
+        job.done.set()
+        job = None  # drop the references to the group and buffers (see _Wait)
 
 
 def _is_nccl(pg: Any) -> bool:

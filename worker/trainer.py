@@ -7,10 +7,10 @@ batch size, and all-reduces (SUM) one flat buffer holding the gradients, the los
 two facts at once: the global loss, and whether all of them hold the next planned delta. When all
 do, they switch epochs right after that step, with no extra round trip (the agreed step boundary).
 
-Failures: every collective is issued with ``async_op`` on a buffer used once, and polled against the
-agent's abort flag. A superseded collective is not waited for (gloo can block for its whole timeout):
-its group, work and buffer go to a graveyard until the work ends, and the step is abandoned with no
-state touched. In the next epoch the survivors all-reduce their step counters; the lowest rank with
+Failures: every collective is issued asynchronously on a buffer used once, and waited for by a
+`comm.Waiter` that the agent wakes when an abort arrives. A superseded collective is not waited for
+(gloo can block for its whole timeout): it is left to end in the background, and the step is
+abandoned with no state touched. In the next epoch the survivors all-reduce their step counters; the lowest rank with
 the most steps sends its state (model, optimizer, step) to every rank that is behind or new, so all
 continue from one consistent step: no step is lost or applied twice.
 """
@@ -37,8 +37,8 @@ RETRY_S = 0.5  # pause before forming an epoch's group again after a failed rend
 @dataclass(slots=True)
 class Group:
     epoch: int
-    pg: Any  # dist.ProcessGroupGloo
-    store: CoordinatorStore
+    pg: Any  # dist.ProcessGroupGloo or ProcessGroupNCCL
+    store: CoordinatorStore  # kept alive as long as the group that was formed through it
     rank: int
     members: list[str]
     shares: list[int]
@@ -61,21 +61,21 @@ class Trainer:
         self.config = config
         self.name = agent.name
         self.device = torch.device(config.device)
-        self.model, self.optimizer = self._build()
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self._build()
         self.numel = sum(p.numel() for p in self.params)
-        self.step = 0  # optimizer steps applied
         self.stale = False  # our state may differ from the survivors' (we were fenced): take theirs
-        self.graveyard = comm.Graveyard()
         self.waiter = comm.Waiter(self.device)
         agent.on_interrupt = self.waiter.interrupt
         self.leave_reason: str | None = None  # set on SIGTERM
         self.epoch_tried = 0  # the newest epoch this worker entered or tried to enter
 
-    def _build(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    def _build(self) -> None:
+        """The model and optimizer as at step 0, identical on every worker (seeded)."""
         torch.manual_seed(self.job.seed)
-        model = self.job.model().to(self.device)
-        return model, self.job.optimizer(model.parameters())
+        self.model = self.job.model().to(self.device)
+        self.optimizer = self.job.optimizer(self.model.parameters())
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.step = 0  # optimizer steps applied
 
     # --- the loop ------------------------------------------------------------------------------
 
@@ -95,34 +95,29 @@ class Trainer:
                 return reason if reason == "drained" else f"stopped: {stop}"
             if group is None or self.agent.superseded(group.epoch):
                 delta = self.agent.next_delta(self.epoch_tried, self.config.delta_timeout_s)
-                if delta is None:
+            else:
+                try:
+                    delta = self._train_step(group)  # a planned delta all ranks agreed to switch to
+                except Superseded:
+                    self._log(f"epoch {group.epoch} abandoned at step {self.step}")
+                    group = None
                     continue
-                self.epoch_tried = delta.epoch
-                group = self._enter(delta) if self.name in delta.members else self._standby(delta)
-                if group is None and self.leave_reason is not None and self.name not in delta.members:
-                    return self._leave(self.leave_reason)
+            if delta is None:
                 continue
-            try:
-                switch_to = self._train_step(group)
-            except Superseded:
-                self._log(f"epoch {group.epoch} abandoned at step {self.step}")
+            self.epoch_tried = delta.epoch
+            if self.name in delta.members:
+                group = self._enter(delta)
+            elif self.leave_reason is not None:
+                return self._leave(self.leave_reason)
+            else:
+                self._standby(delta)
                 group = None
-                continue
-            if switch_to is not None:
-                self.epoch_tried = switch_to.epoch
-                if self.name in switch_to.members:
-                    group = self._enter(switch_to)
-                elif self.leave_reason is not None:
-                    return self._leave(self.leave_reason)
-                else:
-                    group = self._standby(switch_to)
 
-    def _standby(self, delta: PlanDelta) -> Group | None:
+    def _standby(self, delta: PlanDelta) -> None:
         """Planned out without asking to leave (drained, or more workers than the plan uses):
         keep the process and wait for the next plan (or a Stop)."""
         self.agent.epoch = delta.epoch
         self._log(f"not in epoch {delta.epoch} ({delta.reason}): on standby")
-        return None
 
     def _leave(self, reason: str) -> str:
         self.agent.say_goodbye(Leave(name=self.name, reason=reason))
@@ -175,9 +170,8 @@ class Trainer:
         counts = [int(s) for s in steps.tolist()]
         best = max(counts)
         if best < 0:  # nobody has state: start over from the seed
-            self.model, self.optimizer = self._build()
-            self.params = [p for p in self.model.parameters() if p.requires_grad]
-            self.step, self.stale = 0, False
+            self._build()
+            self.stale = False
             return 0
         source = counts.index(best)
         behind = [r for r, s in enumerate(counts) if s < best]
@@ -210,8 +204,7 @@ class Trainer:
 
     def _wait(self, g: Group, work: Any, buf: torch.Tensor | None = None) -> None:
         try:
-            self.waiter.wait(g.pg, work, superseded=lambda: self.agent.superseded(g.epoch),
-                             graveyard=self.graveyard, buf=buf)
+            self.waiter.wait(g.pg, work, superseded=lambda: self.agent.superseded(g.epoch), buf=buf)
         except Superseded as e:
             if e.args:
                 self._log(f"epoch {g.epoch}: {e.args[0]}")
@@ -221,7 +214,6 @@ class Trainer:
 
     def _train_step(self, g: Group) -> PlanDelta | None:
         """One exact data-parallel step; returns the delta to switch to when all ranks agreed."""
-        self.graveyard.sweep()
         t0 = time.perf_counter()
         job, G = self.job, self.job.global_batch
         pending = self.agent.pending_planned(g.epoch)
