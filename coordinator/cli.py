@@ -49,6 +49,19 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
                    help="how often workers heartbeat (default 0.25; keep well under --lease)")
     p.add_argument("--stop-grace", type=float, default=10.0, metavar="S",
                    help="on SIGTERM or ctl stop, wait up to S seconds for workers to leave")
+    p.add_argument("--planner", choices=("milp", "even"), default="milp",
+                   help="milp (default): the cost model and MILP choose devices and shares; even: every "
+                        "usable worker, equal shares (a baseline to compare with)")
+    p.add_argument("--solve-time-limit", type=float, default=0.5, metavar="S",
+                   help="time limit of one MILP solve (default 0.5); a stopped solve keeps its best plan "
+                        "and the plan event says time-limited")
+    p.add_argument("--solver", choices=("auto", "search", "milp"), default="auto",
+                   help="how the class-level plan is solved: search (an exact search over ring sizes, "
+                        "milliseconds at 1,024 devices), milp (the PuLP model on HiGHS, CBC if HiGHS is "
+                        "missing), auto (default: search, the MILP when the search space is too large)")
+    p.add_argument("--horizon", type=int, default=200, metavar="STEPS",
+                   help="steps over which a re-plan's one-off cost (new group, state moved) is amortised "
+                        "when deciding whether a new plan pays off (default 200, or the steps left)")
     p.add_argument("--quiet", action="store_true", help="print only the ready line and errors")
     a = p.parse_args(argv)
     for flag, endpoint in (("--bind", a.bind), ("--control", a.control)):
@@ -58,6 +71,10 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
         p.error("--min-workers must be at least 1")
     if a.max_workers is not None and a.max_workers < a.min_workers:
         p.error("--max-workers must be at least --min-workers")
+    if a.solve_time_limit <= 0:
+        p.error("--solve-time-limit must be positive")
+    if a.horizon < 1:
+        p.error("--horizon must be at least 1")
     if a.lease <= 0 or a.heartbeat <= 0 or a.heartbeat >= a.lease:
         p.error("--heartbeat and --lease must be positive, with --heartbeat below --lease")
     control = a.control
@@ -67,7 +84,9 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
     state_dir = a.state_dir or Path(tempfile.mkdtemp(prefix="adaptrain-"))
     cfg = CoordinatorConfig(bind=a.bind, control=control, state_dir=state_dir, min_workers=a.min_workers,
                             max_workers=a.max_workers, lease_s=a.lease, heartbeat_s=a.heartbeat,
-                            stop_grace_s=a.stop_grace, quiet=a.quiet)
+                            stop_grace_s=a.stop_grace, quiet=a.quiet, planner=a.planner,
+                            solve_time_limit_s=a.solve_time_limit, horizon_steps=a.horizon,
+                            solver=a.solver)
     return cfg, a.job
 
 

@@ -1,16 +1,19 @@
 """Answers to ctl's control commands, computed from the core's state.
 
-`status`, `plan` and `events` only read; `drain` and `stop` feed membership events. Every reply is
+`status`, `plan` (`plan explain`: coordinator/explain.py), `graph` and `events` only read; `drain`,
+`slowdown` and `stop` feed membership events. Every reply is
 plain JSON-able data (ctl prints it for people, or as JSON with --json). An unknown command or an
 unknown worker gets ``ok: false`` with an error that says what would work.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
 from coordinator import membership as m
+from coordinator.explain import explain
 from transport import CONTROL_COMMANDS, ControlReply, ControlRequest
 
 if TYPE_CHECKING:
@@ -54,12 +57,21 @@ def _status(core: Core, args: list[str]) -> dict[str, Any]:
 
 
 def _plan(core: Core, args: list[str]) -> dict[str, Any]:
+    if args not in ([], ["explain"]):
+        raise ValueError(f"plan takes no argument or 'explain', got {args}")
     s = core.state
     if s.plan is None:
-        return {"epoch": s.epoch, "plan": None}
-    return {"epoch": s.epoch, "mode": "sync", "members": list(s.plan.members), "shares": list(s.plan.shares),
-            "global_batch": s.plan.global_batch, "predicted_step_s": s.plan.predicted_step_s,
-            "layout": {"dp": len(s.plan.members), "pp": 1, "tp": 1}, "acknowledged": sorted(s.acked)}
+        out: dict[str, Any] = {"epoch": s.epoch, "plan": None,
+                               "status": s.result.status if s.result else None,
+                               "detail": s.result.reason if s.result else "waiting for enough ready workers"}
+    else:
+        out = {"epoch": s.epoch, "mode": s.plan.mode, "members": list(s.plan.members),
+               "shares": list(s.plan.shares), "global_batch": s.plan.global_batch,
+               "predicted_step_s": s.plan.predicted_step_s, "layout": s.plan.layout.to_dict(),
+               "acknowledged": sorted(s.acked), "status": s.result.status if s.result else None}
+    if args == ["explain"]:
+        out["explain"] = explain(s)
+    return out
 
 
 def _graph(core: Core, args: list[str]) -> dict[str, Any]:
@@ -91,9 +103,27 @@ def _drain(core: Core, args: list[str]) -> dict[str, Any]:
     return {"draining": name}
 
 
+def _slowdown(core: Core, args: list[str]) -> dict[str, Any]:
+    if len(args) != 2:
+        raise ValueError("slowdown takes a worker NAME and a FACTOR (1 = full speed, 3 = three times slower)")
+    name, text = args
+    if name not in core.state.workers:
+        known = ", ".join(sorted(core.state.workers)) or "none"
+        raise ValueError(f"unknown worker {name!r} (workers: {known})")
+    try:
+        factor = float(text)
+    except ValueError:
+        raise ValueError(f"FACTOR must be a number, got {text!r}") from None
+    if not math.isfinite(factor) or not 1.0 <= factor <= 1000.0:
+        raise ValueError(f"FACTOR must be between 1 (full speed) and 1000, got {text}")
+    core.apply(m.SlowdownRequested(name, factor))
+    return {"worker": name, "factor": factor}
+
+
 def _stop(core: Core, args: list[str]) -> dict[str, Any]:
     core.apply(m.StopRequested("stopped by ctl"))
     return {"stopping": True, "workers": sorted(core.state.workers)}
 
 
-_HANDLERS = {"status": _status, "plan": _plan, "graph": _graph, "events": _events, "drain": _drain, "stop": _stop}
+_HANDLERS = {"status": _status, "plan": _plan, "graph": _graph, "events": _events, "drain": _drain,
+             "slowdown": _slowdown, "stop": _stop}

@@ -70,6 +70,10 @@ class CoordinatorConfig:
     tick_s: float = 0.05
     stop_grace_s: float = 10.0
     quiet: bool = False
+    planner: str = "milp"
+    solve_time_limit_s: float = 0.5
+    solver: str = "auto"
+    horizon_steps: int = 200
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,10 +117,11 @@ class Core:
         self.cfg, self.job, self.workers, self.control, self.log = cfg, job, workers, control, log
         self.run_id = run_id
         self.config = m.Config(global_batch=job.global_batch, num_steps=job.num_steps, lease_s=cfg.lease_s,
-                               min_workers=cfg.min_workers, max_workers=cfg.max_workers)
+                               min_workers=cfg.min_workers, max_workers=cfg.max_workers, planner=cfg.planner,
+                               solve_time_limit_s=cfg.solve_time_limit_s, horizon_steps=cfg.horizon_steps,
+                               solver=cfg.solver)
         self.state = m.State()
         self.store = RendezvousStore()
-        self.graph: Graph | None = None  # the model as the first worker captured it
         self.fd_owner: dict[int, str] = {}  # connection fd -> worker name (agent sockets only)
         self.worker_fd: dict[str, int] = {}
         self.done = trio.Event()
@@ -170,15 +175,19 @@ class Core:
             case Leave(name=name, reason=reason):
                 self.apply(m.Left(name, reason))
 
+    @property
+    def graph(self) -> Graph | None:
+        return self.state.graph
+
     def _graph(self, identity: bytes, name: str, data: dict[str, Any]) -> None:
-        if self.graph is not None:
+        if self.state.graph is not None:
             return  # the first upload wins: every worker runs the same job
         try:
-            self.graph = Graph.from_dict(data)
+            g = Graph.from_dict(data)
         except ValueError as e:
             self._refuse(identity, f"bad graph from {name}: {e}")
             return
-        g = self.graph
+        self.apply(m.GraphReceived(g))
         self.say(f"graph from {name}: {len(g.layers)} layers, {g.param_bytes / 1e6:.1f} MB of parameters, "
                  f"{g.train_flops / 1e6:.1f} MFLOP per sample")
 
@@ -225,18 +234,24 @@ class Core:
                 self._echo(kind, fields)
             case m.Planned(result, epoch, reason):
                 plan = result.plan
+                runner = result.runner_up
                 planned: dict[str, Any] = {
                     "epoch": epoch, "reason": reason, "status": result.status, "detail": result.reason,
                     "predicted_step_s": plan.predicted_step_s if plan else None,
-                    "solve_s": round(elapsed_s, 6), "mode": "sync",
-                    "layout": ({"dp": len(plan.members), "pp": 1, "tp": 1, "members": list(plan.members),
+                    "solve_s": round(elapsed_s, 6), "mode": plan.mode if plan else "sync",
+                    "layout": ({**plan.layout.to_dict(), "members": list(plan.members),
                                 "shares": list(plan.shares)} if plan else None),
+                    "standby": list(result.standby), "moved_bytes": result.moved_bytes,
+                    "runner_up": ({"description": runner.description,
+                                   "predicted_step_s": runner.plan.predicted_step_s} if runner else None),
                 }
                 self.log.write("plan", **planned)
                 self._echo("plan", planned)
             case m.Finished(reason):
                 self.finish_reason = reason
                 self.done.set()
+            case m.FollowUp(event):
+                self.apply(event)
 
     def _echo(self, kind: str, f: dict[str, Any]) -> None:
         if kind == "step":
@@ -245,7 +260,11 @@ class Core:
         elif kind == "plan":
             layout = f["layout"]
             who = ", ".join(f"{n}:{s}" for n, s in zip(layout["members"], layout["shares"])) if layout else "-"
-            self.say(f"plan epoch {f['epoch']} ({f['reason']}, {f['status']}): {who}")
+            predicted = f["predicted_step_s"]
+            step = f", predicted {predicted * 1e3:.1f} ms/step" if isinstance(predicted, float) else ""
+            self.say(f"plan epoch {f['epoch']} ({f['reason']}, {f['status']}): {who}{step}")
+            if layout is None or f["standby"]:
+                self.say(f"  {f['detail']}")
         else:
             detail = " ".join(f"{k}={v}" for k, v in f.items())
             self.say(f"{kind} {detail}")

@@ -11,181 +11,52 @@ current one, so at most one planned change is in flight. A failure (socket monit
 expired lease, a member leaving mid-plan) sends `Abort` to everyone and a new plan with
 ``abort=True`` at once, superseding anything pending. A worker that is not a member and talks as one
 (it was fenced while stopped, say) gets ``ERR_STALE_EPOCH`` and joins again.
+
+Step reports refine the cluster object (compute speed, overhead, the links' pure communication
+time; `coordinator.steps`) and may reveal a straggler or a recovered device, which re-plans like a
+join does. Where plans come from is `coordinator.replan`; the vocabulary (state, events, effects)
+is `coordinator.state`, re-exported here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import replace
 
-from plan import Cluster, Device, Plan, PlanLimits, PlanResult, make_plan
-from transport import (
-    ERR_NAME_TAKEN,
-    ERR_STALE_EPOCH,
-    Abort,
-    Ack,
-    Error,
-    Join,
-    Message,
-    PlanDelta,
-    StepReport,
-    Stop,
+from coordinator import steps
+from coordinator.replan import replan
+from coordinator.state import (
+    Acked,
+    Config,
+    DrainRequested,
+    Effect,
+    Event,
+    Finished,
+    FollowUp,
+    GraphReceived,
+    Joined,
+    Left,
+    Log,
+    Lost,
+    MadeReady,
+    Planned,
+    ReplanDue,
+    Result,
+    Seen,
+    Send,
+    SlowdownRequested,
+    State,
+    StepDone,
+    StopRequested,
+    Tick,
+    Welcome,
+    Worker,
 )
+from plan import Device
+from transport import ERR_NAME_TAKEN, ERR_STALE_EPOCH, Abort, Ack, Error, Join, Slowdown, StepReport, Stop
 
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Config:
-    global_batch: int
-    num_steps: int
-    lease_s: float = 1.5
-    min_workers: int = 1
-    max_workers: int | None = None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Worker:
-    name: str
-    host: str
-    device: str
-    pid: int
-    joined_at: float
-    last_seen: float
-    epoch: int = 0  # last epoch it acknowledged
-    step: int = 0  # steps it has applied, as last reported
-    ready: bool = False  # job loaded and model built: plans may include it
-    leaving: str | None = None  # why it is being planned out ("drained", "preempted")
-    nudged_at: float = 0.0  # when the latest plan was last (re)sent to it
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class State:
-    workers: dict[str, Worker] = field(default_factory=dict)
-    cluster: Cluster = field(default_factory=Cluster)
-    epoch: int = 0  # epoch of `plan`, the latest plan sent (0: none yet)
-    plan: Plan | None = None
-    delta: PlanDelta | None = None  # the latest plan as sent, re-sent to a member that lost it
-    acked: frozenset[str] = frozenset()  # members of `plan` that acknowledged it
-    running: frozenset[str] = frozenset()  # members of the previous plan, while `plan` is pending
-    reshard_bytes: int = 0  # summed over the acks of `epoch`
-    reshard_s: float = 0.0  # slowest ack of `epoch`
-    replan_wanted: str | None = None  # a planned change waiting for the current one to land
-    last_step: int = 0  # highest step reported (and logged)
-    finished: bool = False  # some worker ran the last step
-    stopping: bool = False
-
-    def in_play(self, name: str) -> bool:
-        """Whether the group in flight needs `name`: a member of the latest plan, or of the one it
-        replaces while the switch has not happened everywhere."""
-        return (self.plan is not None and name in self.plan.members) or name in self.running
-
-    @property
-    def pending(self) -> bool:
-        """The latest plan is not yet acknowledged by all of its members."""
-        return self.plan is not None and not set(self.plan.members) <= self.acked
-
-
-# --- events ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Joined:
-    msg: Join
-
-
-@dataclass(frozen=True, slots=True)
-class MadeReady:
-    name: str
-
-
-@dataclass(frozen=True, slots=True)
-class Seen:
-    """A heartbeat."""
-
-    name: str
-    epoch: int
-    step: int
-
-
-@dataclass(frozen=True, slots=True)
-class StepDone:
-    report: StepReport
-
-
-@dataclass(frozen=True, slots=True)
-class Acked:
-    ack: Ack
-
-
-@dataclass(frozen=True, slots=True)
-class Left:
-    name: str
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class Lost:
-    name: str
-    detected_by: str  # "disconnect" or "lease"
-
-
-@dataclass(frozen=True, slots=True)
-class Tick:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class DrainRequested:
-    name: str
-
-
-@dataclass(frozen=True, slots=True)
-class StopRequested:
-    reason: str
-
-
-Event = Joined | MadeReady | Seen | StepDone | Acked | Left | Lost | Tick | DrainRequested | StopRequested
-
-
-# --- effects ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Send:
-    to: str
-    msg: Message
-
-
-@dataclass(frozen=True, slots=True)
-class Welcome:
-    """Send the job's Welcome to a worker that was just admitted."""
-
-    to: str
-
-
-@dataclass(frozen=True, slots=True)
-class Log:
-    kind: str
-    fields: dict[str, Any]
-
-
-@dataclass(frozen=True, slots=True)
-class Planned:
-    """A plan was made (or failed); the daemon times it and logs the `plan` event."""
-
-    result: PlanResult
-    epoch: int
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class Finished:
-    """No worker is left and the job is over (ran its steps, or was stopped)."""
-
-    reason: str
-
-
-Effect = Send | Welcome | Log | Planned | Finished
-Result = tuple[State, list[Effect]]
+__all__ = ["Acked", "Config", "DrainRequested", "Effect", "Event", "Finished", "FollowUp", "GraphReceived", "Joined",
+           "Left", "Log", "Lost", "MadeReady", "Planned", "ReplanDue", "Result", "Seen", "Send", "SlowdownRequested",
+           "State", "StepDone", "StopRequested", "Tick", "Welcome", "Worker", "apply", "replan"]
 
 
 # --- transitions -----------------------------------------------------------------------------
@@ -206,6 +77,8 @@ def apply(state: State, event: Event, config: Config, *, now: float) -> Result:
             if name not in state.workers:
                 return state, [_fence(name)]
             return _nudge(_touch(state, name, now, step=step), name, epoch, config, now)
+        case GraphReceived(graph):
+            return (state if state.graph is not None else replace(state, graph=graph)), []
         case StepDone(report):
             return _step_done(state, report, config, now)
         case Acked(ack):
@@ -216,72 +89,28 @@ def apply(state: State, event: Event, config: Config, *, now: float) -> Result:
             return _lost(state, name, detected_by, config, now)
         case Tick():
             effects: list[Effect] = []
+            replan_due = False
             for w in list(state.workers.values()):
                 if now - w.last_seen > config.lease_s:
                     state, more = _lost(state, w.name, "lease", config, now)
-                    effects += more
+                    replan_due |= any(isinstance(e, FollowUp) for e in more)
+                    effects += [e for e in more if not isinstance(e, FollowUp)]
+            if replan_due:  # one re-plan for every worker lost at this tick
+                effects.append(FollowUp(ReplanDue("failure", abort=True)))
             return state, effects
         case DrainRequested(name):
             return _drain(state, name, "drained", config, now)
+        case SlowdownRequested(name, factor):
+            if name not in state.workers:
+                return state, []
+            return state, [Send(name, Slowdown(factor=factor)), Log("slowdown", {"worker": name, "factor": factor})]
+        case ReplanDue(reason, abort):
+            return replan(state, config, reason, abort=abort, now=now)
         case StopRequested(reason):
             state = replace(state, stopping=True)
             effects = [Send(n, Stop(reason=reason)) for n in state.workers]
             return state, effects + _maybe_finished(state)
     raise AssertionError(f"unhandled event {event!r}")
-
-
-def replan(state: State, config: Config, reason: str, *, abort: bool, now: float) -> Result:
-    """Make a new plan if one is due, and send it as a new epoch."""
-    if state.finished or state.stopping:
-        return state, []
-    if not abort and state.pending:
-        return replace(state, replan_wanted=reason), []
-    eligible = {n: w for n, w in state.workers.items() if w.ready and w.leaving is None}
-    if state.plan is None and len(eligible) < config.min_workers:
-        return state, []
-    holders = [n for n in state.plan.members if n in state.workers] if state.plan else []
-    if not eligible and holders:
-        # Only leaving members hold the state and nobody can take it over: they train on.
-        if not abort:
-            detail = (f"no other worker to hand the state to: {', '.join(holders)} keep(s) training "
-                      "until one joins")
-            return replace(state, replan_wanted=None), [
-                Planned(PlanResult(plan=None, status="infeasible", reason=detail), state.epoch, reason)]
-        eligible = {n: state.workers[n] for n in holders}  # aborted: they need a new epoch anyway
-    cluster = Cluster({n: d for n, d in state.cluster.devices.items() if n in eligible})
-    limits = PlanLimits(global_batch=config.global_batch, max_workers=config.max_workers)
-    result = make_plan(cluster, state.plan, limits=limits)
-    new = result.plan
-    if new is None:
-        # Nobody can train, and nobody holds state any more: it is gone with them, and the next
-        # workers start from the seed (durable checkpoints arrive with a later issue).
-        lost = state.plan is not None
-        if lost:
-            result = replace(result, reason="no worker left: training state is lost; the next workers "
-                                             "start from step 0")
-        state = replace(state, plan=None, acked=frozenset(), running=frozenset(), replan_wanted=None,
-                        last_step=0 if lost else state.last_step)
-        return state, [Planned(result, state.epoch, reason)]
-    handoff = None
-    if holders and not set(holders) & set(new.members):
-        # No state holder stays: keep one leaving holder for one epoch with no samples, so that it
-        # hands its state to the newcomers inside the new group; the next plan lets it go.
-        handoff = holders[0]
-        new = replace(new, members=new.members + (handoff,), shares=new.shares + (0,))
-    if not abort and state.plan is not None and new == state.plan:
-        return replace(state, replan_wanted=None), []
-    epoch = state.epoch + 1
-    delta = PlanDelta(epoch=epoch, reason=reason, members=list(new.members), shares=list(new.shares),
-                      global_batch=config.global_batch, abort=abort)
-    old = set(state.plan.members) if state.plan else set()
-    recipients = sorted((old | set(new.members)) & set(state.workers))
-    workers = {n: replace(w, nudged_at=now) if n in recipients else w for n, w in state.workers.items()}
-    state = replace(state, workers=workers, delta=delta)
-    state = replace(state, epoch=epoch, plan=new, acked=frozenset(), reshard_bytes=0, reshard_s=0.0,
-                    replan_wanted=f"{handoff} handed off" if handoff else None,
-                    running=frozenset(old & set(state.workers)))
-    effects: list[Effect] = [Planned(result, epoch, reason)]
-    return state, effects + [Send(n, delta) for n in recipients]
 
 
 def _nudge(state: State, name: str, epoch: int, config: Config, now: float) -> Result:
@@ -321,12 +150,37 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
     if r.name not in state.workers:
         return state, [_fence(r.name)]
     state = _touch(state, r.name, now, step=r.step)
-    state = replace(state, cluster=state.cluster.with_measurement(r.name, r.samples, r.compute_s))
-    if r.step <= state.last_step:
-        return state, []
-    state = replace(state, last_step=r.step, finished=state.finished or r.step >= config.num_steps)
-    return state, [Log("step", {"step": r.step, "epoch": r.epoch, "loss": r.loss,
-                                "samples": r.global_batch, "step_s": r.step_s})]
+    cluster = state.cluster.with_measurement(r.name, r.samples, r.compute_s,
+                                             overhead_s=max(0.0, r.step_s - r.compute_s - r.comm_s))
+    effects: list[Effect] = []
+    changes: list[str] = []
+    tracker = state.tracker
+    if tracker is not None:
+        tracker, findings = steps.observe(tracker, r)
+        for f in findings:
+            match f:
+                case steps.Measured(ranks=ranks, comm_s=comm_s) if state.graph is not None:
+                    cluster = cluster.with_allreduce(ranks, state.graph.param_bytes, comm_s,
+                                                     cross_host=cluster.spans_hosts(tracker.members))
+                case steps.SpeedChange(name=name, kind=kind, factor=factor, speed=speed, expected=expected,
+                                       recent=recent):
+                    if kind != "calibration":  # (a calibration's measurements are the model already)
+                        cluster = cluster.with_compute_scaled(name, factor, recent)
+                    changes.append(kind)
+                    if kind != "calibration":
+                        effects.append(Log(kind, {"worker": name, "speed": round(speed, 3),
+                                                  "expected": round(expected, 3), "step": r.step}))
+    state = replace(state, cluster=cluster, tracker=tracker)
+    if r.step > state.last_step:
+        state = replace(state, last_step=r.step, finished=state.finished or r.step >= config.num_steps)
+        predicted = state.plan.predicted_step_s if state.plan is not None and r.epoch == state.epoch else None
+        effects.append(Log("step", {"step": r.step, "epoch": r.epoch, "loss": r.loss, "samples": r.global_batch,
+                                    "step_s": r.step_s, "predicted_s": predicted}))
+    if changes and not state.finished:
+        reason = min(changes, key=("straggler", "recovered", "calibration").index)
+        state, more = replan(state, config, reason, abort=False, now=now)
+        effects += more
+    return state, effects
 
 
 def _acked(state: State, ack: Ack, config: Config, now: float) -> Result:
@@ -342,7 +196,8 @@ def _acked(state: State, ack: Ack, config: Config, now: float) -> Result:
                     reshard_s=max(state.reshard_s, ack.reshard_s))
     if state.pending:
         return state, []
-    state = replace(state, running=frozenset())
+    state = replace(state, running=frozenset(),
+                    cluster=state.cluster.with_reshard(state.reshard_bytes, state.reshard_s))
     plan = state.plan
     assert plan is not None  # not pending, and ack.name was a member
     # Drained workers switched out with everyone else: now they can go.
@@ -370,8 +225,7 @@ def _left(state: State, name: str, reason: str, config: Config, now: float) -> R
                              Send(name, Stop(reason="goodbye"))]
     if in_plan and not state.finished:
         effects += [Send(n, Abort(epoch=state.epoch, reason=f"{name} left")) for n in state.workers]
-        state, more = replan(state, config, "leave", abort=True, now=now)
-        effects += more
+        effects.append(FollowUp(ReplanDue("leave", abort=True)))
     return state, effects + _maybe_finished(state)
 
 
@@ -387,8 +241,7 @@ def _lost(state: State, name: str, detected_by: str, config: Config, now: float)
     effects: list[Effect] = [Log("failed", {"worker": name, "detected_by": detected_by})]
     if in_plan and not state.finished:
         effects += [Send(n, Abort(epoch=state.epoch, reason=f"{name} failed")) for n in state.workers]
-        state, more = replan(state, config, "failure", abort=True, now=now)
-        effects += more
+        effects.append(FollowUp(ReplanDue("failure", abort=True)))
     return state, effects + _maybe_finished(state)
 
 

@@ -1,10 +1,12 @@
 """adaptrain's planner: pure decisions over plain data (no torch, trio or zmq, no clock, no I/O).
 
-The coordinator keeps a `Cluster` of `Device`s, asks `make_plan` for a `Plan` whenever membership
-changes, and ships the result to the workers.
+The coordinator keeps a `Cluster` (devices, links, fitted costs) and the model's `Graph`, asks
+`make_plan` for a `Plan` whenever the cluster changes, and ships the result to the workers.
 """
 
 from plan.cluster import Cluster, Device
-from plan.planner import Plan, PlanLimits, PlanResult, make_plan, split_shares
+from plan.graph import Graph, Layout
+from plan.planner import Alternative, MemberCost, Plan, PlanLimits, PlanResult, make_plan, predict, split_shares
 
-__all__ = ["Cluster", "Device", "Plan", "PlanLimits", "PlanResult", "make_plan", "split_shares"]
+__all__ = ["Alternative", "Cluster", "Device", "Graph", "Layout", "MemberCost", "Plan", "PlanLimits", "PlanResult",
+           "make_plan", "predict", "split_shares"]

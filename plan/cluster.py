@@ -1,15 +1,43 @@
-"""The cluster object: the devices that can take part in training and what is known of each.
+"""The unified cluster object: devices, hosts and links, and what has been measured of each.
 
-A device's speed is first its calibrated matmul FLOP/s (measured at join) and, once it has trained,
-its measured samples per second of compute (forward + backward, communication excluded), kept as an
-exponentially weighted estimate. Devices without a measurement are converted to samples/s through
-the median samples-per-FLOP of the measured ones, so old and new devices compare on one scale.
+* A **device** is one worker process and its device: kind, calibrated matmul FLOP/s (at join), usable
+  memory (`worker --memory-limit` caps it), host. Once it trains, its compute time (forward +
+  backward, communication excluded) is modelled as `fixed + samples / speed`, fitted over its last
+  `COMPUTE_WINDOW` steps: a part that does not grow with the share (Python and kernel-launch
+  overhead, which dominates small models) and a marginal speed in samples/s. While its share never
+  changed the two cannot be told apart, and the fixed part keeps its last fitted value (0 at first).
+  Its per-step overhead outside compute (copying gradients, the optimizer step: step time minus
+  compute minus the all-reduce) is an exponentially weighted estimate. Devices not yet measured are
+  put on the same scale through the median samples-per-FLOP of the measured ones.
+* **Links**: α (latency per message) and β (seconds per byte) of the links inside one host and
+  between hosts, fitted (`plan.fit`) from the pure communication time of measured all-reduces. A
+  collective over devices on one host uses the intra-host link, otherwise the inter-host one.
+  Priors (used only until the first measurement): intra 100 µs + 1 GB/s, inter 500 µs + 100 MB/s.
+* **Migration**: the cost of an epoch switch, fitted from the coordinator's `reshard` figures:
+  seconds ≈ c0 (forming the group) + c1 · bytes moved. Prior: 50 ms + 1 GB/s.
+* **Device classes** (`classes`): devices of one kind, similar speed (within `SPEED_TOLERANCE`) and
+  the same memory cap, which the MILP treats as interchangeable.
+
+Immutable: every change returns a new Cluster. Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
+
+from plan.cost import Link
+from plan.fit import Observation, TwoTermFit, fit_two_terms
+
+EWMA_WEIGHT = 0.3  # weight of the newest measurement in a device's overhead estimate
+COMPUTE_WINDOW = 16  # steps the compute model of a device is fitted over
+SPEED_TOLERANCE = 0.1  # devices within 10% of a class's slowest member share its class
+
+INTRA_HOST_PRIOR = (1e-4, 1e-9)
+INTER_HOST_PRIOR = (5e-4, 1e-8)
+MIGRATION_PRIOR = (0.05, 1e-9)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -21,43 +49,194 @@ class Device:
     kind: str  # "cpu", "cuda:0", ...
     flops: float  # calibrated matmul FLOP/s at join
     memory_bytes: int
-    samples_per_s: float | None = None  # measured compute throughput (EWMA), None until trained
+    samples_per_s: float | None = None  # measured marginal compute speed, None until trained
+    compute_fixed_s: float = 0.0  # measured compute time per step that does not grow with the share
+    overhead_s: float = 0.0  # measured per-step time outside compute and the all-reduce (EWMA)
+    compute_window: tuple[tuple[int, float], ...] = ()  # recent (samples, compute seconds)
 
     def __post_init__(self) -> None:
         if self.flops <= 0:
             raise ValueError(f"device {self.name}: calibrated FLOP/s must be positive, got {self.flops}")
+        if self.memory_bytes < 0:
+            raise ValueError(f"device {self.name}: memory must be >= 0, got {self.memory_bytes}")
+
+    @property
+    def device_kind(self) -> str:
+        """"cpu" or "cuda" (the index of a GPU does not make it another kind)."""
+        return self.kind.split(":", 1)[0]
 
 
-EWMA_WEIGHT = 0.3  # weight of the newest measurement in the speed estimate
+def _fit(prior: tuple[float, float]) -> Callable[[], TwoTermFit]:
+    return lambda: TwoTermFit(prior=prior)
 
 
 @dataclass(frozen=True, slots=True)
 class Cluster:
-    """Devices by name. Immutable: every change returns a new Cluster."""
+    """Devices by name, the fitted links and the fitted migration cost."""
 
     devices: dict[str, Device] = field(default_factory=dict)
+    intra_host: TwoTermFit = field(default_factory=_fit(INTRA_HOST_PRIOR))
+    inter_host: TwoTermFit = field(default_factory=_fit(INTER_HOST_PRIOR))
+    migration: TwoTermFit = field(default_factory=_fit(MIGRATION_PRIOR))
+
+    # --- devices ---------------------------------------------------------------------------------
 
     def with_device(self, device: Device) -> Cluster:
-        return Cluster({**self.devices, device.name: device})
+        return replace(self, devices={**self.devices, device.name: device})
 
     def without(self, name: str) -> Cluster:
-        return Cluster({k: v for k, v in self.devices.items() if k != name})
+        return replace(self, devices={k: v for k, v in self.devices.items() if k != name})
 
-    def with_measurement(self, name: str, samples: int, compute_s: float) -> Cluster:
-        """Fold one step's compute time of `samples` samples into the device's speed estimate."""
+    def subset(self, names: Iterable[str]) -> Cluster:
+        """The same measurements, only the named devices."""
+        keep = set(names)
+        return replace(self, devices={k: v for k, v in self.devices.items() if k in keep})
+
+    def with_measurement(self, name: str, samples: int, compute_s: float,
+                         overhead_s: float | None = None) -> Cluster:
+        """Fold one step's compute time of `samples` samples (and its overhead) into the estimates."""
         device = self.devices.get(name)
         if device is None or samples <= 0 or compute_s <= 0:
             return self
-        measured = samples / compute_s
-        old = device.samples_per_s
-        new = measured if old is None else (1 - EWMA_WEIGHT) * old + EWMA_WEIGHT * measured
-        return Cluster({**self.devices, name: replace(device, samples_per_s=new)})
+        window = (*device.compute_window, (samples, compute_s))[-COMPUTE_WINDOW:]
+        fixed, per_sample = fit_compute(window, device.compute_fixed_s)
+        overhead = device.overhead_s
+        if overhead_s is not None and overhead_s >= 0:
+            first = device.samples_per_s is None
+            overhead = overhead_s if first else (1 - EWMA_WEIGHT) * overhead + EWMA_WEIGHT * overhead_s
+        return self.with_device(replace(device, samples_per_s=1.0 / per_sample, compute_fixed_s=fixed,
+                                        overhead_s=overhead, compute_window=window))
+
+    def with_compute_scaled(self, name: str, factor: float, recent: tuple[tuple[int, float], ...] = ()) -> Cluster:
+        """A detected change of speed: the device's compute now takes `factor` times as long; its
+        model is scaled and refitted from `recent` observations only (older ones are stale)."""
+        device = self.devices.get(name)
+        if device is None or device.samples_per_s is None or factor <= 0:
+            return self
+        return self.with_device(replace(device, samples_per_s=device.samples_per_s / factor,
+                                        compute_fixed_s=device.compute_fixed_s * factor,
+                                        compute_window=recent[-COMPUTE_WINDOW:]))
+
+    def with_speed(self, name: str, samples_per_s: float) -> Cluster:
+        """Set a device's marginal speed outright (tests, simulations)."""
+        device = self.devices.get(name)
+        if device is None or samples_per_s <= 0:
+            return self
+        return self.with_device(replace(device, samples_per_s=samples_per_s))
+
+    def fixed_compute(self) -> dict[str, float]:
+        """Every device's fixed compute per step; unmeasured devices get the median of the measured."""
+        measured = [d.compute_fixed_s for d in self.devices.values() if d.samples_per_s]
+        guess = statistics.median(measured) if measured else 0.0
+        return {n: d.compute_fixed_s if d.samples_per_s else guess for n, d in self.devices.items()}
 
     def speeds(self) -> dict[str, float]:
-        """Estimated samples/s of every device, on one scale (see the module comment)."""
-        measured = [d.samples_per_s / d.flops for d in self.devices.values() if d.samples_per_s]
-        per_flop = statistics.median(measured) if measured else 1.0
-        return {
-            name: d.samples_per_s if d.samples_per_s else d.flops * per_flop
-            for name, d in self.devices.items()
-        }
+        """Estimated samples/s of every device, on one scale (see the module comment). A device not
+        measured yet is taken to be no faster than the slowest measured one: its speed is a guess
+        from a matmul, and a guess must not displace a device that holds the state (once it has
+        trained a few steps its measured speed takes over)."""
+        measured = {n: d.samples_per_s for n, d in self.devices.items() if d.samples_per_s}
+        per_flop = statistics.median(v / self.devices[n].flops for n, v in measured.items()) if measured else 1.0
+        slowest = min(measured.values(), default=math.inf)
+        return {name: measured[name] if name in measured else min(d.flops * per_flop, slowest)
+                for name, d in self.devices.items()}
+
+    def speeds_for(self, train_flops: float) -> dict[str, float]:
+        """Like `speeds`, with unmeasured devices converted through the fitted FLOP→time factor
+        when nothing is measured yet: FLOP/s ÷ FLOPs per sample (factor 1 until measured)."""
+        if any(d.samples_per_s for d in self.devices.values()) or train_flops <= 0:
+            return self.speeds()
+        return {name: d.flops / train_flops for name, d in self.devices.items()}
+
+    def compute_factor(self, train_flops: float) -> float | None:
+        """The fitted ratio of real compute time to FLOPs ÷ calibrated FLOP/s (median over measured
+        devices); None before any measurement."""
+        ratios = [d.flops / (train_flops * d.samples_per_s) for d in self.devices.values()
+                  if d.samples_per_s and train_flops > 0]
+        return statistics.median(ratios) if ratios else None
+
+    # --- links -----------------------------------------------------------------------------------
+
+    def spans_hosts(self, names: Iterable[str]) -> bool:
+        return len({self.devices[n].host for n in names if n in self.devices}) > 1
+
+    def link(self, names: Iterable[str]) -> Link:
+        """The link a collective over `names` is limited by."""
+        fit = self.inter_host if self.spans_hosts(names) else self.intra_host
+        return Link(alpha_s=fit.coef[0], beta_s_per_byte=fit.coef[1])
+
+    def with_allreduce(self, ranks: int, n_bytes: float, seconds: float, *, cross_host: bool) -> Cluster:
+        """Fold one measured ring all-reduce (its pure communication time) into the link fit."""
+        if ranks < 2:
+            return self
+        f0, f1 = 2.0 * (ranks - 1), 2.0 * (ranks - 1) / ranks * n_bytes
+        if cross_host:
+            return replace(self, inter_host=self.inter_host.observe(f0, f1, seconds))
+        return replace(self, intra_host=self.intra_host.observe(f0, f1, seconds))
+
+    def with_reshard(self, n_bytes: float, seconds: float) -> Cluster:
+        """Fold one epoch switch (bytes moved, seconds of the slowest member) into the migration fit."""
+        return replace(self, migration=self.migration.observe(1.0, n_bytes, seconds))
+
+    def switch_s(self) -> float:
+        """Fitted time of an epoch switch that moves nothing (forming the new group)."""
+        return self.migration.coef[0]
+
+    def move_s(self, n_bytes: float) -> float:
+        """Fitted extra time of moving `n_bytes` of state in an epoch switch."""
+        return self.migration.coef[1] * n_bytes
+
+    # --- classes ---------------------------------------------------------------------------------
+
+    def classes(self, speeds: Mapping[str, float], caps: Mapping[str, float | None],
+                names: Iterable[str] | None = None) -> list[tuple[str, list[str]]]:
+        """Devices grouped into classes: same kind and memory cap (samples per device), speeds within
+        SPEED_TOLERANCE of the class's slowest. Returns (class name, members fastest first), classes
+        in order of their first member's name."""
+        chosen = sorted(self.devices if names is None else names)
+        groups: dict[tuple[str, float], list[str]] = {}
+        for n in chosen:
+            cap = caps.get(n)
+            groups.setdefault((self.devices[n].device_kind, -1.0 if cap is None else cap), []).append(n)
+        out: list[tuple[str, list[str]]] = []
+        for (kind, _), members in groups.items():
+            members.sort(key=lambda n: (speeds[n], n))
+            current: list[str] = []
+            for n in members:
+                if current and speeds[n] > (1 + SPEED_TOLERANCE) * speeds[current[0]]:
+                    out.append((f"{kind}:{current[0]}", sorted(current, key=lambda m: (-speeds[m], m))))
+                    current = []
+                current.append(n)
+            if current:
+                out.append((f"{kind}:{current[0]}", sorted(current, key=lambda m: (-speeds[m], m))))
+        return sorted(out, key=lambda c: min(c[1]))
+
+
+MAX_SPEED = 1e12  # samples/s: a compute time that does not grow with the share at all
+
+
+def fit_compute(window: tuple[tuple[int, float], ...], fixed_before: float) -> tuple[float, float]:
+    """(fixed seconds, seconds per sample) of compute from recent (samples, seconds) observations:
+    a non-negative least-squares line once the window holds two share sizes seen at least twice
+    each, else the previous fixed part and the rest per sample."""
+    counts: dict[int, int] = {}
+    for n, _ in window:
+        counts[n] = counts.get(n, 0) + 1
+    if sum(c >= 2 for c in counts.values()) >= 2:
+        obs = tuple(Observation(1.0, float(n), t) for n, t in window)
+        fixed, per_sample = fit_two_terms(obs, (0.0, 0.0))
+        return fixed, max(per_sample, 1.0 / MAX_SPEED)
+    fixed = min(fixed_before, min(t for _, t in window))
+    per_sample = statistics.median((t - fixed) / n for n, t in window)
+    return fixed, max(per_sample, 1.0 / MAX_SPEED)
+
+
+def capacity(memory_bytes: float, static_bytes: float, activation_bytes: float) -> float | None:
+    """Samples a device of `memory_bytes` can train at once (inf without activations); None when
+    even the parameters, gradients and optimizer state do not fit."""
+    free = memory_bytes - static_bytes
+    if free < 0:
+        return None
+    if activation_bytes <= 0:
+        return math.inf
+    return float(math.floor(free / activation_bytes))

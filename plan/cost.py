@@ -11,14 +11,21 @@ Communication follows the α–β model: a message of n bytes costs α (latency,
 and cost nothing for R = 1. Compute of a device is samples × (forward + backward FLOPs) / FLOP/s,
 times a calibration factor fitted from measured steps (FLOPs alone under-predict real kernels).
 Memory of a data-parallel replica is parameters + gradients + optimizer state + activations of
-its micro-batch. Every function is pure; times are in seconds and sizes in bytes.
+its micro-batch.
+
+A synchronous data-parallel step of replicas with compute c_i and per-step overhead o_i (copying
+gradients, the optimizer step) repeats every max_i(c_i + o_i) + all-reduce: each replica starts
+its next step after its own overhead, and the all-reduce ends when the last one arrives. A pipeline
+of p stages running m micro-batches (1F1B) takes (m + p − 1) × the slowest stage's time per
+micro-batch, plus a p2p of the boundary tensor per stage crossing; the bubble is the (p − 1) part.
+Every function is pure; times are in seconds and sizes in bytes.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from plan.graph import Graph
 
@@ -124,6 +131,7 @@ class Replica:
     effective_flops: float
     samples: int
     factor: float = 1.0
+    overhead_s: float = 0.0  # per-step time outside compute and the all-reduce
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -133,24 +141,47 @@ class Prediction:
     step_s: float
     compute_s: dict[str, float]
     comm_s: float
-    wait_s: dict[str, float]  # idle time before the all-reduce (slowest compute − own compute)
+    wait_s: dict[str, float]  # idle time in a step: step − all-reduce − own compute − own overhead
     memory_bytes: dict[str, float]
+    overhead_s: dict[str, float] = field(default_factory=dict)
 
 
 def predict_dp(
     graph: Graph, replicas: Sequence[Replica], link: Link, *, optimizer_state_factor: float = 2.0
 ) -> Prediction:
     """A synchronous data-parallel step: every replica computes its share, then one ring
-    all-reduce of the gradients (the size of the parameters). No overlap is assumed."""
+    all-reduce of the gradients (the size of the parameters), then its overhead (see the module
+    comment). No overlap is assumed."""
     compute = {
         r.name: compute_s(r.samples, graph.train_flops, r.effective_flops, r.factor) for r in replicas
     }
-    slowest = max(compute.values(), default=0.0)
+    overhead = {r.name: r.overhead_s for r in replicas}
+    busiest = max((compute[r.name] + r.overhead_s for r in replicas), default=0.0)
     comm = allreduce_s(graph.param_bytes, len(replicas), link)
     return Prediction(
-        step_s=slowest + comm,
+        step_s=busiest + comm,
         compute_s=compute,
         comm_s=comm,
-        wait_s={name: slowest - c for name, c in compute.items()},
+        wait_s={name: busiest - c - overhead[name] for name, c in compute.items()},
         memory_bytes={r.name: memory_bytes(graph, r.samples, optimizer_state_factor) for r in replicas},
+        overhead_s=overhead,
     )
+
+
+def pipeline_step_s(stage_s_per_micro_batch: Sequence[float], micro_batches: int,
+                    boundary_bytes: Sequence[float] = (), link: Link | None = None) -> float:
+    """One 1F1B pipeline step: (m + p − 1) × the slowest stage's forward + backward time per
+    micro-batch, plus, per micro-batch, a p2p of each boundary tensor (forward) and of its gradient
+    (backward) on the critical path."""
+    p = len(stage_s_per_micro_batch)
+    if p == 0 or micro_batches < 1:
+        raise ValueError(f"a pipeline needs stages and micro_batches >= 1, got {p} stages, {micro_batches}")
+    if len(boundary_bytes) not in (0, p - 1):
+        raise ValueError(f"{p} stages have {p - 1} boundaries, got {len(boundary_bytes)}")
+    transfer = sum(2 * p2p_s(n, link) for n in boundary_bytes) if link is not None else 0.0
+    return (micro_batches + p - 1) * max(stage_s_per_micro_batch) + micro_batches * transfer
+
+
+def bubble_fraction(stages: int, micro_batches: int) -> float:
+    """The idle share of a 1F1B pipeline step: (p − 1) / (m + p − 1)."""
+    return (stages - 1) / (micro_batches + stages - 1)

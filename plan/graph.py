@@ -145,15 +145,20 @@ class Layer:
 
 @dataclass(frozen=True, slots=True)
 class Graph:
-    """The model as an ordered chain of layers (the order a pipeline would cut)."""
+    """The model as an ordered chain of layers (the order a pipeline would cut), and the bytes of
+    optimizer state the job's optimizer keeps for it (measured at capture; None: unknown, assume
+    Adam's two moments)."""
 
     layers: tuple[Layer, ...]
+    optimizer_state_bytes: int | None = None
 
     def __post_init__(self) -> None:
         names = [layer.name for layer in self.layers]
         if len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})
             raise ValueError(f"graph: duplicate layer names {dup}")
+        if self.optimizer_state_bytes is not None and self.optimizer_state_bytes < 0:
+            raise ValueError(f"graph: optimizer_state_bytes must be >= 0, got {self.optimizer_state_bytes}")
 
     @property
     def forward_flops(self) -> float:
@@ -177,17 +182,76 @@ class Graph:
         """Activation bytes saved for backward per sample, whole model."""
         return sum(layer.activation_bytes for layer in self.layers)
 
+    @property
+    def optimizer_state_factor(self) -> float:
+        """Optimizer state as a multiple of the parameter bytes (2: Adam's two moments, if unknown)."""
+        if self.optimizer_state_bytes is None or self.param_bytes == 0:
+            return 2.0
+        return self.optimizer_state_bytes / self.param_bytes
+
+    @property
+    def state_bytes(self) -> int:
+        """What moves to a device that joins: parameters and optimizer state."""
+        return self.param_bytes + round(self.param_bytes * self.optimizer_state_factor)
+
     def to_dict(self) -> dict[str, Any]:
-        return {"layers": [layer.to_dict() for layer in self.layers]}
+        out: dict[str, Any] = {"layers": [layer.to_dict() for layer in self.layers]}
+        if self.optimizer_state_bytes is not None:
+            out["optimizer_state_bytes"] = self.optimizer_state_bytes
+        return out
 
     @staticmethod
     def from_dict(data: Any) -> Graph:
         if not isinstance(data, dict):
             raise ValueError(f"graph: expected an object, got {type(data).__name__}")
-        unknown = set(data) - {"layers"}
+        unknown = set(data) - {"layers", "optimizer_state_bytes"}
         if unknown:
             raise ValueError(f"graph: unknown fields {sorted(unknown)}")
         layers = data.get("layers")
         if not isinstance(layers, list) or not layers:
             raise ValueError("graph: 'layers' must be a non-empty list")
-        return Graph(tuple(Layer.from_dict(item, i) for i, item in enumerate(layers)))
+        opt = data.get("optimizer_state_bytes")
+        if opt is not None and (isinstance(opt, bool) or not isinstance(opt, int) or opt < 0):
+            raise ValueError(f"graph: 'optimizer_state_bytes' must be an integer >= 0, got {opt!r}")
+        return Graph(tuple(Layer.from_dict(item, i) for i, item in enumerate(layers)), opt)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Layout:
+    """A plan's device mesh: data-parallel × pipeline × tensor degrees. Only `dp` is planned today;
+    `pp` and `tp` are the axes the pipeline and tensor-parallel layouts fill in."""
+
+    dp: int
+    pp: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        if min(self.dp, self.pp, self.tp) < 1:
+            raise ValueError(f"layout degrees must be >= 1, got dp={self.dp} pp={self.pp} tp={self.tp}")
+
+    def to_dict(self) -> dict[str, int]:
+        return {"dp": self.dp, "pp": self.pp, "tp": self.tp}
+
+
+def describe(spec: TensorSpec) -> str:
+    """A placement in DTensor's notation: "[Replicate(), Shard(0)] on (4, 2)"."""
+    names = [f"Shard({p.dim})" if isinstance(p, Shard) else f"{type(p).__name__}()" for p in spec.placements]
+    return f"[{', '.join(names)}] on {spec.mesh_shape}"
+
+
+def placements(graph: Graph, layout: Layout) -> dict[str, dict[str, TensorSpec]]:
+    """The distributed attributes of every layer's tensors under `layout`, on the mesh (dp,):
+    parameters and optimizer state replicated, gradients partial (summed by the all-reduce),
+    activations and boundary tensors sharded along the batch dimension."""
+    if layout.pp != 1 or layout.tp != 1:
+        raise ValueError(f"only data-parallel layouts are planned so far, got pp={layout.pp} tp={layout.tp}")
+    mesh = (layout.dp,)
+    return {
+        layer.name: {
+            "params": TensorSpec(mesh, (Replicate(),)),
+            "grads": TensorSpec(mesh, (Partial(),)),
+            "optimizer_state": TensorSpec(mesh, (Replicate(),)),
+            "activations": TensorSpec(mesh, (Shard(0),)),
+        }
+        for layer in graph.layers
+    }

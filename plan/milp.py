@@ -1,28 +1,33 @@
-"""The MILP planner for data parallelism over device classes.
+"""The planner for data parallelism over device classes: who trains, and each one's share.
 
 A binary per (sample, device) does not scale (DESIGN.md), so the model works on device *classes*:
-devices of one kind and speed, of which `available` can take part. For each class c and each
-possible count k in 0..available_c a binary y[c,k] says "k devices of c train" (exactly one k per
-class), and x[c,k] ≥ 0 is the total samples those k devices take (0 unless y[c,k] = 1). Then
+devices of one kind and speed, of which `available` can take part. A plan takes k_c ≤ available_c
+devices of each class c (Σ k_c ≤ max_devices) and gives each an integer share of the global batch
+B: at least one sample (a device with none only lengthens the ring), at most what fits in memory.
 
-    x[c,k] ≤ k · speed_c · T                   T is the compute makespan (linear: k is a constant)
-    x[c,k] ≤ min(B, k · max_samples_c) · y[c,k]     memory cap per device, and the y link
-    Σ x = B                                    the whole global batch is trained
-    R = Σ k · y[c,k] = Σ_r r · z[r],  Σ z = 1  the ring size, selected by binaries z[r]
+    step       = max over taking-part devices of share / speed  +  allreduce(R),   R = Σ k_c
+    objective  = step + migration_s · (devices beyond previous_counts) / horizon_steps
 
-    minimise  T + Σ_r allreduce(r) · z[r] + migration_s · Σ y[c,k] · max(0, k − previous_c) / horizon
+The normal path is an exact search (plan/_dp_search.py). One ring: the all-reduce depends only on
+R and the migration only on N, how many of the R are newcomers. For a pair (R, N) the best devices
+are the R − N kept and N new ones holding the most at the makespan, which piecewise-linear tables
+give; all pairs are bounded with continuous shares, then checked in integer shares in order of that
+bound until it proves the rest no better within MIP_GAP. At 1,024 devices: up to ~260k pairs, at
+most 64 ms measured (scripts/bench_planner_solve.py).
 
-This disaggregated form needs no bilinear term and no big-M on T; classes are few, so the
-y[c,k] and z[r] are about twice the number of devices. The all-reduce cost grows with R, so a
-class slow enough that adding it costs more in communication than it saves in compute is left
-out (count 0), which is a legal answer.
+Why not the MILP first: measured with the same bench, a MILP with one-hot counts y[c,k] and ring
+size z[r] (ring sizes pruned by these bounds, a cut T ≥ bound(r), HiGHS) hit the 1 s limit in most
+scenarios from 256 devices up: many ring sizes lie within 0.1% of each other and branch and bound
+cannot separate them. That MILP (plan/_milp_model.py, exact in integer shares, CBC if HiGHS is
+missing) runs only when the search would enumerate more than _MAX_PAIRS pairs.
 
-The continuous per-device shares are rounded to integers summing to B (each device first gets the
-floor of its share, the rest go one by one to whichever device would finish earliest), and the
-reported `predicted_step_s` is that of the rounded plan. `status` is honest: "optimal" only when
-the solver proved it (within MIP_GAP), "time-limited" when it stopped at the time limit
-with a feasible solution, "fallback" when it found none (the previous counts, else every usable
-device, with balanced shares), "infeasible" when no plan fits in memory.
+The reported shares are rounded from balanced continuous ones (floors first, then one sample at a
+time to whichever device would finish earliest), the least integer makespan for those counts;
+`predicted_step_s` is that of the rounded plan. `status` is honest: "optimal" only when proved
+within MIP_GAP in integer shares; "time-limited" when the search's work budget (sized from
+`time_limit_s`, no clock is read) or the MILP's time limit ran out with a feasible plan; "fallback"
+when the MILP found none (the previous counts, else the usable devices, with balanced shares);
+"infeasible" when no plan fits in memory (within max_devices).
 """
 
 from __future__ import annotations
@@ -32,15 +37,23 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import pulp
+import numpy as np
 
+from plan._dp_search import Floats, Ints, candidate_pairs, continuous_makespans, search
+from plan._milp_model import solve_milp
 from plan.cost import Link, allreduce_s, static_bytes
 from plan.graph import Graph
 
 # "optimal" means proved within this relative gap of the best bound: a tenth of a percent of
-# step time is below what the cost model can predict, and a tighter gap costs seconds at 1000
-# devices.
+# step time is below what the cost model can predict.
 MIP_GAP = 1e-3
+# Above this many (ring size, newcomers) pairs the search would need too much memory (~100 bytes
+# a pair) and time (~0.25 µs a pair measured, before the integer checks): the MILP takes over.
+_MAX_PAIRS = 1_000_000
+# Integer-share checks of the search per second of `time_limit_s`: measured ~180k/s (one core,
+# chunks of 4096), assumed ~half that. The budget is work, not a clock: the planner stays pure.
+_CHECKS_PER_S = 100_000
+ENGINES = ("auto", "search", "milp")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -98,6 +111,7 @@ class MilpResult:
     objective_s: float | None  # predicted step + amortised migration
     status: str  # "optimal" | "time-limited" | "fallback" | "infeasible"
     reason: str
+    lower_bound_s: float | None = None  # proved: no plan has a smaller objective
 
 
 def solve_dp(
@@ -111,12 +125,18 @@ def solve_dp(
     migration_s_per_device: float = 0.0,
     horizon_steps: int = 100,
     optimizer_state_factor: float = 2.0,
+    max_devices: int | None = None,
+    engine: str = "auto",
 ) -> MilpResult:
     """Choose how many devices of each class train and their shares of `global_batch`.
 
     `costs` may be a `Graph` (then `link` is required). A device added beyond `previous_counts`
-    costs `migration_s_per_device` once, spread over `horizon_steps` steps.
+    costs `migration_s_per_device` once, spread over `horizon_steps` steps. At most `max_devices`
+    devices in all take part (None: no limit). `engine`: "search" (the exact search), "milp" (the
+    PuLP model on HiGHS), or "auto" (the search, the MILP above _MAX_PAIRS pairs).
     """
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     if isinstance(costs, Graph):
         if link is None:
             raise ValueError("solve_dp: a Graph needs a link")
@@ -127,117 +147,124 @@ def solve_dp(
         raise ValueError("class names must be unique")
     if horizon_steps < 1:
         raise ValueError(f"horizon_steps must be >= 1, got {horizon_steps}")
+    if max_devices is not None and max_devices < 1:
+        raise ValueError(f"max_devices must be >= 1 (or None for no limit), got {max_devices}")
     B = global_batch
     caps = {c.name: costs.max_samples(c.memory_bytes) for c in classes}
     usable = [c for c in classes if c.available > 0 and (caps[c.name] or 0) >= 1]
-    zero = {c.name: 0 for c in classes}
-    capacity = sum(c.available * min(float(B), caps[c.name] or 0.0) for c in usable)
+    cap = {c.name: min(float(B), caps[c.name] or 0.0) for c in usable}
+    limit = min(sum(c.available for c in usable), B, max_devices or B)
+    capacity = sum(n * cap[k] for k, n in _most_capacity(usable, cap, limit).items())
     if capacity < B:
         return MilpResult(
-            counts=zero, shares={c.name: () for c in classes}, continuous_shares={c.name: 0.0 for c in classes},
-            predicted_step_s=None, comm_s=None, objective_s=None, status="infeasible",
-            reason=_infeasible_reason(classes, caps, costs, B, capacity),
+            counts={c.name: 0 for c in classes}, shares={c.name: () for c in classes},
+            continuous_shares={c.name: 0.0 for c in classes}, predicted_step_s=None, comm_s=None,
+            objective_s=None, status="infeasible",
+            reason=_infeasible_reason(classes, caps, costs, B, capacity, max_devices),
         )
-    cap = {c.name: min(float(B), caps[c.name] or 0.0) for c in usable}
     prev = dict(previous_counts or {})
     mig = migration_s_per_device / horizon_steps if previous_counts is not None else 0.0
-
-    # An upper bound on the optimal makespan, from the plan with every usable device.
-    greedy_obj, greedy_counts = _greedy_bound(usable, cap, costs, B, prev, mig)
-    t_max = greedy_obj * 1.001 + 1e-9
-    # The all-reduce latency alone, 2α(R−1), must stay under that bound: it caps the ring size,
-    # which shrinks the model a lot when α is large.
-    n_max = sum(c.available for c in usable)
-    alpha = costs.link.alpha_s
-    if alpha > 0:
-        n_max = max(1, min(n_max, math.floor(1 + t_max / (2 * alpha))))
-    prob = pulp.LpProblem("dp_plan", pulp.LpMinimize)
-    T = prob.add_variable("T", lowBound=0, upBound=t_max)
-    y: dict[tuple[int, int], pulp.LpVariable] = {}
-    x: dict[tuple[int, int], pulp.LpVariable] = {}
-    for i, c in enumerate(usable):
-        t_parts = []
-        for k in range(min(c.available, n_max) + 1):
-            y[i, k] = prob.add_variable(f"y_{i}_{k}", cat=pulp.LpBinary)
-            if k:
-                # t = T when y[i,k] = 1, else 0 (the disjunctive hull: a much tighter relaxation
-                # than x <= k·speed·T alone)
-                t = prob.add_variable(f"t_{i}_{k}", lowBound=0)
-                t_parts.append(t)
-                prob += t <= t_max * y[i, k]
-                x[i, k] = prob.add_variable(f"x_{i}_{k}", lowBound=0)
-                prob += x[i, k] <= min(float(B), k * cap[c.name]) * y[i, k]
-                prob += x[i, k] <= k * c.samples_per_s * t
-        prob += pulp.lpSum(y[i, k] for k in range(min(c.available, n_max) + 1)) == 1
-        prob += pulp.lpSum(t_parts) <= T
-    prob += pulp.lpSum(x.values()) == B
-    z = {r: prob.add_variable(f"z_{r}", cat=pulp.LpBinary) for r in range(1, n_max + 1)}
-    prob += pulp.lpSum(z.values()) == 1
-    prob += pulp.lpSum(r * v for r, v in z.items()) == pulp.lpSum(k * v for (_, k), v in y.items())
-    comm = pulp.lpSum(allreduce_s(costs.allreduce_bytes, r, costs.link) * v for r, v in z.items())
-    moved = pulp.lpSum(max(0, k - prev.get(usable[i].name, 0)) * v for (i, k), v in y.items())
-    prob += T + comm + mig * moved
-
-    solver = pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=MIP_GAP)
-    if not solver.available():
-        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=MIP_GAP)
-    try:
-        prob.solve(solver)
-        sol_status = prob.sol_status
-    except pulp.PulpSolverError as exc:  # a broken solver install must not stop the planner
-        sol_status, why = pulp.LpSolutionNoSolutionFound, f"solver error: {exc}"
+    speeds = np.array([c.samples_per_s for c in usable])
+    cap_arr = np.array([cap[c.name] for c in usable])
+    avail = np.array([c.available for c in usable], dtype=np.int64)
+    kept = np.minimum(np.array([max(0, prev.get(c.name, 0)) for c in usable], dtype=np.int64), avail)
+    comm = np.array([allreduce_s(costs.allreduce_bytes, r, costs.link) for r in range(limit + 1)])
+    pool = kept if mig > 0 else avail  # without a migration cost every device is free to take
+    lower: float | None = None
+    j, n = candidate_pairs(speeds, cap_arr, pool, avail - pool, B, comm, mig, limit)
+    if engine == "search" or (engine == "auto" and len(j) <= _MAX_PAIRS):
+        found = search(speeds, cap_arr, pool, avail - pool, B, comm, mig, j, n, gap=MIP_GAP,
+                       budget=max(1_000, int(time_limit_s * _CHECKS_PER_S)))
+        assert found is not None, "the capacity check said the batch fits"
+        counts = {c.name: 0 for c in classes} | {c.name: k for c, k in zip(usable, found.counts)}
+        lower = found.lower_bound_s
+        how = f"{found.num_pairs} (ring size, newcomers) pairs, {found.num_checked} checked in integer shares"
+        status, reason = (("optimal", f"proved optimal within {MIP_GAP:.1%} over {how}") if found.complete else
+                          ("time-limited", f"stopped at the work budget for the {time_limit_s:g} s limit; {how}"))
     else:
-        why = f"solver: {pulp.LpStatus[prob.status]}, no integer solution"
-
-    if sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-        counts = {c.name: 0 for c in classes}
-        for (i, k), v in y.items():
-            if (v.varValue or 0) > 0.5:
-                counts[usable[i].name] = k
-        status = "optimal" if sol_status == pulp.LpSolutionOptimal else "time-limited"
-        reason = f"proved optimal within {MIP_GAP:.1%}" if status == "optimal" else f"stopped at the {time_limit_s:g} s limit"
-    else:
-        counts, which = _fallback_counts(classes, usable, cap, prev if previous_counts is not None else None, B)
-        status, reason = "fallback", f"{why}; using {which}"
-    result = _finish(classes, counts, cap, costs, B, prev, mig, status, reason)
-    if result is None:  # the solver's counts cannot hold B (numerical trouble): use every device
-        counts, _ = _fallback_counts(classes, usable, cap, None, B)
+        counts, status, reason, lower = _solve_by_milp(classes, usable, cap, costs, B, prev, mig, kept, comm,
+                                                       limit, time_limit_s, previous_counts is not None, speeds)
+    result = _finish(classes, counts, cap, costs, B, prev, mig, status, reason, lower)
+    if result is None:  # the solver's counts cannot hold B (numerical trouble): use the most capacity
+        counts = {c.name: 0 for c in classes} | _most_capacity(usable, cap, limit)
         result = _finish(classes, counts, cap, costs, B, prev, mig, "fallback",
-                         f"{reason}, but its counts do not hold the batch; using every usable device")
+                         f"{reason}, but its counts do not hold the batch; using the devices with the most capacity")
     assert result is not None
-    if status == "time-limited":  # an early incumbent can be worse than the fastest-first plan
-        greedy = _finish(classes, {c.name: greedy_counts.get(c.name, 0) for c in classes}, cap, costs, B,
-                         prev, mig, status, f"{reason}; the fastest-first plan beat the incumbent")
-        if greedy is not None and (greedy.objective_s or 0) < (result.objective_s or math.inf):
-            result = greedy
     return result
 
 
+def _solve_by_milp(
+    classes: Sequence[DeviceClass], usable: Sequence[DeviceClass], cap: Mapping[str, float], costs: DpCosts,
+    B: int, prev: Mapping[str, int], mig: float, kept: Ints, comm: Floats, limit: int,
+    time_limit_s: float, has_previous: bool, speeds: Floats,
+) -> tuple[dict[str, int], str, str, float]:
+    """The MILP over ring sizes pruned by their lower bounds (the least of which it returns too);
+    the fastest-first plan bounds it."""
+    zero = {c.name: 0 for c in classes}
+    greedy = _finish(classes, zero | _greedy_bound(usable, cap, B, comm, prev, mig, limit), cap, costs, B,
+                     prev, mig, "", "")
+    assert greedy is not None and greedy.objective_s is not None
+    caps, avail, ranks = [cap[c.name] for c in usable], [c.available for c in usable], np.arange(1, limit + 1)
+    ring, _ = continuous_makespans(speeds, np.array(caps), np.array(avail), np.zeros(len(avail), dtype=np.int64),
+                                   B, ranks, np.zeros_like(ranks))
+    bound = ring + comm[1:] + mig * np.maximum(0, ranks - int(kept.sum()))
+    sizes = [int(r) for r in ranks[bound <= greedy.objective_s * (1 + 1e-9)]]
+    lower = min(float(bound.min()), greedy.objective_s)
+    counts, proved, why = solve_milp(
+        list(speeds), caps, avail, [int(k) for k in kept], B, {r: float(comm[r]) for r in sizes},
+        {r: float(ring[r - 1]) for r in sizes}, mig, t_max=greedy.objective_s * (1 + 1e-6),
+        time_limit_s=time_limit_s, gap=MIP_GAP)
+    if counts is None:
+        fallback, which = _fallback_counts(classes, usable, cap, prev if has_previous else None, B, limit)
+        return fallback, "fallback", f"{why}; using {which}", lower
+    found = zero | {c.name: k for c, k in zip(usable, counts)}
+    if proved:
+        return found, "optimal", f"MILP over {len(sizes)} ring sizes: proved optimal within {MIP_GAP:.1%}", lower
+    mine = _finish(classes, found, cap, costs, B, prev, mig, "", "")
+    reason = f"MILP over {len(sizes)} ring sizes: stopped at the {time_limit_s:g} s limit"
+    if mine is None or (mine.objective_s or math.inf) > greedy.objective_s:
+        return greedy.counts, "time-limited", f"{reason}; the fastest-first plan beat the incumbent", lower
+    return found, "time-limited", reason, lower
+
+
+def _most_capacity(usable: Sequence[DeviceClass], cap: Mapping[str, float], limit: int) -> dict[str, int]:
+    """Counts of the `limit` devices that hold the most samples (ties: the faster)."""
+    counts, left = {}, limit
+    for c in sorted(usable, key=lambda c: (-cap[c.name], -c.samples_per_s)):
+        counts[c.name] = min(left, c.available)
+        left -= counts[c.name]
+    return counts
+
+
 def _greedy_bound(
-    usable: Sequence[DeviceClass], cap: Mapping[str, float], costs: DpCosts, B: int,
-    prev: Mapping[str, int], mig: float,
-) -> tuple[float, dict[str, int]]:
-    """The best objective (and counts) among plans that take the r fastest devices, for every r: a cheap
-    feasible upper bound that keeps the MILP's t_max and ring size small."""
+    usable: Sequence[DeviceClass], cap: Mapping[str, float], B: int, comm: Floats,
+    prev: Mapping[str, int], mig: float, limit: int,
+) -> dict[str, int]:
+    """The counts of the best plan (continuous shares) among those that take the r fastest devices,
+    r ≤ limit: a cheap feasible plan that bounds the MILP's makespan and ring sizes."""
     speeds = {c.name: c.samples_per_s for c in usable}
     counts = dict.fromkeys(speeds, 0)
-    best, best_counts = math.inf, dict(counts)
+    best, best_counts = math.inf, _most_capacity(usable, cap, limit)
+    ranks = 0
     for c in sorted(usable, key=lambda c: -c.samples_per_s):
         for _ in range(c.available):
+            if ranks == limit:
+                return best_counts
             counts[c.name] += 1
-            balanced = balance(counts, speeds, cap, B)
+            ranks += 1
+            balanced = balance(counts, speeds, cap, B, min_share=1.0)
             if balanced is None:
                 continue
             moved = sum(max(0, n - prev.get(k, 0)) for k, n in counts.items())
-            ranks = sum(counts.values())
-            obj = balanced[0] + allreduce_s(costs.allreduce_bytes, ranks, costs.link) + mig * moved
+            obj = balanced[0] + comm[ranks] + mig * moved
             if obj < best:
                 best, best_counts = obj, dict(counts)
-    return best, best_counts
+    return best_counts
 
 
 def _infeasible_reason(
-    classes: Sequence[DeviceClass], caps: Mapping[str, float | None], costs: DpCosts, B: int, capacity: float
+    classes: Sequence[DeviceClass], caps: Mapping[str, float | None], costs: DpCosts, B: int, capacity: float,
+    max_devices: int | None,
 ) -> str:
     parts = []
     for c in classes:
@@ -253,42 +280,62 @@ def _infeasible_reason(
             cap_s = "unbounded" if math.isinf(cap) else f"{cap:.0f}"
             parts.append(f"{c.name}: {c.available} devices x {cap_s} samples")
     fits = f"a global batch of at most {capacity:.0f} would fit" if capacity >= 1 else "no global batch fits"
+    if max_devices is not None:
+        fits += f" on at most {max_devices} devices (max_devices)"
     return f"global batch {B} does not fit in memory; {fits} ({'; '.join(parts)})"
 
 
 def _fallback_counts(
     classes: Sequence[DeviceClass], usable: Sequence[DeviceClass], cap: Mapping[str, float],
-    prev: Mapping[str, int] | None, B: int,
+    prev: Mapping[str, int] | None, B: int, limit: int,
 ) -> tuple[dict[str, int], str]:
-    """The previous counts less what is gone, if they still hold the batch; else every device."""
+    """The previous counts less what is gone, if they still hold the batch within `limit` devices;
+    else every usable device if that is within the limit, else the devices with the most capacity."""
+    zero = {c.name: 0 for c in classes}
     if prev is not None:
-        counts = {c.name: min(prev.get(c.name, 0), c.available) if c in usable else 0 for c in classes}
-        if sum(counts[c.name] * cap[c.name] for c in usable) >= B:
-            return counts, "the previous counts"
-    return {c.name: c.available if c in usable else 0 for c in classes}, "every usable device"
+        counts = {c.name: max(0, min(prev.get(c.name, 0), c.available)) for c in usable}
+        if sum(counts[k] * cap[k] for k in counts) >= B and 0 < sum(counts.values()) <= limit:
+            return zero | counts, "the previous counts"
+    if sum(c.available for c in usable) <= limit:
+        return zero | {c.name: c.available for c in usable}, "every usable device"
+    return zero | _most_capacity(usable, cap, limit), f"the {limit} devices with the most capacity"
 
 
 def balance(
-    counts: Mapping[str, int], speeds: Mapping[str, float], caps: Mapping[str, float], B: float
+    counts: Mapping[str, int], speeds: Mapping[str, float], caps: Mapping[str, float], B: float,
+    *, min_share: float = 0.0,
 ) -> tuple[float, dict[str, float]] | None:
-    """Continuous shares minimising the compute makespan for fixed counts (water-filling):
-    returns (makespan, samples per device of each class), or None if the caps cannot hold B."""
+    """Continuous shares minimising the compute makespan for fixed counts (water-filling), each
+    device's share within [min_share, cap]: returns (makespan, samples per device of each class),
+    or None if the caps cannot hold B or the minimum shares exceed it."""
     used = [c for c, n in counts.items() if n > 0]
-    order = sorted(used, key=lambda c: caps[c] / speeds[c])
-    rate = sum(counts[c] * speeds[c] for c in used)
-    capped = 0.0
+    low = {c: min(min_share, caps[c]) for c in used}
+
+    def share(c: str, t: float) -> float:  # compared as the kinks are, so a cap is met exactly
+        return caps[c] if t >= caps[c] / speeds[c] else low[c] if t <= low[c] / speeds[c] else speeds[c] * t
+
+    def total(t: float) -> float:
+        return sum(counts[c] * share(c, t) for c in used)
+
+    if sum(counts[c] * caps[c] for c in used) < B or sum(counts[c] * low[c] for c in used) > B:
+        return None
+    # total(t) is piecewise linear and nondecreasing, with kinks where a class meets a bound
+    kinks = sorted({x / speeds[c] for c in used for x in (low[c], caps[c]) if math.isfinite(x)})
+    t, held = 0.0, total(0.0)
+    for k in kinks + [math.inf]:
+        if held >= B:
+            break
+        at_k = total(k) if math.isfinite(k) else math.inf
+        if at_k >= B:
+            mid = (t + k) / 2 if math.isfinite(k) else t + 1.0
+            slope = sum(counts[c] * speeds[c] for c in used if low[c] < speeds[c] * mid < caps[c])
+            t, held = t + (B - held) / slope, B
+            break
+        t, held = k, at_k
     per_device = dict.fromkeys(counts, 0.0)
-    for j, c in enumerate(order):
-        t = (B - capped) / rate
-        if t <= caps[c] / speeds[c]:
-            for d in order[j:]:
-                per_device[d] = speeds[d] * t
-            for d in order[:j]:
-                per_device[d] = caps[d]
-            return max([t, *(caps[d] / speeds[d] for d in order[:j])]), per_device
-        capped += counts[c] * caps[c]
-        rate -= counts[c] * speeds[c]
-    return None
+    for c in used:
+        per_device[c] = share(c, t)
+    return max(per_device[c] / speeds[c] for c in used), per_device
 
 
 def round_shares(
@@ -300,7 +347,8 @@ def round_shares(
     shares = {c: [math.floor(per_device[c] + 1e-9)] * n for c, n in counts.items()}
     left = B - sum(sum(s) for s in shares.values())
     while left < 0:  # floating-point slack rounded a share up: take back from the slowest finisher
-        c, i = max(((c, i) for c, ss in shares.items() for i, s in enumerate(ss) if s > 0),
+        big = [(c, i) for c, ss in shares.items() for i, s in enumerate(ss) if s > 1]  # keep 1 each
+        c, i = max(big or [(c, i) for c, ss in shares.items() for i, s in enumerate(ss) if s > 0],
                    key=lambda ci: shares[ci[0]][ci[1]] / speeds[ci[0]])
         shares[c][i] -= 1
         left += 1
@@ -318,11 +366,11 @@ def round_shares(
 
 def _finish(
     classes: Sequence[DeviceClass], counts: dict[str, int], cap: Mapping[str, float], costs: DpCosts,
-    B: int, prev: Mapping[str, int], mig: float, status: str, reason: str,
+    B: int, prev: Mapping[str, int], mig: float, status: str, reason: str, lower: float | None = None,
 ) -> MilpResult | None:
     speeds = {c.name: c.samples_per_s for c in classes}
     caps = {c.name: cap.get(c.name, 0.0) for c in classes}
-    balanced = balance(counts, speeds, caps, B)
+    balanced = balance(counts, speeds, caps, B, min_share=1.0)
     if balanced is None:
         return None
     _, per_device = balanced
@@ -335,7 +383,7 @@ def _finish(
     return MilpResult(
         counts=counts, shares=shares, continuous_shares=per_device,
         predicted_step_s=compute + comm, comm_s=comm, objective_s=compute + comm + mig * moved,
-        status=status, reason=f"{reason}; {ranks} devices ({used}), moved {moved}",
+        status=status, reason=f"{reason}; {ranks} devices ({used}), moved {moved}", lower_bound_s=lower,
     )
 
 

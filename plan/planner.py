@@ -1,28 +1,71 @@
-"""The planner: which devices train and what share of every global batch each one takes.
+"""The global planner: which devices train, each one's share of the global batch, and why.
 
-This first planner puts every eligible device in one data-parallel group and splits the global
-batch in proportion to estimated speed, so that all replicas finish their compute together. It has
-the seam the MILP planner drops into: `make_plan(cluster, previous, *, limits) -> PlanResult`.
+`make_plan(cluster, graph, previous, *, limits) -> PlanResult` is the one decision the coordinator
+asks for whenever the cluster changes (a join, a failure, a drain, a straggler):
 
-Rank order is kept stable across plans (members of the previous plan keep their relative order,
-newcomers are appended in name order) so that a re-plan moves as little as possible.
+1. Device classes (`Cluster.classes`: same kind and memory cap, similar speed) go to the class-level
+   solver (`plan.milp.solve_dp`: an exact search over ring sizes, or the PuLP MILP on HiGHS), which picks how many devices of each class take part, minimising the
+   predicted step time plus the cost of moving state to devices that did not hold it, amortised
+   over `horizon_steps`. Candidate link scopes are enumerated outside the MILP: every device
+   (inter-host link if they span hosts) and, on a multi-host cluster, each of the few strongest
+   hosts alone (intra-host link).
+2. A cheap second step maps class counts to concrete devices, keeping members of the previous plan
+   first (no state moves to them), and splits the batch per device by real speed and overhead
+   (`assign`), so that every replica finishes compute + overhead together, within memory caps.
+3. A few plain alternatives are scored with the same cost model (keep the current members,
+   every device, the r fastest): the best of all wins, and the best one that differs is reported
+   as the runner-up, so `ctl plan --explain` can say why the plan beat it.
+4. Hysteresis: if the current plan, re-predicted with today's speeds, is within `MIN_GAIN` of the
+   winner, it is kept (the same assignment, so no new epoch): a re-plan that saves 1% of the step
+   but switches epochs, or moves the whole model, is not taken.
+
+Excluding a device is a legal answer (too slow to pay for its share of the all-reduce, or out of
+memory): it stays on standby and the reason says so. Without a graph of the model (its capture
+failed) the planner falls back to shares by speed over every device (status "heuristic").
+The `even` policy (benchmarks' baseline) splits the batch evenly over every usable device.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 
-from plan.cluster import Cluster
+from plan.cluster import Cluster, capacity
+from plan.cost import allreduce_s, static_bytes
+from plan.graph import Graph, Layout
+from plan.milp import ENGINES, DeviceClass, DpCosts, map_to_devices, solve_dp
+
+MIN_GAIN = 0.03  # a new plan must beat the current one by 3% of step time (noise is a few %)
+HOST_CANDIDATES = 3  # single-host plans tried on a multi-host cluster
+MAX_PREFIX_CANDIDATES = 64  # "the r fastest" alternatives are scored up to this many devices
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemberCost:
+    """One member's part of a predicted step (seconds, bytes)."""
+
+    name: str
+    samples: int
+    speed: float  # samples/s the plan assumes
+    compute_s: float
+    overhead_s: float
+    wait_s: float
+    memory_bytes: float
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Plan:
-    """A data-parallel layout: `members` in rank order and each one's samples per global batch."""
+    """A data-parallel layout: `members` in rank order and each one's samples per global batch,
+    with the cost model's prediction (None where it could not predict)."""
 
     members: tuple[str, ...]
     shares: tuple[int, ...]
     predicted_step_s: float | None = None
+    comm_s: float | None = None
+    costs: tuple[MemberCost, ...] = ()
+    mode: str = "sync"
 
     def __post_init__(self) -> None:
         assert len(self.members) == len(self.shares), "one share per member"
@@ -33,11 +76,45 @@ class Plan:
     def global_batch(self) -> int:
         return sum(self.shares)
 
+    @property
+    def layout(self) -> Layout:
+        return Layout(dp=len(self.members))
+
+    def same_assignment(self, other: Plan | None) -> bool:
+        return other is not None and (self.members, self.shares) == (other.members, other.shares)
+
+    def speed_of(self, name: str) -> float | None:
+        return next((c.speed for c in self.costs if c.name == name), None)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Alternative:
+    """A plan the winner was compared with."""
+
+    description: str
+    plan: Plan
+    objective_s: float  # predicted step + amortised switch and migration cost
+    moved_bytes: int
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PlanLimits:
     global_batch: int
     max_workers: int | None = None
+    time_limit_s: float = 0.5  # for the MILP
+    horizon_steps: int = 200  # steps over which a switch's one-off cost is amortised
+    policy: str = "milp"  # "milp" or "even"
+    engine: str = "auto"  # of the class-level solve: "auto", "search" or "milp" (plan.milp)
+
+    def __post_init__(self) -> None:
+        if self.global_batch < 1:
+            raise ValueError(f"global batch must be >= 1, got {self.global_batch}")
+        if self.policy not in ("milp", "even"):
+            raise ValueError(f"policy must be 'milp' or 'even', got {self.policy!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.horizon_steps < 1 or self.time_limit_s <= 0:
+            raise ValueError("horizon_steps must be >= 1 and time_limit_s positive")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -45,16 +122,76 @@ class PlanResult:
     """The plan (None when nothing can train), the solver status and a reason a person can read."""
 
     plan: Plan | None
-    status: str  # "optimal", "fallback", "infeasible"
+    status: str  # "optimal", "time-limited", "fallback", "infeasible", "heuristic", "even"
     reason: str
+    objective_s: float | None = None
+    runner_up: Alternative | None = None
+    standby: tuple[str, ...] = ()  # ready devices the plan leaves out
+    standby_why: tuple[str, ...] = ()  # why, one per standby device
+    moved_bytes: int = 0
+
+
+# --- predicting one assignment -----------------------------------------------------------------
+
+
+def predict(cluster: Cluster, graph: Graph | None, members: Sequence[str], shares: Sequence[int]) -> Plan:
+    """The plan `members`/`shares` with the cost model's prediction of its step."""
+    speeds = cluster.speeds_for(graph.train_flops if graph else 0.0)
+    fixed = cluster.fixed_compute()
+    costs = []
+    busiest = 0.0
+    for name, share in zip(members, shares):
+        d = cluster.devices[name]
+        compute = fixed[name] + share / speeds[name] if share > 0 else 0.0
+        busiest = max(busiest, compute + d.overhead_s)
+        costs.append(MemberCost(name=name, samples=share, speed=speeds[name], compute_s=compute,
+                                overhead_s=d.overhead_s, wait_s=0.0, memory_bytes=0.0))
+    comm = None
+    static, act = 0.0, 0.0
+    if graph is not None:
+        comm = allreduce_s(graph.param_bytes, len(members), cluster.link(members))
+        static, act = static_bytes(graph.param_bytes, graph.optimizer_state_factor), graph.activation_bytes
+    costs = [replace(c, wait_s=busiest - c.compute_s - c.overhead_s, memory_bytes=static + act * c.samples)
+             for c in costs]
+    return Plan(members=tuple(members), shares=tuple(shares),
+                predicted_step_s=None if comm is None else busiest + comm, comm_s=comm, costs=tuple(costs))
+
+
+def assign(speeds: Sequence[float], overheads: Sequence[float], caps: Sequence[float], total: int) -> list[int] | None:
+    """Integer shares summing to `total` that let every device finish compute + overhead together
+    (water-filling on T: share_i = min(cap_i, speed_i·(T − overhead_i))), then rounded one sample at
+    a time to whichever device would finish earliest. None if the caps cannot hold `total`."""
+    n = len(speeds)
+    if n == 0 or sum(min(c, float(total)) for c in caps) < total:
+        return None
+
+    def held(t: float) -> float:
+        return sum(min(c, max(0.0, s * (t - o))) for s, o, c in zip(speeds, overheads, caps))
+
+    lo, hi = 0.0, max(overheads) + total / min(speeds)
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if held(mid) >= total else (mid, hi)
+    exact = [min(c, max(0.0, s * (hi - o))) for s, o, c in zip(speeds, overheads, caps)]
+    shares = [min(math.floor(x + 1e-9), int(min(c, total))) for x, c in zip(exact, caps)]
+    while sum(shares) > total:  # floating-point slack: take back from the latest finisher
+        i = max((i for i in range(n) if shares[i] > 0), key=lambda i: overheads[i] + shares[i] / speeds[i])
+        shares[i] -= 1
+    heap = [(overheads[i] + (shares[i] + 1) / speeds[i], i) for i in range(n) if shares[i] + 1 <= caps[i]]
+    heapq.heapify(heap)
+    left = total - sum(shares)
+    while left > 0 and heap:
+        _, i = heapq.heappop(heap)
+        shares[i] += 1
+        left -= 1
+        if shares[i] + 1 <= caps[i]:
+            heapq.heappush(heap, (overheads[i] + (shares[i] + 1) / speeds[i], i))
+    return shares if left == 0 else None
 
 
 def split_shares(total: int, weights: list[float]) -> list[int]:
-    """Split `total` samples in proportion to `weights` (largest remainder, ties to lower index).
-
-    Every weight gets at least one sample while there are enough to go round (taken from the
-    largest shares), so that no replica sits in the group doing nothing.
-    """
+    """Split `total` in proportion to `weights` (largest remainder, ties to the lower index), every
+    weight getting at least one sample while there are enough to go round."""
     n = len(weights)
     if n == 0:
         return []
@@ -73,25 +210,259 @@ def split_shares(total: int, weights: list[float]) -> list[int]:
     return shares
 
 
-def make_plan(cluster: Cluster, previous: Plan | None, *, limits: PlanLimits) -> PlanResult:
-    """All devices (up to `max_workers`) in data parallel, shares by speed."""
+# --- the planner ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Ctx:
+    cluster: Cluster
+    graph: Graph
+    previous: Plan | None
+    limits: PlanLimits
+    speeds: Mapping[str, float]
+    fixed: Mapping[str, float]  # compute per step that does not grow with the share
+    caps: Mapping[str, float | None]
+    holders: frozenset[str]  # devices that hold the training state now
+
+    def ranked(self, members: Sequence[str]) -> list[str]:
+        """Rank order: members of the previous plan keep theirs, newcomers follow in name order."""
+        before = list(self.previous.members) if self.previous else []
+        return ([m for m in before if m in members]
+                + sorted(m for m in members if m not in before))
+
+    def balanced(self, members: Sequence[str]) -> Plan | None:
+        members = self.ranked([m for m in members if (self.caps[m] or 0) >= 1])
+        d = self.cluster.devices
+        shares = assign([self.speeds[m] for m in members], [d[m].overhead_s + self.fixed[m] for m in members],
+                        [self.caps[m] or 0.0 for m in members], self.limits.global_batch)
+        if shares is None:
+            return None
+        kept = [(m, s) for m, s in zip(members, shares) if s > 0]
+        return predict(self.cluster, self.graph, [m for m, _ in kept], [s for _, s in kept])
+
+    def score(self, plan: Plan, description: str) -> Alternative:
+        new = [m for m in plan.members if m not in self.holders]
+        moved = len(new) * self.graph.state_bytes if self.holders else 0
+        switch = 0.0
+        if not plan.same_assignment(self.previous):
+            switch = self.cluster.switch_s() + (self.cluster.move_s(self.graph.state_bytes) * len(new)
+                                                if self.holders else 0.0)
+        horizon = self.limits.horizon_steps
+        assert plan.predicted_step_s is not None
+        return Alternative(description=description, plan=plan, objective_s=plan.predicted_step_s + switch / horizon,
+                           moved_bytes=moved)
+
+
+def _context(cluster: Cluster, graph: Graph, previous: Plan | None, limits: PlanLimits) -> _Ctx:
+    speeds = cluster.speeds_for(graph.train_flops)
+    static = static_bytes(graph.param_bytes, graph.optimizer_state_factor)
+    caps = {n: capacity(d.memory_bytes, static, graph.activation_bytes) for n, d in cluster.devices.items()}
+    holders = frozenset(m for m in (previous.members if previous else ()) if m in cluster.devices)
+    return _Ctx(cluster, graph, previous, limits, speeds, cluster.fixed_compute(), caps, holders)
+
+
+def score_members(cluster: Cluster, graph: Graph, previous: Plan | None, members: Sequence[str], *,
+                  limits: PlanLimits) -> Alternative | None:
+    """`members` with balanced shares, scored as the planner scores its candidates (predicted step
+    plus the amortised switch and migration cost); None if they cannot hold the batch. For checking
+    the planner against an enumeration of every subset on small clusters."""
+    ctx = _context(cluster, graph, previous, limits)
+    plan = ctx.balanced(members)
+    if plan is None or len(plan.members) != len(members):
+        return None
+    return ctx.score(plan, "enumerated")
+
+
+def make_plan(cluster: Cluster, graph: Graph | None, previous: Plan | None, *, limits: PlanLimits) -> PlanResult:
+    """The best plan for `cluster` (see the module comment)."""
+    if not cluster.devices:
+        return PlanResult(plan=None, status="infeasible", reason="no ready devices")
+    if graph is None:
+        return _by_speed(cluster, previous, limits)
+    ctx = _context(cluster, graph, previous, limits)
+    speeds = ctx.speeds
+    usable = sorted((n for n in cluster.devices if (ctx.caps[n] or 0) >= 1), key=lambda n: (-speeds[n], n))
+    if limits.policy == "even":
+        return _even(ctx, usable)
+    if not any(d.samples_per_s for d in cluster.devices.values()):
+        return _uncalibrated(ctx, usable)
+
+    solved: list[tuple[Alternative, str, str]] = []  # (scored plan, status, reason)
+    infeasible: list[str] = []
+    for scope in _scopes(cluster, usable, speeds):
+        outcome = _solve(ctx, scope)
+        if isinstance(outcome, str):
+            infeasible.append(outcome)
+        else:
+            solved.append(outcome)
+    if not solved:
+        reason = infeasible[0] if infeasible else _nothing_fits(ctx)
+        return PlanResult(plan=None, status="infeasible", reason=reason)
+
+    best, status, reason = min(solved, key=lambda s: s[0].objective_s)
+    alternatives = [a for a, _, _ in solved if a is not best] + _alternatives(ctx, usable)
+    for alt in alternatives:
+        if alt.objective_s < best.objective_s - 1e-12:  # a plain plan beat the MILP's rounding
+            best, reason = alt, f"{reason}; {alt.description} scored better"
+    runner = _runner_up(best, alternatives)
+    chosen, why = best, reason
+    current = _current(ctx, alternatives)
+    if (current is not None and not best.plan.same_assignment(current.plan)
+            and best.objective_s > current.objective_s * (1 - MIN_GAIN)):
+        chosen, runner = current, best
+        why = (f"kept {current.description}: the best other plan ({_summary(best)}) gains less than "
+               f"{MIN_GAIN:.0%} of a step")
+    standby = tuple(sorted(set(cluster.devices) - set(chosen.plan.members)))
+    reasons = tuple(_standby_reason(ctx, n, chosen, kept=chosen is not best) for n in standby)
+    if standby:
+        why += "; on standby: " + ", ".join(f"{n} ({r})" for n, r in zip(standby, reasons))
+    return PlanResult(plan=chosen.plan, status=status, reason=why, objective_s=chosen.objective_s,
+                      runner_up=runner, standby=standby, standby_why=reasons, moved_bytes=chosen.moved_bytes)
+
+
+def _scopes(cluster: Cluster, usable: list[str], speeds: Mapping[str, float]) -> list[list[str]]:
+    """Every usable device, and on a multi-host cluster each of the strongest hosts alone."""
+    scopes = [usable]
+    hosts: dict[str, list[str]] = {}
+    for n in usable:
+        hosts.setdefault(cluster.devices[n].host, []).append(n)
+    if len(hosts) > 1:
+        strongest = sorted(hosts.values(), key=lambda ns: -sum(speeds[n] for n in ns))
+        scopes += strongest[:HOST_CANDIDATES]
+    return scopes
+
+
+def _solve(ctx: _Ctx, scope: list[str]) -> tuple[Alternative, str, str] | str:
+    """The MILP over the classes of `scope`; returns the scored plan, or why nothing fits."""
+    if not scope:
+        return "no device can hold the model"
+    g, cluster = ctx.graph, ctx.cluster
+    groups = cluster.classes(ctx.speeds, ctx.caps, names=scope)
+    classes = [DeviceClass(name=cname, available=len(ms),
+                           samples_per_s=sum(ctx.speeds[m] for m in ms) / len(ms),
+                           memory_bytes=min(cluster.devices[m].memory_bytes for m in ms)) for cname, ms in groups]
+    costs = DpCosts(allreduce_bytes=g.param_bytes, static_bytes=static_bytes(g.param_bytes, g.optimizer_state_factor),
+                    activation_bytes_per_sample=g.activation_bytes, link=cluster.link(scope))
+    previous_counts = ({cname: sum(m in ctx.holders for m in ms) for cname, ms in groups}
+                       if ctx.holders else None)
+    result = solve_dp(classes, costs, ctx.limits.global_batch, time_limit_s=ctx.limits.time_limit_s,
+                      previous_counts=previous_counts,
+                      migration_s_per_device=cluster.move_s(g.state_bytes),
+                      horizon_steps=ctx.limits.horizon_steps, max_devices=ctx.limits.max_workers,
+                      engine=ctx.limits.engine)
+    if result.status == "infeasible":
+        return result.reason
+    order = {cname: ms for cname, ms in groups}  # fastest first within a class
+    previous = [m for m in (ctx.previous.members if ctx.previous else ()) if m in ctx.holders]
+    plan = ctx.balanced(map_to_devices(result.counts, order, previous))
+    if plan is None:
+        return f"the solver's counts ({result.reason}) do not hold the batch per device"
+    return ctx.score(plan, "the MILP's plan"), result.status, result.reason
+
+
+def _alternatives(ctx: _Ctx, usable: list[str]) -> list[Alternative]:
+    """Plain plans scored with the same cost model."""
+    cap = ctx.limits.max_workers or len(usable)
+    out: list[Alternative] = []
+    kept = [m for m in (ctx.previous.members if ctx.previous else ()) if m in ctx.holders and m in usable][:cap]
+    if kept and (p := ctx.balanced(kept)) is not None:
+        out.append(ctx.score(p, f"keeping the current {len(kept)} members, re-balanced"))
+    everyone = kept + [n for n in usable if n not in kept]
+    if (p := ctx.balanced(everyone[:cap])) is not None:
+        out.append(ctx.score(p, f"every usable device ({min(cap, len(everyone))})"))
+    if len(usable) <= MAX_PREFIX_CANDIDATES:
+        for r in range(1, min(cap, len(usable))):
+            if (p := ctx.balanced(usable[:r])) is not None:
+                out.append(ctx.score(p, f"the {r} fastest devices"))
+    return out
+
+
+def _current(ctx: _Ctx, alternatives: list[Alternative]) -> Alternative | None:
+    """What "not changing" means now: the current plan as it is when all its members are still
+    here, else (after a failure or a leave) its surviving members re-balanced."""
+    previous = ctx.previous
+    if previous is None or previous.global_batch != ctx.limits.global_batch:
+        return next((a for a in alternatives if a.description.startswith("keeping the current")), None)
+    if set(previous.members) <= set(ctx.cluster.devices):
+        return ctx.score(predict(ctx.cluster, ctx.graph, previous.members, previous.shares), "the current plan")
+    return next((a for a in alternatives if a.description.startswith("keeping the current")), None)
+
+
+def _runner_up(best: Alternative, alternatives: list[Alternative]) -> Alternative | None:
+    others = [a for a in alternatives if set(a.plan.members) != set(best.plan.members)]
+    if not others:
+        others = [a for a in alternatives if not a.plan.same_assignment(best.plan)]
+    return min(others, key=lambda a: a.objective_s) if others else None
+
+
+def _summary(a: Alternative) -> str:
+    return f"{a.description}: {len(a.plan.members)} devices, {a.plan.predicted_step_s:.4g} s/step"
+
+
+def _standby_reason(ctx: _Ctx, name: str, chosen: Alternative, *, kept: bool) -> str:
+    cap = ctx.caps[name]
+    if cap is None:
+        return "its memory cannot hold the model's state"
+    if cap < 1:
+        return "no room for one sample's activations"
+    if ctx.limits.max_workers is not None and len(chosen.plan.members) >= ctx.limits.max_workers:
+        return f"--max-workers {ctx.limits.max_workers}"
+    if kept:
+        return "the current members are kept: a plan with it gains less than 3% of a step"
+    return f"too slow to pay for its part of the all-reduce: {ctx.speeds[name]:.3g} samples/s"
+
+
+def _too_small(ctx: _Ctx, usable: list[str]) -> str:
+    if not usable:
+        return _nothing_fits(ctx)
+    caps = {n: ctx.caps[n] or 0.0 for n in usable}
+    total = sum(min(c, float(ctx.limits.global_batch)) for c in caps.values())
+    each = "; ".join(f"{n}: {c:.0f} samples" for n, c in sorted(caps.items()))
+    return (f"global batch {ctx.limits.global_batch} does not fit in memory; a global batch of at most "
+            f"{total:.0f} would fit ({each})")
+
+
+def _nothing_fits(ctx: _Ctx) -> str:
+    static = static_bytes(ctx.graph.param_bytes, ctx.graph.optimizer_state_factor)
+    parts = [f"{n}: {d.memory_bytes / 2**20:.1f} MiB" for n, d in sorted(ctx.cluster.devices.items())]
+    return (f"no device can hold the model: parameters, gradients and optimizer state need "
+            f"{static / 2**20:.1f} MiB plus {ctx.graph.activation_bytes / 2**10:.1f} KiB per sample "
+            f"({'; '.join(parts)})")
+
+
+def _uncalibrated(ctx: _Ctx, usable: list[str]) -> PlanResult:
+    """Before any step is measured, FLOPs are all the cost model knows, and they can be off by
+    orders of magnitude for small models (Python overhead, unformulated kernels): no device is
+    left out on such a guess. Every usable device trains (up to max_workers), shares by calibrated
+    FLOP/s within memory; the measured steps that follow re-plan with the real speeds."""
+    plan = ctx.balanced(usable[: ctx.limits.max_workers or len(usable)])
+    if plan is None:
+        return PlanResult(plan=None, status="infeasible", reason=_too_small(ctx, usable))
+    return PlanResult(plan=plan, status="heuristic", objective_s=plan.predicted_step_s,
+                      reason=f"no step measured yet: every usable device ({len(plan.members)}), shares by "
+                             "calibrated FLOP/s; re-planned once steps are measured")
+
+
+def _even(ctx: _Ctx, usable: list[str]) -> PlanResult:
+    keep = [m for m in (ctx.previous.members if ctx.previous else ()) if m in usable]
+    members = (keep + [n for n in usable if n not in keep])[: ctx.limits.max_workers or len(usable)]
+    shares = split_shares(ctx.limits.global_batch, [1.0] * len(members))
+    if not members or any(s > (ctx.caps[m] or 0) for m, s in zip(members, shares)):
+        return PlanResult(plan=None, status="infeasible", reason="an even split does not fit in memory")
+    plan = predict(ctx.cluster, ctx.graph, members, shares)
+    return PlanResult(plan=plan, status="even", reason=f"even split over {len(members)} devices (--planner even)",
+                      objective_s=plan.predicted_step_s)
+
+
+def _by_speed(cluster: Cluster, previous: Plan | None, limits: PlanLimits) -> PlanResult:
+    """No graph of the model: every device (up to max_workers) in, shares by speed."""
     speeds = cluster.speeds()
-    if not speeds:
-        return PlanResult(plan=None, status="infeasible", reason="no devices")
-    # Members of the previous plan stay (a swap would move state for a guess at speed); free
-    # slots up to max_workers go to the fastest newcomers.
     kept = [m for m in (previous.members if previous else ()) if m in speeds][: limits.max_workers]
     newcomers = sorted((n for n in speeds if n not in kept), key=lambda n: (-speeds[n], n))
     if limits.max_workers is not None:
         newcomers = newcomers[: max(limits.max_workers - len(kept), 0)]
     members = kept + sorted(newcomers)
-    weights = [speeds[m] for m in members]
-    shares = split_shares(limits.global_batch, weights)
-    measured = all(cluster.devices[m].samples_per_s for m in members)
-    # Compute time of the slowest replica; only meaningful once every member has measured steps
-    # (calibrated FLOP/s are not samples/s). The cost model of the next issue replaces this.
-    slowest = max(s / speeds[m] for m, s in zip(members, shares)) if measured else None
-    plan = Plan(members=tuple(members), shares=tuple(shares), predicted_step_s=slowest)
-    left_out = len(speeds) - len(members)
-    reason = f"{len(members)} replicas, shares by speed" + (f", {left_out} on standby" if left_out else "")
-    return PlanResult(plan=plan, status="optimal", reason=reason)
+    shares = split_shares(limits.global_batch, [speeds[m] for m in members])
+    plan = predict(cluster, None, members, shares)
+    return PlanResult(plan=plan, status="heuristic",
+                      reason=f"no graph of the model: {len(members)} replicas, shares by speed")

@@ -36,10 +36,12 @@ EPILOG = """\
 examples:
   python scripts/ctl.py --control tcp://127.0.0.1:5556 status
   python scripts/ctl.py --control tcp://127.0.0.1:5556 plan --json
+  python scripts/ctl.py --control tcp://127.0.0.1:5556 plan --explain
   python scripts/ctl.py --control tcp://127.0.0.1:5556 graph
   python scripts/ctl.py --control tcp://127.0.0.1:5556 events --follow
   python scripts/ctl.py --control tcp://127.0.0.1:5556 events --since 100 --json
   python scripts/ctl.py --control tcp://127.0.0.1:5556 drain worker-3
+  python scripts/ctl.py --control tcp://127.0.0.1:5556 slowdown worker-2 3   # test knob: 3x slower
   python scripts/ctl.py --control tcp://127.0.0.1:5556 stop
 
 The control endpoint is the `control=` address in the coordinator's `ready` line (not the workers
@@ -169,7 +171,8 @@ def format_status(d: dict[str, Any]) -> str:
 
 def format_plan(d: dict[str, Any]) -> str:
     if d.get("plan", True) is None or "members" not in d:
-        return f"no plan yet (epoch {d.get('epoch', 0)}): waiting for enough ready workers"
+        detail = d.get("detail") or "waiting for enough ready workers"
+        return f"no plan (epoch {d.get('epoch', 0)}, status {d.get('status') or '-'}): {detail}"
     layout = d.get("layout") or {}
     lay = " ".join(f"{k}={v}" for k, v in layout.items()) or "-"
     predicted = d.get("predicted_step_s")
@@ -179,6 +182,51 @@ def format_plan(d: dict[str, Any]) -> str:
     members, shares = d.get("members") or [], d.get("shares") or []
     rows = [[str(i), str(n), _num(s), _yes(n in acked)] for i, (n, s) in enumerate(zip(members, shares))]
     return head + "\n\n" + _table(["RANK", "MEMBER", "SHARE", "ACKED"], rows)
+
+
+def _ms(x: Any) -> str:
+    return f"{x * 1e3:.1f} ms" if isinstance(x, (int, float)) and not isinstance(x, bool) else "-"
+
+
+def format_explain(d: dict[str, Any]) -> str:
+    """The `explain` part of `plan --explain`."""
+    e = d.get("explain") or {}
+    lines = [f"status {e.get('status')}: {e.get('detail', '')}"]
+    members = e.get("members") or []
+    if not members:
+        return "\n".join(lines)
+    rows = [[str(m.get("rank")), str(m.get("name")), _num(m.get("samples")), _num(m.get("speed")),
+             _ms(m.get("compute_s")), _ms(m.get("overhead_s")), _ms(m.get("wait_s")), _ms(m.get("comm_s")),
+             f"{_num(m.get('memory_bytes'))}B / {_num(m.get('memory_limit_bytes'))}B"] for m in members]
+    lines += ["", f"predicted step {_ms(e.get('predicted_step_s'))} (objective with amortised switch cost "
+                  f"{_ms(e.get('objective_s'))})",
+              _table(["RANK", "MEMBER", "SAMPLES", "SAMPLES/S", "COMPUTE", "OVERHEAD", "WAIT", "ALL-REDUCE",
+                      "MEMORY / LIMIT"], rows)]
+    if e.get("standby"):
+        lines += ["", f"standby: {', '.join(e['standby'])}"]
+    runner = e.get("runner_up")
+    if runner:
+        lines += ["", f"runner-up: {runner.get('description')} ({', '.join(runner.get('members') or [])}): "
+                      f"{_ms(runner.get('predicted_step_s'))}/step",
+                  f"why this plan: {e.get('why', '')}"]
+    measured = e.get("measured")
+    if measured:
+        err = measured.get("median_error")
+        lines += ["", f"measured so far: {measured.get('steps')} steps, median {_ms(measured.get('median_step_s'))} "
+                      f"against {_ms(measured.get('predicted_step_s'))} predicted"
+                      + (f" (median error {err:+.1%})" if isinstance(err, (int, float)) else "")]
+    c = e.get("constants") or {}
+    link = c.get("link") or {}
+    factor = c.get("compute_factor")
+    lines += ["", f"fitted: {link.get('scope', 'link')} alpha {_ms(link.get('alpha_s'))}, "
+                  f"beta {_num((link.get('beta_s_per_byte') or 0) * 1e9)} ns/B ({link.get('measurements', 0)} "
+                  f"measured all-reduces); epoch switch {_ms(c.get('switch_s'))} "
+                  f"({c.get('migration_measurements', 0)} measured)"
+                  + (f"; compute {factor:.2f}x FLOPs / calibrated FLOP/s" if isinstance(factor, (int, float)) else "")]
+    placements = e.get("placements")
+    if placements:
+        lines.append("placements: " + ", ".join(f"{k} {v}" for k, v in placements.items()))
+    return "\n".join(lines)
 
 
 def format_graph(d: dict[str, Any]) -> str:
@@ -217,7 +265,8 @@ def _print_json(data: Any) -> None:
 
 
 def cmd_simple(client: Client, a: argparse.Namespace) -> int:
-    args = [a.name] if a.command == "drain" else []
+    args = {"drain": lambda: [a.name], "slowdown": lambda: [a.name, a.factor],
+            "plan": lambda: ["explain"] if a.explain else []}.get(a.command, lambda: [])()
     data = client.request(a.command, *args)
     if a.json:
         _print_json(data)
@@ -225,10 +274,14 @@ def cmd_simple(client: Client, a: argparse.Namespace) -> int:
         print(format_status(data))
     elif a.command == "plan":
         print(format_plan(data))
+        if a.explain:
+            print("\n" + format_explain(data))
     elif a.command == "graph":
         print(format_graph(data))
     elif a.command == "drain":
         print(f"draining {data.get('draining', a.name)}: it is planned out and leaves at the next switch")
+    elif a.command == "slowdown":
+        print(f"{data.get('worker')}: compute stretched {data.get('factor'):g}x from its next step")
     elif a.command == "stop":
         who = data.get("workers") or []
         print(f"stopping: told {len(who)} worker(s) to stop" + (f" ({', '.join(who)})" if who else ""))
@@ -307,14 +360,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         return sp
 
     add("status", "the job, its epoch and progress, and every worker")
-    add("plan", "the current plan: members in rank order, their batch shares, the layout")
+    pl = add("plan", "the current plan: members in rank order, their batch shares, the layout")
+    pl.add_argument("--explain", action="store_true",
+                    help="also the predicted step per member (compute, overhead, waiting, all-reduce), memory "
+                         "against each limit, why it beat the runner-up, the fitted constants, and the "
+                         "prediction against the steps measured so far")
     add("graph", "the model as the planner sees it: per layer parameters, FLOPs, activation bytes")
-    ev = add("events", "the coordinator's event log (joined, left, failed, plan, reshard, step)")
+    ev = add("events", "the coordinator's event log (joined, left, failed, straggler, recovered, slowdown, "
+                       "plan, reshard, step)")
     ev.add_argument("--follow", "-f", action="store_true",
                     help=f"keep printing new events (polls every {FOLLOW_POLL_S} s) until Ctrl-C or the job ends")
     ev.add_argument("--since", type=int, default=0, metavar="N", help="start at event index N (default 0)")
     dr = add("drain", "plan a worker out at the next step boundary; it then leaves cleanly")
     dr.add_argument("name", metavar="NAME", help="the worker's name, as `status` shows it")
+    sd = add("slowdown", "test knob: stretch a worker's compute by FACTOR (1 = full speed) from its next step")
+    sd.add_argument("name", metavar="NAME", help="the worker's name, as `status` shows it")
+    sd.add_argument("factor", metavar="FACTOR", help="1 (full speed) to 1000")
     add("stop", "stop every worker now (a step in flight is abandoned), then the coordinator exits")
 
     a = p.parse_args(argv)

@@ -1,8 +1,10 @@
 """The adaptrain demo: a live elastic job on this machine, on loopback.
 
 Starts a coordinator and three workers training the character-level GPT of examples/gpt.py,
-prints progress as it goes, SIGKILLs one worker mid-run, starts a new one later, and at the end
-prints a summary: steps, final loss, and what each membership change cost. Exits 0 and leaves no
+prints progress as it goes, SIGKILLs one worker mid-run, starts a new one later, slows another
+down three times (`ctl slowdown`: the planner finds the straggler from its step times and moves
+its share to the others), and at the end prints a summary: steps, final loss, and what each change
+cost. Exits 0 and leaves no
 process behind (every process is killed and reaped, also on Ctrl-C or an error).
 
     python scripts/demo.py                 # about a minute on 2 cores
@@ -30,6 +32,8 @@ def main() -> int:
     p.add_argument("--job", default=f"{ROOT / 'examples' / 'gpt.py'}:job", help="job to train (default: the GPT)")
     p.add_argument("--kill-at", type=int, default=60, metavar="STEP", help="SIGKILL worker w2 at this step")
     p.add_argument("--join-at", type=int, default=100, metavar="STEP", help="start worker w4 at this step")
+    p.add_argument("--slow-at", type=int, default=200, metavar="STEP",
+                   help="slow worker w3 down 3x at this step (ctl slowdown; 0: never)")
     p.add_argument("--state-dir", type=Path, help="keep logs and events.jsonl here (default: a temp dir)")
     args = p.parse_args()
     if args.join_at <= args.kill_at:
@@ -39,7 +43,7 @@ def main() -> int:
     print(f"adaptrain demo: coordinator + 3 workers on loopback; logs in {state_dir}\n")
     with LocalJob(args.job, state_dir, min_workers=3) as job:
         try:
-            return run(job, args.kill_at, args.join_at)
+            return run(job, args.kill_at, args.join_at, args.slow_at)
         except KeyboardInterrupt:
             print("\ninterrupted: stopping every process")
             return 130
@@ -51,7 +55,7 @@ def main() -> int:
                 shutil.rmtree(state_dir, ignore_errors=True)
 
 
-def run(job: LocalJob, kill_at: int, join_at: int) -> int:
+def run(job: LocalJob, kill_at: int, join_at: int, slow_at: int) -> int:
     job.start()
     print(f"coordinator ready: workers={job.workers_endpoint} control={job.control_endpoint}")
     for name in ("w1", "w2", "w3"):
@@ -73,6 +77,10 @@ def run(job: LocalJob, kill_at: int, join_at: int) -> int:
             marks["join"] = time.time()
             job.add_worker("w4", "--log-every", "0")
             print(f"{'':>6} -- started w4 at step {last} (it joins once torch is imported and the job built) --")
+        if slow_at and "slow" not in marks and last >= slow_at and "w3" in job.workers:
+            marks["slow"] = last
+            job.ctl("slowdown", "w3", "3")
+            print(f"{'':>6} -- ctl slowdown w3 3 at step {last} (its compute now takes 3x as long) --")
         for e in events[shown:]:
             if e["kind"] == "step":
                 recent = (recent + [(e["ts"], e["samples"])])[-20:]
@@ -80,7 +88,7 @@ def run(job: LocalJob, kill_at: int, join_at: int) -> int:
                     rate = sum(s for _, s in recent[1:]) / max(recent[-1][0] - recent[0][0], 1e-9)
                     members = _members_at(events, e["epoch"])
                     print(f"{e['step']:>6} {e['loss']:>8.4f} {rate:>10.1f} {e['epoch']:>5}  {members}")
-            elif e["kind"] in ("failed", "joined", "left", "plan", "reshard"):
+            elif e["kind"] in ("failed", "joined", "left", "plan", "reshard", "straggler", "recovered"):
                 print(f"{'':>6} {_describe(e)}")
         shown = len(events)
         time.sleep(0.2)
@@ -105,7 +113,12 @@ def _members_at(events: list[dict[str, Any]], epoch: int) -> str:
 def _describe(e: dict[str, Any]) -> str:
     kind = e["kind"]
     if kind == "plan":
-        return f"plan epoch {e['epoch']} ({e['reason']}): solved in {e['solve_s'] * 1e3:.1f} ms"
+        predicted = e.get("predicted_step_s")
+        guess = f", predicted {predicted * 1e3:.0f} ms/step" if isinstance(predicted, float) else ""
+        return f"plan epoch {e['epoch']} ({e['reason']}, {e['status']}): solved in {e['solve_s'] * 1e3:.1f} ms{guess}"
+    if kind in ("straggler", "recovered"):
+        return (f"{e['worker']} {'is a straggler' if kind == 'straggler' else 'recovered'}: {e['speed']:.0f} "
+                f"samples/s against {e['expected']:.0f} expected (step {e['step']})")
     if kind == "reshard":
         return f"epoch {e['epoch']} formed: {e['bytes'] / 1e6:.1f} MB moved, {e['seconds'] * 1e3:.0f} ms"
     if kind == "failed":
@@ -142,6 +155,16 @@ def summary(job: LocalJob, marks: dict[str, float]) -> None:
                          if reshard else "-"))
             if first:
                 rows.append(("w4 planned in -> its first committed step", f"{first['ts'] - plan['ts']:.3f} s"))
+    straggler = next((e for e in events if e["kind"] == "straggler"), None)
+    if straggler and "slow" in marks:
+        replan = next((e for e in events if e["kind"] == "plan" and e["reason"] == "straggler"), None)
+        rows.append(("slowdown w3 -> straggler found", f"{straggler['step'] - marks['slow']} steps"))
+        if replan:
+            first = next((e for e in events if e["kind"] == "step" and e["epoch"] == replan["epoch"]), None)
+            shares = dict(zip(replan["layout"]["members"], replan["layout"]["shares"]))
+            if first:
+                rows.append(("slowdown w3 -> first step at new shares",
+                             f"{first['step'] - marks['slow']} steps (w3 now takes {shares.get('w3', 0)} samples)"))
     for e in events:
         if e["kind"] == "plan":
             rows.append((f"plan epoch {e['epoch']} ({e['reason']}) solve", f"{e['solve_s'] * 1e3:.2f} ms"))

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: StepReport.comm_s, Slowdown
 
 # Error codes carried by `Error.code`.
 ERR_DECODE = "decode"  # the frame could not be decoded or failed validation
@@ -90,7 +90,11 @@ class StepReport:
     """Worker -> coordinator after each committed step.
 
     `loss` is the loss of the whole global batch (identical on every replica); `compute_s` is the
-    time spent in forward/backward on this replica's share, `step_s` the wall time of the step.
+    time spent in forward/backward on this replica's share (stretched by a `--slowdown`), `comm_s`
+    the time from issuing the gradient all-reduce to its end (waiting for slower replicas
+    included), `step_s` the wall time of the step. The coordinator refines its cost model from
+    these: compute speed, pure communication (the smallest `comm_s` of a step) and the overhead
+    `step_s − compute_s − comm_s` (copying gradients, the optimizer step).
     `digest` is a hash of the parameters after the step when the worker runs with
     `--digest-every`, else "".
     """
@@ -102,6 +106,7 @@ class StepReport:
     samples: int  # this replica's share of the global batch
     global_batch: int
     compute_s: float
+    comm_s: float
     step_s: float
     digest: str
 
@@ -186,6 +191,16 @@ class Abort:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Slowdown:
+    """Coordinator -> worker (`ctl slowdown NAME FACTOR`): a test knob that stretches the worker's
+    compute by `factor` from its next step on (1.0: full speed), as a throttled or shared device
+    would. Join-time calibration is not affected: the coordinator must find a slowed worker from
+    its step timings."""
+
+    factor: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Stop:
     """Coordinator -> worker: stop now and exit (``ctl stop``, SIGTERM of the coordinator, the
     answer to a `Leave`, or the job already over when a worker joins). A step in flight is
@@ -241,14 +256,15 @@ class StoreReply:
 
 # --- control (ctl <-> coordinator) -----------------------------------------------------------
 
-CONTROL_COMMANDS = ("status", "plan", "graph", "events", "drain", "stop")
+CONTROL_COMMANDS = ("status", "plan", "graph", "events", "drain", "slowdown", "stop")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ControlRequest:
     """ctl -> coordinator control endpoint.
 
-    command: "status", "plan", "events" (args: [after_index]), "drain" (args: [NAME]), "stop".
+    command: "status", "plan" (args: [] or ["explain"]), "graph", "events" (args: [after_index]),
+    "drain" (args: [NAME]), "slowdown" (args: [NAME, FACTOR]), "stop".
     """
 
     command: str
@@ -275,6 +291,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
     Welcome,
     PlanDelta,
     Abort,
+    Slowdown,
     Stop,
     Error,
     StoreRequest,
@@ -294,6 +311,7 @@ Message = (
     | Welcome
     | PlanDelta
     | Abort
+    | Slowdown
     | Stop
     | Error
     | StoreRequest

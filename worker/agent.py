@@ -35,6 +35,7 @@ from transport import (
     Message,
     PlanDelta,
     Ready,
+    Slowdown,
     Stop,
     Welcome,
     decode,
@@ -62,10 +63,11 @@ class _Mailbox:
 
 
 class Agent:
-    def __init__(self, endpoint: str, name: str, calibration: Calibration) -> None:
+    def __init__(self, endpoint: str, name: str, calibration: Calibration, *, slowdown: float = 1.0) -> None:
         self.endpoint = endpoint
         self.name = name
         self.calibration = calibration
+        self.slowdown = slowdown  # the test knob: compute is stretched by this factor (`Slowdown`)
         self.epoch = 0  # set by the trainer: what heartbeats report
         self.step = 0
         self._ready = False  # the trainer is built: (re)joins announce Ready at once
@@ -205,6 +207,9 @@ class Agent:
                     box.deltas = [d for d in box.deltas if d.epoch < msg.epoch] + [msg]
                 case Abort(epoch=epoch):
                     box.aborted_epoch = max(box.aborted_epoch, epoch)
+                case Slowdown(factor=factor):
+                    self._log(f"slowdown {factor:g} (compute stretched from the next step)")
+                    self.slowdown = factor
                 case Stop(reason=reason):
                     box.stop = reason
                 case Error(code=code, message=text) if code == ERR_STALE_EPOCH:

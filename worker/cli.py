@@ -41,6 +41,7 @@ class WorkerConfig:
     log_every: int
     group_timeout_s: float
     connect_timeout_s: float
+    slowdown: float
 
 
 def parse_args(argv: list[str] | None) -> WorkerConfig:
@@ -52,7 +53,12 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
     p.add_argument("--device", default="cpu", help="cpu (gloo) or cuda[:N] (NCCL); default cpu")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     p.add_argument("--memory-limit", type=float, metavar="GIB", dest="memory_limit",
-                   help="report at most this much memory to the planner")
+                   help="report at most this much memory to the planner (fractions work: 0.001 is 1 MiB); "
+                        "the planner gives this worker no more samples than fit")
+    p.add_argument("--slowdown", type=float, default=1.0, metavar="FACTOR",
+                   help="test knob: stretch every step's compute by FACTOR (>= 1; default 1), as a throttled "
+                        "or shared device would; change it live with `ctl.py slowdown NAME FACTOR`. "
+                        "Join-time calibration is not slowed, so the coordinator finds it from step timings")
     p.add_argument("--digest-every", type=int, default=0, metavar="N",
                    help="hash the parameters every N steps and report it (to check replicas agree); 0: off")
     p.add_argument("--log-every", type=int, default=10, metavar="N", help="print progress every N steps")
@@ -67,12 +73,15 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         p.error("--threads must be at least 1")
     if a.memory_limit is not None and a.memory_limit <= 0:
         p.error("--memory-limit must be positive")
+    if not 1.0 <= a.slowdown <= 1000.0:
+        p.error("--slowdown must be between 1 (full speed) and 1000")
     if not (a.device == "cpu" or a.device.startswith("cuda")):
         p.error(f"--device must be cpu or cuda[:N], got {a.device!r}")
     name = a.name or f"{socket.gethostname()}-{os.getpid()}"
     return WorkerConfig(join=a.join, name=name, device=a.device, threads=a.threads,
                         memory_limit_gib=a.memory_limit, digest_every=a.digest_every, log_every=a.log_every,
-                        group_timeout_s=a.group_timeout, connect_timeout_s=a.connect_timeout)
+                        group_timeout_s=a.group_timeout, connect_timeout_s=a.connect_timeout,
+                        slowdown=a.slowdown)
 
 
 def upload_graph(agent: Any, name: str, job: Any) -> None:
@@ -103,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"worker: --device {cfg.device} but torch sees no CUDA device", file=sys.stderr)
         return 2
     calibration = calibrate(cfg.device, memory_limit_gib=cfg.memory_limit_gib)
-    agent = Agent(cfg.join, cfg.name, calibration)
+    agent = Agent(cfg.join, cfg.name, calibration, slowdown=cfg.slowdown)
     trainer: Trainer | None = None
     preempted = False
 

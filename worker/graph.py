@@ -16,6 +16,8 @@
 #   once per storage (views share one), parameters excluded (they are `param_bytes`).
 # - Boundary bytes: the block's output, what a pipeline cut after this block sends.
 # All but `param_bytes` are per sample: measured on `sample_batch` samples, then divided.
+# - Optimizer state bytes: the job's optimizer takes one step (zero gradients) on the throwaway
+#   model and its state tensors are counted, so the planner knows what a replica holds and moves.
 #
 # Caveat: on CPU, `F.scaled_dot_product_attention` and `nn.MultiheadAttention` dispatch to a kernel
 # FlopCounterMode has no formula for in torch 2.13, so attention FLOPs silently vanish. The examples
@@ -59,7 +61,22 @@ def capture_graph(job: Job, *, sample_batch: int = 2) -> Graph:
     for index, (name, block) in enumerate(blocks):
         layer, x = _measure_block(name, block, x, n, grad_input=index > 0)
         layers.append(layer)
-    return Graph(tuple(layers))
+    return Graph(tuple(layers), optimizer_state_bytes=_optimizer_state_bytes(job, model))
+
+
+def _optimizer_state_bytes(job: Job, model: nn.Module) -> int | None:
+    """The bytes of state the job's optimizer keeps after one step (Adam: two moments per
+    parameter), on the capture's throwaway model; None if the optimizer cannot step there."""
+    try:
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = job.optimizer(params)
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        return sum(_tensor_bytes(v) for state in optimizer.state.values() for v in state.values()
+                   if isinstance(v, torch.Tensor))
+    except Exception:  # noqa: BLE001 (the planner then assumes Adam)
+        return None
 
 
 def _build_model(job: Job) -> tuple[nn.Module, torch.device]:

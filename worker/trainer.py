@@ -228,6 +228,13 @@ class Trainer:
             (loss / G).backward()  # type: ignore[no-untyped-call]
             loss_sum = loss.detach()  # stays on the device: no sync before the all-reduce
         compute_s = time.perf_counter() - t0
+        factor = self.agent.slowdown
+        if factor > 1.0 and len(ids):  # the --slowdown test knob: stretch this step's compute
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+                compute_s = time.perf_counter() - t0
+            time.sleep((factor - 1.0) * compute_s)
+            compute_s = time.perf_counter() - t0
 
         buf = torch.empty(self.numel + 2, dtype=torch.float32, device=self.device)
         offset = 0
@@ -240,7 +247,9 @@ class Trainer:
             offset += n
         buf[self.numel] = loss_sum
         buf[self.numel + 1] = 1.0 if pending is not None else 0.0
+        t_comm = time.perf_counter()
         self._wait(g, g.pg.allreduce([buf]), buf)
+        comm_s = time.perf_counter() - t_comm
 
         offset = 0
         for p in self.params:
@@ -258,8 +267,8 @@ class Trainer:
             digest = self.digest()
             self._log(f"digest step {self.step} {digest}")
         self.agent.send(StepReport(name=self.name, epoch=g.epoch, step=self.step, loss=loss_value,
-                                   samples=len(ids), global_batch=G, compute_s=compute_s, step_s=step_s,
-                                   digest=digest))
+                                   samples=len(ids), global_batch=G, compute_s=compute_s, comm_s=comm_s,
+                                   step_s=step_s, digest=digest))
         if self.config.log_every and self.step % self.config.log_every == 0:
             self._log(f"step {self.step}/{job.num_steps} loss {loss_value:.4f} ({step_s * 1e3:.0f} ms, "
                       f"epoch {g.epoch}, {len(g.members)} replicas)")

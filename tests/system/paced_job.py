@@ -1,6 +1,8 @@
-# A test job: the examples' MLP with a fixed pause in every forward pass, so that a run lasts
-# long enough (about 35 ms a step) to kill, stop and add workers in the middle of it. The pause
-# changes timing only, never the mathematics.
+# A test job: the examples' MLP with a pause per sample in every forward pass, so that a run lasts
+# long enough (about 35 ms a step with three workers) to kill, stop and add workers in the middle
+# of it, and a replica's compute time grows with its share as on a real device. Sleeping instead
+# of computing keeps the workers from fighting over this machine's two cores. The pause changes
+# timing only, never the mathematics.
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from torch.utils.data import TensorDataset
 
 from worker.job import Job
 
-PACE_S = 0.03
+PACE_PER_SAMPLE_S = 0.0015
 NUM_STEPS = 400
 
 
@@ -23,7 +25,8 @@ class Paced(nn.Module):
         self.net = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(PACE_S)
+        if x.device.type != "meta":
+            time.sleep(PACE_PER_SAMPLE_S * x.shape[0])
         return self.net(x)
 
 

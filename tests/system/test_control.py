@@ -24,7 +24,7 @@ sys.path.insert(0, str(SCRIPTS))
 
 from localjob import LocalJob  # type: ignore[import-not-found, unused-ignore]  # noqa: E402
 
-from transport import ERR_DECODE, ERR_PROTOCOL, Error, decode  # noqa: E402
+from transport import ERR_DECODE, ERR_PROTOCOL, PROTOCOL_VERSION, Error, decode  # noqa: E402
 
 CTL = SCRIPTS / "ctl.py"
 MLP_JOB = f"{SCRIPTS.parent / 'examples' / 'mlp.py'}:job"
@@ -198,7 +198,7 @@ def test_coordinator_answers_bad_frames_with_errors_and_keeps_serving(tmp_path: 
                                      use_bin_type=True)
             protocol = _ask(sock, join_v99)
             assert protocol.code == ERR_PROTOCOL and "99" in protocol.message
-            missing = _ask(sock, msgpack.packb({"v": 1, "kind": "Join", "name": "intruder"}, use_bin_type=True))
+            missing = _ask(sock, msgpack.packb({"v": PROTOCOL_VERSION, "kind": "Join", "name": "intruder"}, use_bin_type=True))
             assert missing.code == ERR_DECODE
         finally:
             sock.close(linger=0)

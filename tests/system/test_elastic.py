@@ -162,7 +162,9 @@ def test_preempted_and_drained_workers_leave_cleanly(tmp_path: Path, undisturbed
         assert job.wait_coordinator(30) == 0
         events = job.events()
         assert not [e for e in events if e["kind"] in ("failed",)]
-        assert [p["reason"] for p in plans(events)] == ["join", "preempted", "drained"]
+        # (The cost model may also re-plan on its own measurements: calibration, stragglers.)
+        measured = ("calibration", "straggler", "recovered")
+        assert [p["reason"] for p in plans(events) if p["reason"] not in measured] == ["join", "preempted", "drained"]
         assert plans(events)[-1]["layout"]["members"] == ["w1"]
         assert sorted(job.steps()) == list(range(1, NUM_STEPS + 1))
         losses = {s: e["loss"] for s, e in job.steps().items()}

@@ -16,7 +16,8 @@ SAMPLES: list[t.Message] = [
            memory_bytes=80 * 2**30, threads=8),
     t.Heartbeat(name="w1", epoch=3, step=120),
     t.StepReport(name="w1", epoch=3, step=121, loss=2.75, samples=16, global_batch=64,
-                 compute_s=0.12, step_s=0.2, digest=""),
+                 compute_s=0.12, comm_s=0.05, step_s=0.2, digest=""),
+    t.Slowdown(factor=3.0),
     t.Ready(name="w1"),
     t.GraphUpload(name="w1", graph={"layers": [{"name": "0", "kind": "Linear", "forward_flops": 64.0,
                                                 "param_bytes": 132}]}),
@@ -125,7 +126,7 @@ def test_unknown_kind() -> None:
 def test_missing_field() -> None:
     _reject(_frame(step=_DROP), match="lacks field.*step")
     # even one with a default in the dataclass: encode always writes every field
-    _reject({"v": 1, "kind": "ControlRequest", "command": "status"}, match="args")
+    _reject({"v": t.PROTOCOL_VERSION, "kind": "ControlRequest", "command": "status"}, match="args")
 
 
 def test_extra_field() -> None:
@@ -150,9 +151,9 @@ def test_bool_is_not_an_int() -> None:
 
 
 def test_int_is_accepted_for_float() -> None:
-    obj = {"v": 1, "kind": "Abort", "epoch": 1, "reason": ""}
+    obj = {"v": t.PROTOCOL_VERSION, "kind": "Abort", "epoch": 1, "reason": ""}
     assert decode(msgpack.packb(obj)) == t.Abort(epoch=1, reason="")
-    rep = dataclasses.asdict(_sample(t.Ack)) | {"v": 1, "kind": "Ack", "reshard_s": 2}
+    rep = dataclasses.asdict(_sample(t.Ack)) | {"v": t.PROTOCOL_VERSION, "kind": "Ack", "reshard_s": 2}
     ack = decode(msgpack.packb(rep, use_bin_type=True))
     assert isinstance(ack, t.Ack) and type(ack.reshard_s) is float and ack.reshard_s == 2.0
     # and encode writes a float for an int given to a float field
@@ -164,18 +165,18 @@ def test_int_is_accepted_for_float() -> None:
 
 
 def test_nested_list_items_are_checked() -> None:
-    good = {"v": 1, "kind": "PlanDelta", "epoch": 1, "reason": "", "members": ["a", "b"],
+    good = {"v": t.PROTOCOL_VERSION, "kind": "PlanDelta", "epoch": 1, "reason": "", "members": ["a", "b"],
             "shares": [1, 2], "global_batch": 3, "abort": False}
     assert decode(msgpack.packb(good, use_bin_type=True)).members == ["a", "b"]  # type: ignore[union-attr]
     _reject(good | {"members": ["a", 2]}, match=r"PlanDelta.members\[1\]: expected str")
     _reject(good | {"shares": [1, True]}, match=r"shares\[1\]: expected int, got bool")
     _reject(good | {"members": "ab"}, match="expected a list")
-    store = dataclasses.asdict(_sample(t.StoreRequest)) | {"v": 1, "kind": "StoreRequest"}
+    store = dataclasses.asdict(_sample(t.StoreRequest)) | {"v": t.PROTOCOL_VERSION, "kind": "StoreRequest"}
     _reject(store | {"values": [b"ok", "not-bytes"]}, match=r"values\[1\]: expected bytes")
 
 
 def test_dict_any_requires_str_keys() -> None:
-    reply = {"v": 1, "kind": "ControlReply", "ok": True, "error": ""}
+    reply = {"v": t.PROTOCOL_VERSION, "kind": "ControlReply", "ok": True, "error": ""}
     _reject(reply | {"data": [1]}, match="expected a map")
     _reject(reply | {"data": {b"k": 1}}, match="str keys")
     assert decode(msgpack.packb(reply | {"data": {}}, use_bin_type=True)) == t.ControlReply(
@@ -212,10 +213,10 @@ def test_msgpack_bombs() -> None:
 
 
 def test_extension_types_rejected() -> None:
-    ext = msgpack.packb({"v": 1, "kind": "ControlReply", "ok": True, "error": "",
+    ext = msgpack.packb({"v": t.PROTOCOL_VERSION, "kind": "ControlReply", "ok": True, "error": "",
                          "data": {"x": msgpack.ExtType(5, b"abc")}})
     _reject(ext, match="msgpack")
-    ts = msgpack.packb({"v": 1, "kind": "ControlReply", "ok": True, "error": "",
+    ts = msgpack.packb({"v": t.PROTOCOL_VERSION, "kind": "ControlReply", "ok": True, "error": "",
                         "data": {"x": msgpack.Timestamp(1, 0)}})
     _reject(ts, match="msgpack")
 

@@ -81,6 +81,18 @@ def test_gpt_blocks_include_attention(gpt_job: Job) -> None:
         assert layer.activation_bytes > 0
 
 
+@pytest.mark.parametrize("which", ["mlp_job", "gpt_job"])
+def test_optimizer_state_is_measured(which: str, request: pytest.FixtureRequest) -> None:
+    """Both examples use Adam(W): two moments per parameter, plus a scalar step per tensor."""
+    job = request.getfixturevalue(which)
+    graph = capture_graph(job)
+    torch.manual_seed(job.seed)
+    tensors = sum(1 for p in job.model().parameters() if p.requires_grad)
+    assert graph.optimizer_state_bytes is not None
+    assert graph.optimizer_state_bytes - 2 * graph.param_bytes in (0, 4 * tensors, 8 * tensors)
+    assert graph.state_bytes == graph.param_bytes + graph.optimizer_state_bytes
+
+
 def test_graph_round_trips(gpt_job: Job) -> None:
     graph = capture_graph(gpt_job)
     again = Graph.from_dict(graph.to_dict())

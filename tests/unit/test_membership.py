@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 
 from coordinator import membership as m
+from plan import Graph
+from plan.graph import Layer
 from transport import ERR_NAME_TAKEN, ERR_STALE_EPOCH, Abort, Ack, Error, Join, PlanDelta, StepReport, Stop
 
 GLOBAL_BATCH = 64
@@ -35,8 +37,14 @@ class Sim:
     now: float = 100.0
 
     def __call__(self, event: m.Event) -> list[m.Effect]:
+        """Apply `event`, and its follow-ups right after their effects (as the daemon does)."""
         self.state, effects = m.apply(self.state, event, self.config, now=self.now)
-        return effects
+        out: list[m.Effect] = []
+        for effect in effects:
+            out.append(effect)
+            if isinstance(effect, m.FollowUp):
+                out += self(effect.event)
+        return out
 
     def join(self, name: str, *, ready: bool = True) -> list[m.Effect]:
         effects = self(m.Joined(_join_msg(name)))
@@ -95,7 +103,8 @@ def finished(effects: list[m.Effect]) -> list[m.Finished]:
 
 def report(name: str, step: int, epoch: int = 1) -> m.StepDone:
     return m.StepDone(StepReport(name=name, epoch=epoch, step=step, loss=1.0, samples=32,
-                                 global_batch=GLOBAL_BATCH, compute_s=0.01, step_s=0.02, digest=""))
+                                 global_batch=GLOBAL_BATCH, compute_s=0.01, comm_s=0.005, step_s=0.02,
+                                 digest=""))
 
 
 # --- the first plan ------------------------------------------------------------------------------
@@ -443,3 +452,98 @@ def test_drained_worker_is_stopped_once_the_new_epoch_is_in_place() -> None:
     assert sent(effects, Stop) == {"b": Stop(reason="drained")}
     effects = sim(m.Left("b", "drained"))
     assert logs(effects, "left") == [{"worker": "b", "reason": "drained"}] and not sent(effects, Abort)
+
+
+# --- with the model's graph: the cost model and the MILP decide ------------------------------------
+
+GRAPH = Graph((Layer(name="l0", kind="block", forward_flops=1e6, param_bytes=400_000, activation_bytes=1000),),
+              optimizer_state_bytes=800_000)
+STATIC = 1_600_000  # parameters + gradients + optimizer state
+
+
+def planned(effects: list[m.Effect]) -> list[m.Planned]:
+    return [e for e in effects if isinstance(e, m.Planned)]
+
+
+def timed(name: str, step: int, epoch: int, samples: int, compute_s: float) -> m.StepDone:
+    return m.StepDone(StepReport(name=name, epoch=epoch, step=step, loss=1.0, samples=samples,
+                                 global_batch=GLOBAL_BATCH, compute_s=compute_s, comm_s=0.001,
+                                 step_s=compute_s + 0.002, digest=""))
+
+
+def graph_sim(*names: str, memory: dict[str, int] | None = None) -> Sim:
+    sim = Sim()
+    sim(m.GraphReceived(GRAPH))
+    for name in names:
+        msg = replace(_join_msg(name), memory_bytes=(memory or {}).get(name, 2**30))
+        sim(m.Joined(msg))
+    return sim
+
+
+def train(sim: Sim, steps: int, compute: dict[str, float]) -> list[m.Effect]:
+    """`steps` steps of the current plan, each member taking compute[name] s per sample."""
+    effects: list[m.Effect] = []
+    plan = sim.state.plan
+    assert plan is not None
+    for _ in range(steps):
+        step = sim.state.last_step + 1
+        for name, share in zip(plan.members, plan.shares):
+            effects += sim(timed(name, step, sim.state.epoch, share, share * compute[name]))
+    return effects
+
+
+def test_straggler_is_found_from_step_times_and_its_share_drops() -> None:
+    sim = graph_sim("a", "b", "c")
+    sim.config = replace(sim.config, min_workers=3)
+    for name in ("a", "b", "c"):
+        sim(m.MadeReady(name))
+    sim.ack_all()
+    first = sim.state.plan
+    assert first is not None and sim.state.result is not None and sim.state.result.status == "heuristic"
+    effects = train(sim, 6, {"a": 0.01, "b": 0.01, "c": 0.01})  # measured: no change worth a new epoch
+    assert not deltas(effects) and sim.state.epoch == 1
+    effects = train(sim, 6, {"a": 0.01, "b": 0.03, "c": 0.01})  # b three times slower
+    assert [f["worker"] for f in logs(effects, "straggler")] == ["b"]
+    [p] = planned(effects)
+    assert p.reason == "straggler" and p.result.status == "optimal"
+    d = the_delta(effects)
+    shares = dict(zip(d.members, d.shares))
+    assert not d.abort and d.members == list(first.members)
+    assert shares["b"] < GLOBAL_BATCH / 3 / 2 and sum(d.shares) == GLOBAL_BATCH
+    sim.ack_all()
+    effects = train(sim, 6, {"a": 0.01, "b": 0.01, "c": 0.01})
+    assert [f["worker"] for f in logs(effects, "recovered")] == ["b"]
+    assert dict(zip(the_delta(effects).members, the_delta(effects).shares))["b"] >= 20
+
+
+def test_a_slow_joiner_is_left_on_standby_without_a_new_epoch() -> None:
+    sim = graph_sim("a", "b")
+    sim.config = replace(sim.config, min_workers=2)
+    sim(m.MadeReady("a"))
+    sim(m.MadeReady("b"))
+    sim.ack_all()
+    train(sim, 6, {"a": 0.001, "b": 0.001})
+    epoch = sim.state.epoch
+    sim(m.Joined(_join_msg("snail", flops=1e3)))  # calibrated a million times slower
+    effects = sim(m.MadeReady("snail"))
+    assert not deltas(effects) and sim.state.epoch == epoch
+    assert sim.state.result is not None and "snail" in sim.state.result.standby
+
+
+def test_failure_that_leaves_too_little_memory_waits_with_the_state() -> None:
+    sim = graph_sim("big", "small", memory={"small": STATIC + 10 * 1000})  # small holds 10 samples
+    sim.config = replace(sim.config, min_workers=2)
+    sim(m.MadeReady("big"))
+    sim(m.MadeReady("small"))
+    sim.ack_all()
+    train(sim, 6, {"big": 0.001, "small": 0.001})
+    assert sim.state.last_step == 6
+    effects = sim(m.Lost("big", "disconnect"))
+    [p] = planned(effects)
+    assert p.result.status == "infeasible" and p.result.plan is None
+    assert "at most 10" in p.result.reason and "small keep(s) the state" in p.result.reason
+    assert not deltas(effects) and sim.state.plan is None
+    assert sim.state.holders == ["small"] and sim.state.last_step == 6, "the state is not lost"
+    sim(m.Joined(_join_msg("new")))
+    d = the_delta(sim(m.MadeReady("new")))
+    assert set(d.members) == {"small", "new"} and dict(zip(d.members, d.shares))["small"] <= 10

@@ -1,0 +1,76 @@
+"""`ctl plan --explain`: the current plan as the cost model sees it, as plain JSON-able data.
+
+For the plan in force: the predicted step split per member into compute, overhead, waiting and the
+all-reduce, memory per member against its limit, why it beat the runner-up (the best plan that
+differs), the fitted constants it rests on, the placements of the model's tensors, and the
+prediction against the steps measured so far in this epoch. Reads the state only.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from coordinator.state import State
+from plan import Layout
+from plan.graph import describe, placements
+
+
+def explain(state: State) -> dict[str, Any]:
+    plan, result = state.plan, state.result
+    out: dict[str, Any] = {"status": result.status if result else None, "detail": result.reason if result else ""}
+    if plan is None:
+        return out
+    devices = state.cluster.devices
+    members = []
+    for rank, c in enumerate(plan.costs):
+        d = devices.get(c.name)
+        members.append({"name": c.name, "rank": rank, "samples": c.samples, "speed": c.speed,
+                        "compute_s": c.compute_s, "overhead_s": c.overhead_s, "wait_s": c.wait_s,
+                        "comm_s": plan.comm_s, "memory_bytes": c.memory_bytes,
+                        "memory_limit_bytes": d.memory_bytes if d else None,
+                        "measured_speed": d.samples_per_s if d else None})
+    out.update(predicted_step_s=plan.predicted_step_s, comm_s=plan.comm_s,
+               objective_s=result.objective_s if result else None, members=members,
+               standby=list(result.standby) if result else [])
+    runner = result.runner_up if result else None
+    if result is not None and runner is not None:
+        out["runner_up"] = {"description": runner.description, "members": list(runner.plan.members),
+                            "shares": list(runner.plan.shares), "predicted_step_s": runner.plan.predicted_step_s,
+                            "objective_s": runner.objective_s, "moved_bytes": runner.moved_bytes}
+        out["why"] = _why(result.objective_s, plan.predicted_step_s, runner.objective_s,
+                          runner.plan.predicted_step_s, runner.moved_bytes, result.moved_bytes, runner.description)
+    t = state.tracker
+    if t is not None and t.epoch == state.epoch:
+        out["measured"] = {"steps": len(t.measured),
+                           "median_step_s": statistics.median(t.measured) if t.measured else None,
+                           "median_error": statistics.median(t.errors) if t.errors else None,
+                           "predicted_step_s": t.predicted_step_s}
+    link = state.cluster.link(plan.members)
+    fit = state.cluster.inter_host if state.cluster.spans_hosts(plan.members) else state.cluster.intra_host
+    g = state.graph
+    out["constants"] = {
+        "link": {"alpha_s": link.alpha_s, "beta_s_per_byte": link.beta_s_per_byte, "measurements": fit.measured,
+                 "scope": "inter-host" if state.cluster.spans_hosts(plan.members) else "intra-host"},
+        "switch_s": state.cluster.switch_s(),
+        "move_s_per_byte": state.cluster.migration.coef[1],
+        "migration_measurements": state.cluster.migration.measured,
+        "compute_factor": state.cluster.compute_factor(g.train_flops) if g else None,
+    }
+    if g is not None:
+        first = placements(g, Layout(dp=len(plan.members)))[g.layers[0].name]
+        out["placements"] = {kind: describe(spec) for kind, spec in first.items()}
+    return out
+
+
+def _why(obj: float | None, step: float | None, r_obj: float, r_step: float | None, r_moved: int, moved: int,
+         description: str) -> str:
+    if obj is None or step is None or r_step is None:
+        return ""
+    parts = [f"{description} predicts {r_step:.4g} s/step against {step:.4g} s"]
+    if r_moved != moved:
+        parts.append(f"and moves {r_moved / 1e6:.1f} MB of state against {moved / 1e6:.1f} MB")
+    gain = (r_obj - obj) / r_obj if r_obj > 0 else 0.0
+    verdict = (f"so this plan is {gain:.1%} better counting the amortised switch cost" if gain >= 0 else
+               f"it would be {-gain:.1%} better, but not by enough to switch epochs")
+    return ", ".join(parts) + "; " + verdict

@@ -1,0 +1,218 @@
+"""The coordinator's state, the events that change it and the effects it asks for: plain, frozen data.
+
+`coordinator.membership.apply` maps (state, event) to (state, effects); `coordinator.replan` makes
+plans inside it; the daemon turns effects into I/O. This module holds only the vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from coordinator.steps import Tracker
+from plan import Cluster, Graph, Plan, PlanResult
+from transport import Ack, Join, Message, PlanDelta, StepReport
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Config:
+    """What membership and the planner need of the job and the coordinator's flags."""
+
+    global_batch: int
+    num_steps: int
+    lease_s: float = 1.5
+    min_workers: int = 1
+    max_workers: int | None = None
+    planner: str = "milp"  # "milp" or "even" (a baseline for benchmarks)
+    solve_time_limit_s: float = 0.5
+    solver: str = "auto"  # the class-level engine: "auto", "search" or "milp"
+    horizon_steps: int = 200  # a switch's one-off cost is spread over this many steps (or what is left)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Worker:
+    name: str
+    host: str
+    device: str
+    pid: int
+    joined_at: float
+    last_seen: float
+    epoch: int = 0  # last epoch it acknowledged
+    step: int = 0  # steps it has applied, as last reported
+    ready: bool = False  # job loaded and model built: plans may include it
+    leaving: str | None = None  # why it is being planned out ("drained", "preempted")
+    nudged_at: float = 0.0  # when the latest plan was last (re)sent to it
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class State:
+    workers: dict[str, Worker] = field(default_factory=dict)
+    cluster: Cluster = field(default_factory=Cluster)
+    graph: Graph | None = None  # the model as the first worker captured it
+    epoch: int = 0  # epoch of `plan`, the latest plan sent (0: none yet)
+    plan: Plan | None = None
+    result: PlanResult | None = None  # the planner's latest answer (explained by `ctl plan --explain`)
+    tracker: Tracker | None = None  # measured steps of `plan`'s epoch
+    delta: PlanDelta | None = None  # the latest plan as sent, re-sent to a member that lost it
+    acked: frozenset[str] = frozenset()  # members of `plan` that acknowledged it
+    # Workers that hold the training state while `plan` is not in place everywhere: members of the
+    # previous plan that acknowledged it, or survivors waiting for a plan that fits.
+    running: frozenset[str] = frozenset()
+    reshard_bytes: int = 0  # summed over the acks of `epoch`
+    reshard_s: float = 0.0  # slowest ack of `epoch`
+    replan_wanted: str | None = None  # a planned change waiting for the current one to land
+    standby: frozenset[str] = frozenset()  # ready workers the latest plan left out
+    last_step: int = 0  # highest step reported (and logged)
+    finished: bool = False  # some worker ran the last step
+    stopping: bool = False
+
+    def in_play(self, name: str) -> bool:
+        """Whether the group in flight needs `name`: a member of the latest plan, or of the one it
+        replaces while the switch has not happened everywhere."""
+        return (self.plan is not None and name in self.plan.members) or name in self.running
+
+    @property
+    def pending(self) -> bool:
+        """The latest plan is not yet acknowledged by all of its members."""
+        return self.plan is not None and not set(self.plan.members) <= self.acked
+
+    @property
+    def holders(self) -> list[str]:
+        """Workers holding the training state, in rank order of the latest plan where they are in it."""
+        held = (self.running | self.acked) & set(self.workers)
+        order = list(self.plan.members) if self.plan else []
+        return sorted(held, key=lambda n: (order.index(n) if n in order else len(order), n))
+
+
+# --- events ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Joined:
+    msg: Join
+
+
+@dataclass(frozen=True, slots=True)
+class MadeReady:
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class GraphReceived:
+    """The first worker's capture of the model (validated by the daemon)."""
+
+    graph: Graph
+
+
+@dataclass(frozen=True, slots=True)
+class Seen:
+    """A heartbeat."""
+
+    name: str
+    epoch: int
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepDone:
+    report: StepReport
+
+
+@dataclass(frozen=True, slots=True)
+class Acked:
+    ack: Ack
+
+
+@dataclass(frozen=True, slots=True)
+class Left:
+    name: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Lost:
+    name: str
+    detected_by: str  # "disconnect" or "lease"
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class DrainRequested:
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class SlowdownRequested:
+    name: str
+    factor: float
+
+
+@dataclass(frozen=True, slots=True)
+class StopRequested:
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReplanDue:
+    """Re-plan now (a `FollowUp` of a failure, so that `Abort` goes out before the solve)."""
+
+    reason: str
+    abort: bool
+
+
+Event = (Joined | MadeReady | GraphReceived | Seen | StepDone | Acked | Left | Lost | Tick | DrainRequested
+         | SlowdownRequested | StopRequested | ReplanDue)
+
+
+# --- effects ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    to: str
+    msg: Message
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    """Send the job's Welcome to a worker that was just admitted."""
+
+    to: str
+
+
+@dataclass(frozen=True, slots=True)
+class Log:
+    kind: str
+    fields: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """A plan was made (or failed); the daemon times it and logs the `plan` event."""
+
+    result: PlanResult
+    epoch: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """No worker is left and the job is over (ran its steps, or was stopped)."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class FollowUp:
+    """Apply `event` right after carrying out the effects before this one (and before any other
+    event): a failure sends `Abort` and logs `failed` first, then solves the new plan."""
+
+    event: Event
+
+
+Effect = Send | Welcome | Log | Planned | Finished | FollowUp
+Result = tuple[State, list[Effect]]

@@ -1,0 +1,73 @@
+"""Step bookkeeping: measured steps against the prediction, pure communication time, stragglers."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator import steps
+from transport import StepReport
+
+
+def report(name: str, step: int, *, samples: int = 20, compute_s: float = 0.1, comm_s: float = 0.01,
+           step_s: float = 0.12, epoch: int = 1) -> StepReport:
+    return StepReport(name=name, epoch=epoch, step=step, loss=1.0, samples=samples, global_batch=60,
+                      compute_s=compute_s, comm_s=comm_s, step_s=step_s, digest="")
+
+
+def tracker(guessed: bool = False) -> steps.Tracker:
+    return steps.start(1, ("a", "b", "c"), 0.11, {n: (0.1, guessed) for n in "abc"})  # 20 samples in 0.1 s
+
+
+def test_a_step_is_measured_once_every_member_reported() -> None:
+    t = tracker()
+    t, f = steps.observe(t, report("a", 1, comm_s=0.05, step_s=0.12))
+    t, g = steps.observe(t, report("b", 1, comm_s=0.01, step_s=0.13))
+    assert f == g == []
+    t, h = steps.observe(t, report("c", 1, comm_s=0.03, step_s=0.12))
+    assert h == [steps.Measured(step=1, step_s=0.13, comm_s=0.01, ranks=3)]
+    assert t.errors == ((0.11 - 0.13) / 0.13,) and not t.pending
+    assert steps.median_error(t) == t.errors[0]
+
+
+def test_reports_of_other_epochs_and_strangers_are_ignored() -> None:
+    t = tracker()
+    assert steps.observe(t, report("a", 1, epoch=2)) == (t, [])
+    assert steps.observe(t, report("z", 1)) == (t, [])
+
+
+def test_a_straggler_is_found_after_a_streak_and_reported_once() -> None:
+    t = tracker()
+    found = []
+    for step in range(1, 12):
+        slow = step >= 3
+        t, fs = steps.observe(t, report("b", step, compute_s=0.3 if slow else 0.1))
+        found += [f for f in fs if isinstance(f, steps.SpeedChange)]
+    assert len(found) == 1
+    change = found[0]
+    assert (change.name, change.kind) == ("b", "straggler")
+    assert change.speed == 20 / 0.3 and change.expected == 200.0 and change.factor == pytest.approx(3.0)
+    assert change.recent == ((20, 0.3),) * steps.STREAK
+    assert t.watches["b"].expected_s == 0.3
+
+
+def test_one_slow_step_is_noise_and_recovery_is_found() -> None:
+    t = tracker()
+    for step in range(1, 10):
+        t, fs = steps.observe(t, report("a", step, compute_s=0.3 if step % 3 == 0 else 0.1))
+        assert not [f for f in fs if isinstance(f, steps.SpeedChange)]
+    t = steps.start(1, ("a",), None, {"a": (0.4, False)})
+    kinds = []
+    for step in range(1, 10):
+        t, fs = steps.observe(t, report("a", step, compute_s=0.1))
+        kinds += [f.kind for f in fs if isinstance(f, steps.SpeedChange)]
+    assert kinds == ["recovered"]
+
+
+def test_a_guessed_speed_is_measured_first() -> None:
+    t = tracker(guessed=True)
+    kinds = []
+    for step in range(1, 10):
+        t, fs = steps.observe(t, report("a", step, compute_s=0.2))  # 100 samples/s, guess was 200
+        kinds += [f.kind for f in fs if isinstance(f, steps.SpeedChange)]
+    assert kinds == ["calibration"]
+    assert t.watches["a"].expected_s == 0.2 and not t.watches["a"].guessed
