@@ -162,10 +162,9 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
                 case steps.Measured(ranks=ranks, comm_s=comm_s) if state.graph is not None:
                     cluster = cluster.with_allreduce(ranks, state.graph.param_bytes, comm_s,
                                                      cross_host=cluster.spans_hosts(tracker.members))
-                case steps.SpeedChange(name=name, kind=kind, factor=factor, speed=speed, expected=expected,
-                                       recent=recent):
+                case steps.SpeedChange(name=name, kind=kind, speed=speed, expected=expected, recent=recent):
                     if kind != "calibration":  # (a calibration's measurements are the model already)
-                        cluster = cluster.with_compute_scaled(name, factor, recent)
+                        cluster = cluster.with_speed_change(name, recent)
                     changes.append(kind)
                     if kind != "calibration":
                         effects.append(Log(kind, {"worker": name, "speed": round(speed, 3),

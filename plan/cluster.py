@@ -33,6 +33,7 @@ from plan.fit import Observation, TwoTermFit, fit_two_terms
 
 EWMA_WEIGHT = 0.3  # weight of the newest measurement in a device's overhead estimate
 COMPUTE_WINDOW = 16  # steps the compute model of a device is fitted over
+WARMUP_STEPS = 2  # a worker's first steps pay for lazy set-up (allocator, autograd): not fitted
 SPEED_TOLERANCE = 0.1  # devices within 10% of a class's slowest member share its class
 
 INTRA_HOST_PRIOR = (1e-4, 1e-9)
@@ -53,6 +54,7 @@ class Device:
     compute_fixed_s: float = 0.0  # measured compute time per step that does not grow with the share
     overhead_s: float = 0.0  # measured per-step time outside compute and the all-reduce (EWMA)
     compute_window: tuple[tuple[int, float], ...] = ()  # recent (samples, compute seconds)
+    reports: int = 0  # step reports seen (the first WARMUP_STEPS are not fitted: lazy set-up)
 
     def __post_init__(self) -> None:
         if self.flops <= 0:
@@ -98,6 +100,8 @@ class Cluster:
         device = self.devices.get(name)
         if device is None or samples <= 0 or compute_s <= 0:
             return self
+        if device.reports < WARMUP_STEPS and device.samples_per_s is None:
+            return self.with_device(replace(device, reports=device.reports + 1))
         window = (*device.compute_window, (samples, compute_s))[-COMPUTE_WINDOW:]
         fixed, per_sample = fit_compute(window, device.compute_fixed_s)
         overhead = device.overhead_s
@@ -105,14 +109,18 @@ class Cluster:
             first = device.samples_per_s is None
             overhead = overhead_s if first else (1 - EWMA_WEIGHT) * overhead + EWMA_WEIGHT * overhead_s
         return self.with_device(replace(device, samples_per_s=1.0 / per_sample, compute_fixed_s=fixed,
-                                        overhead_s=overhead, compute_window=window))
+                                        overhead_s=overhead, compute_window=window, reports=device.reports + 1))
 
-    def with_compute_scaled(self, name: str, factor: float, recent: tuple[tuple[int, float], ...] = ()) -> Cluster:
-        """A detected change of speed: the device's compute now takes `factor` times as long; its
-        model is scaled and refitted from `recent` observations only (older ones are stale)."""
+    def with_speed_change(self, name: str, recent: tuple[tuple[int, float], ...]) -> Cluster:
+        """A detected change of speed, seen in `recent` (samples, seconds) steps at one share: the
+        device's compute model keeps its shape (fixed vs per-sample part) and is scaled to match
+        them; older observations are dropped (they describe the device before the change)."""
         device = self.devices.get(name)
-        if device is None or device.samples_per_s is None or factor <= 0:
+        if device is None or device.samples_per_s is None or not recent:
             return self
+        samples = recent[-1][0]
+        modelled = device.compute_fixed_s + samples / device.samples_per_s
+        factor = statistics.median(t for _, t in recent) / modelled
         return self.with_device(replace(device, samples_per_s=device.samples_per_s / factor,
                                         compute_fixed_s=device.compute_fixed_s * factor,
                                         compute_window=recent[-COMPUTE_WINDOW:]))
@@ -216,14 +224,17 @@ MAX_SPEED = 1e12  # samples/s: a compute time that does not grow with the share 
 
 
 def fit_compute(window: tuple[tuple[int, float], ...], fixed_before: float) -> tuple[float, float]:
-    """(fixed seconds, seconds per sample) of compute from recent (samples, seconds) observations:
-    a non-negative least-squares line once the window holds two share sizes seen at least twice
-    each, else the previous fixed part and the rest per sample."""
-    counts: dict[int, int] = {}
-    for n, _ in window:
-        counts[n] = counts.get(n, 0) + 1
-    if sum(c >= 2 for c in counts.values()) >= 2:
-        obs = tuple(Observation(1.0, float(n), t) for n, t in window)
+    """(fixed seconds, seconds per sample) of compute from recent (samples, seconds) observations.
+    Once the window holds two or more share sizes seen at least twice each: a non-negative
+    least-squares line through each size's median (medians, not every point: one slow step must
+    not tilt the line), weighted by how often each was seen. Else the previous fixed part, and the
+    rest per sample."""
+    groups: dict[int, list[float]] = {}
+    for n, t in window:
+        groups.setdefault(n, []).append(t)
+    seen = {n: ts for n, ts in groups.items() if len(ts) >= 2}
+    if len(seen) >= 2:
+        obs = tuple(Observation(1.0, float(n), statistics.median(ts)) for n, ts in seen.items() for _ in ts)
         fixed, per_sample = fit_two_terms(obs, (0.0, 0.0))
         return fixed, max(per_sample, 1.0 / MAX_SPEED)
     fixed = min(fixed_before, min(t for _, t in window))

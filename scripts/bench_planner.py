@@ -3,13 +3,14 @@ workers (heterogeneous throughput, cost-model error, straggler reaction), in one
 
 Sections (--sections, default all):
 
-  solve      MILP solve time and status at 8, 64, 256 and 1,024 simulated devices of 4–8 classes
-             (scripts/bench_planner_solve.py). Goal: <= 1 s at 1,024 devices.
+  solve      class-level solve time and status at 8, 64, 256 and 1,024 simulated devices of 4–8
+             classes (scripts/bench_planner_solve.py), with the default engine (the exact search)
+             and, side by side, the PuLP MILP on HiGHS alone. Goal: <= 1 s at 1,024 devices.
   quality    on clusters small enough to enumerate every plan, the planner's predicted step time
              against the best enumerated plan (solve_dp and the whole make_plan). Goal: <= 2% worse.
   latency    the real coordinator with 16 simulated devices: a failure or a join -> the new plan
              delta at the workers (scripts/bench_planner_latency.py). Goal: p50 <= 50 ms.
-  hetero     three real workers on the paced job (scripts/_paced_job.py), one with --slowdown 2:
+  hetero     three real workers on the paced job (examples/paced.py:long_job), one with --slowdown 2:
              measured samples/s with the planner's shares and with an even split (--planner even),
              against the ideal, the sum of the workers' measured compute speeds. Goal >= 0.92.
   cost       one run driven through >= 10 distinct plans (joins, slowdowns, recoveries, a drain):
@@ -39,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from localjob import LocalJob  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-PACED = f"{Path(__file__).resolve().with_name('_paced_job.py')}:job"
+PACED = f"{Path(__file__).resolve().parent.parent / 'examples' / 'paced.py'}:long_job"
 SECTIONS = ("solve", "quality", "latency", "hetero", "cost", "straggler")
 
 
@@ -199,9 +200,9 @@ def _f(x: Any, spec: str = ".3g") -> str:
 
 def table(r: dict[str, Any]) -> str:
     rows: list[tuple[str, str, str]] = []
-    if "solve" in r:
-        for size in r["solve"].get("sizes", []):
-            rows.append((f"solve, {size['devices']} devices ({size['classes']})",
+    for key, engine in (("solve", "auto"), ("solve_milp", "MILP only")):
+        for size in r.get(key, {}).get("sizes", []):
+            rows.append((f"solve ({engine}), {size['devices']} devices ({size['classes']} classes)",
                          f"median {_f(size['median_s'])} s, max {_f(size['max_s'])} s, {size['statuses']}",
                          "<= 1 s at 1024" if size["devices"] == 1024 else ""))
     if "quality" in r:
@@ -269,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             from bench_planner_solve import bench_solve
 
             results["solve"] = bench_solve(quick=a.quick)
+            results["solve_milp"] = bench_solve(quick=True, engine="milp")  # the MILP alone, side by side
         elif section == "quality":
             from bench_planner_quality import bench_planner_quality
             from bench_planner_solve import bench_quality

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 READY = re.compile(r"^ready workers=(\S+) control=(\S+)")
+DIGEST = re.compile(r"digest step (\d+) ([0-9a-f]+)")
 
 
 class LocalJob:
@@ -158,6 +159,11 @@ class LocalJob:
         if out.returncode != 0:
             raise RuntimeError(f"ctl {' '.join(args)} failed: {out.stderr.strip()}")
         return json.loads(out.stdout)
+
+    def digests(self, name: str) -> dict[int, str]:
+        """The parameter digests a worker run with `--digest-every` printed, by step."""
+        text = (self.state_dir / f"{name}.log").read_text(errors="replace")
+        return {int(m.group(1)): m.group(2) for m in DIGEST.finditer(text)}
 
     def tail(self, name: str, lines: int = 15) -> str:
         path = self.state_dir / (name if "." in name else f"{name}.log")

@@ -13,16 +13,11 @@ from typing import Any
 import pytest
 from localjob import LocalJob
 
-JOB = f"{Path(__file__).with_name('paced_job.py')}:job"
+JOB = f"{Path(__file__).resolve().parents[2] / 'examples' / 'paced.py'}:job"
 NUM_STEPS = 400
 GLOBAL_BATCH = 64
-DIGEST = re.compile(r"digest step (\d+) ([0-9a-f]+)")
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def digests(job: LocalJob, name: str) -> dict[int, str]:
-    return {int(m.group(1)): m.group(2) for m in DIGEST.finditer((job.state_dir / f"{name}.log").read_text())}
 
 
 def plans(job: LocalJob) -> list[dict[str, Any]]:
@@ -39,16 +34,6 @@ def assert_same_curve(job: LocalJob, undisturbed: dict[int, float]) -> None:
     assert sorted(losses) == sorted(undisturbed) == list(range(1, NUM_STEPS + 1))
     worst = max(abs(losses[s] - undisturbed[s]) / abs(undisturbed[s]) for s in undisturbed)
     assert worst <= 1e-4, f"largest relative loss difference {worst:.2e}"
-
-
-@pytest.fixture(scope="module")
-def undisturbed(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
-    with LocalJob(JOB, tmp_path_factory.mktemp("undisturbed"), min_workers=3) as job:
-        job.start()
-        for name in ("w1", "w2", "w3"):
-            job.add_worker(name)
-        assert job.wait_coordinator(180) == 0, job.tail("coordinator.out")
-        return {s: e["loss"] for s, e in job.steps().items()}
 
 
 def test_straggler_is_found_its_share_drops_and_recovers(tmp_path: Path, undisturbed: dict[int, float]) -> None:
@@ -83,7 +68,7 @@ def test_straggler_is_found_its_share_drops_and_recovers(tmp_path: Path, undistu
         assert job.wait_workers(180) == {"w1": 0, "w2": 0, "w3": 0}
         assert job.wait_coordinator(30) == 0
         assert_same_curve(job, undisturbed)
-        finals = {name: digests(job, name)[NUM_STEPS] for name in ("w1", "w2", "w3")}
+        finals = {name: job.digests(name)[NUM_STEPS] for name in ("w1", "w2", "w3")}
         assert len(set(finals.values())) == 1, finals
         # No failure, nothing abandoned: every change was planned at a step boundary.
         assert not [e for e in job.events() if e["kind"] == "failed"]
@@ -119,4 +104,4 @@ def test_too_little_memory_waits_then_a_worker_that_fits_trains(tmp_path: Path,
         assert job.wait_workers(180) == {"w1": 0, "w2": 0}
         assert job.wait_coordinator(30) == 0
         assert_same_curve(job, undisturbed)
-        assert digests(job, "w1")[NUM_STEPS] == digests(job, "w2")[NUM_STEPS]
+        assert job.digests("w1")[NUM_STEPS] == job.digests("w2")[NUM_STEPS]

@@ -1,7 +1,7 @@
 """The elastic loop with real processes on loopback: kills, stops and joins during training.
 
-Two runs of the same job are shared by several tests (module fixtures): an undisturbed one, and one
-in which a worker is SIGKILLed mid-run and a fourth worker joins later. The invariants of DESIGN.md
+Two runs of the same job are shared by several tests: an undisturbed one (tests/system/conftest.py),
+and one in which a worker is SIGKILLed mid-run and a fourth worker joins later. The invariants of DESIGN.md
 are asserted on their event logs and worker logs: survivors continue without restart, no step is lost
 or applied twice, replicas hold bit-identical parameters, and the loss of every step equals the
 undisturbed run's.
@@ -9,7 +9,6 @@ undisturbed run's.
 
 from __future__ import annotations
 
-import re
 import signal
 from pathlib import Path
 from typing import Any
@@ -17,29 +16,14 @@ from typing import Any
 import pytest
 from localjob import LocalJob
 
-JOB = f"{Path(__file__).with_name('paced_job.py')}:job"
+JOB = f"{Path(__file__).resolve().parents[2] / 'examples' / 'paced.py'}:job"
 NUM_STEPS = 400
-DIGEST = re.compile(r"digest step (\d+) ([0-9a-f]+)")
 
 pytestmark = pytest.mark.timeout(240)
 
 
-def digests(job: LocalJob, name: str) -> dict[int, str]:
-    return {int(m.group(1)): m.group(2) for m in DIGEST.finditer((job.state_dir / f"{name}.log").read_text())}
-
-
 def plans(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [e for e in events if e["kind"] == "plan"]
-
-
-@pytest.fixture(scope="module")
-def undisturbed(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
-    with LocalJob(JOB, tmp_path_factory.mktemp("undisturbed"), min_workers=3) as job:
-        job.start()
-        for name in ("w1", "w2", "w3"):
-            job.add_worker(name)
-        assert job.wait_coordinator(180) == 0, job.tail("coordinator.out")
-        return {s: e["loss"] for s, e in job.steps().items()}
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +66,7 @@ def test_no_step_lost_or_applied_twice(disturbed: dict[str, Any]) -> None:
     job = disturbed["job"]
     assert sorted(job.steps()) == list(range(1, NUM_STEPS + 1))
     # Every finisher applied the same sequence of updates: identical parameters at the end.
-    finals = {name: digests(job, name)[NUM_STEPS] for name in ("w1", "w3", "w4")}
+    finals = {name: job.digests(name)[NUM_STEPS] for name in ("w1", "w3", "w4")}
     assert len(set(finals.values())) == 1, finals
 
 
@@ -92,11 +76,11 @@ def test_joiner_bit_identical_after_first_step(disturbed: dict[str, Any]) -> Non
     assert joined, "w4 joined"
     join_plan = [p for p in plans(disturbed["events"]) if p["reason"] == "join" and "w4" in p["layout"]["members"]]
     assert join_plan, "a plan took w4 in"
-    w4 = digests(job, "w4")
+    w4 = job.digests("w4")
     first = min(w4)
     assert first < NUM_STEPS, "w4 trained before the end"
     for name in ("w1", "w3"):
-        assert digests(job, name)[first] == w4[first], f"{name} and w4 differ after w4's first step {first}"
+        assert job.digests(name)[first] == w4[first], f"{name} and w4 differ after w4's first step {first}"
     resharded = [e for e in disturbed["events"] if e["kind"] == "reshard" and e["epoch"] == join_plan[0]["epoch"]]
     assert resharded and resharded[0]["bytes"] > 0, "the joiner received state"
 
@@ -131,7 +115,7 @@ def test_stopped_worker_is_fenced_and_rejoins(tmp_path: Path, undisturbed: dict[
         assert job.wait_coordinator(30) == 0
         assert progressed["step"] < NUM_STEPS
         assert sorted(job.steps()) == list(range(1, NUM_STEPS + 1))
-        finals = {name: digests(job, name)[NUM_STEPS] for name in ("w1", "w2", "w3")}
+        finals = {name: job.digests(name)[NUM_STEPS] for name in ("w1", "w2", "w3")}
         assert len(set(finals.values())) == 1, finals
         assert "fenced" in (tmp_path / "w2.log").read_text()
         losses = {s: e["loss"] for s, e in job.steps().items()}
@@ -225,4 +209,4 @@ def test_standby_worker_takes_over_a_failed_member(tmp_path: Path) -> None:
         assert exits == {"w1": -signal.SIGKILL, "w2": 0, "w3": 0}
         assert job.wait_coordinator(30) == 0
         assert sorted(job.steps()) == list(range(1, NUM_STEPS + 1))
-        assert digests(job, "w2")[NUM_STEPS] == digests(job, "w3")[NUM_STEPS]
+        assert job.digests("w2")[NUM_STEPS] == job.digests("w3")[NUM_STEPS]

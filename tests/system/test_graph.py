@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from localjob import LocalJob
 
-JOB = f"{Path(__file__).with_name('paced_job.py')}:job"
+JOB = f"{Path(__file__).resolve().parents[2] / 'examples' / 'paced.py'}:job"
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -26,7 +26,7 @@ def test_ctl_graph_shows_the_uploaded_graph(tmp_path: Path) -> None:
             except RuntimeError:
                 assert time.monotonic() < deadline, "no graph was uploaded"
                 time.sleep(0.2)
-        # paced_job: Linear(32,64) GELU Linear(64,64) GELU Linear(64,4), float32
+        # examples/paced.py: Linear(32,64) GELU Linear(64,64) GELU Linear(64,4), float32
         params = (32 * 64 + 64) + (64 * 64 + 64) + (64 * 4 + 4)
         assert graph["param_bytes"] == 4 * params
         assert sum(layer["param_bytes"] for layer in graph["layers"]) == 4 * params
