@@ -67,10 +67,10 @@ def _why(obj: float | None, step: float | None, r_obj: float, r_step: float | No
          description: str) -> str:
     if obj is None or step is None or r_step is None:
         return ""
-    parts = [f"{description} predicts {r_step:.4g} s/step against {step:.4g} s"]
+    text = f"{description} predicts {r_step * 1e3:.1f} ms a step against {step * 1e3:.1f} ms"
     if r_moved != moved:
-        parts.append(f"and moves {r_moved / 1e6:.1f} MB of state against {moved / 1e6:.1f} MB")
+        text += f" and moves {r_moved / 1e6:.1f} MB of state against {moved / 1e6:.1f} MB"
     gain = (r_obj - obj) / r_obj if r_obj > 0 else 0.0
-    verdict = (f"so this plan is {gain:.1%} better counting the amortised switch cost" if gain >= 0 else
-               f"it would be {-gain:.1%} better, but not by enough to switch epochs")
-    return ", ".join(parts) + "; " + verdict
+    if gain >= 0:
+        return f"{text}: this plan is {gain:.1%} better, the amortised switch cost included"
+    return f"{text}: it would be {-gain:.1%} better, but not by enough to be worth a new epoch"

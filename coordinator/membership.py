@@ -171,7 +171,11 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
                                                   "expected": round(expected, 3), "step": r.step}))
     state = replace(state, cluster=cluster, tracker=tracker)
     if r.step > state.last_step:
-        state = replace(state, last_step=r.step, finished=state.finished or r.step >= config.num_steps)
+        done = not state.finished and r.step >= config.num_steps
+        state = replace(state, last_step=r.step, finished=state.finished or done)
+        if done:  # members leave by themselves after the last step; standby workers are told to
+            members = set(state.plan.members) if state.plan else set()
+            effects += [Send(n, Stop(reason="the job is over")) for n in state.workers if n not in members]
         predicted = state.plan.predicted_step_s if state.plan is not None and r.epoch == state.epoch else None
         effects.append(Log("step", {"step": r.step, "epoch": r.epoch, "loss": r.loss, "samples": r.global_batch,
                                     "step_s": r.step_s, "predicted_s": predicted}))

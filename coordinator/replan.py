@@ -75,9 +75,7 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
     old = set(state.plan.members) if state.plan else set()
     recipients = sorted((old | set(new.members)) & set(state.workers))
     workers = {n: replace(w, nudged_at=now) if n in recipients else w for n, w in state.workers.items()}
-    guessed = {n: state.cluster.devices[n].samples_per_s is None for n in new.members if n in state.cluster.devices}
-    tracker = steps.start(epoch, new.members, new.predicted_step_s,
-                          {c.name: (c.compute_s, guessed.get(c.name, True)) for c in new.costs})
+    tracker = steps.start(epoch, new.members, new.predicted_step_s, {c.name: c.compute_s for c in new.costs})
     state = replace(state, workers=workers, delta=delta, epoch=epoch, plan=new, result=result, tracker=tracker,
                     acked=frozenset(), reshard_bytes=0, reshard_s=0.0, running=frozenset(holders),
                     replan_wanted=f"{handoff} handed off" if handoff else None)

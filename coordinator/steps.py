@@ -8,13 +8,15 @@ Pure, like membership: `observe(tracker, report) -> (tracker, findings)`, no clo
   replica sees nearly the same), and its pure communication time — the smallest `comm_s` of the
   step, that of the replica that arrived last at the all-reduce and so waited for no one. The
   plan's predicted step time is compared with every measured step (`errors`).
-* **Speed changes.** Each member's measured compute time is compared with what the plan predicted
-  for its share. `STREAK` consecutive steps whose speed (samples / compute time) is at least
-  `THRESHOLD` below the predicted make a `SpeedChange(kind="straggler")`; as many at least as far
-  above make `kind="recovered"`. A device the plan only knew from its join-time calibration first
-  gets `STREAK` steps to be measured; if it differs as much from the guess, that is
-  `kind="calibration"`. After a finding the baseline becomes the newly measured time (the median of
-  the streak), so one change is reported once.
+* **Speed changes.** In each epoch a member's first `SETTLE` steps are skipped (a switch moves state
+  and changes who competes for what), and the median compute time of the next `STREAK` becomes its
+  baseline. If that baseline is `THRESHOLD` off what the plan predicted for its share, the cost
+  model was wrong (`SpeedChange(kind="calibration")`: the measurements already correct it; the
+  planner decides whether a new plan pays). Then `STREAK` consecutive steps whose speed (samples /
+  compute time) is at least `THRESHOLD` below the baseline make `kind="straggler"`, as many at least
+  as far above `kind="recovered"`, and the streak's median becomes the new baseline, so one change
+  is reported once. Comparing with the epoch's own measurement, not the prediction, keeps a model
+  error from passing for a straggler (and from re-planning back and forth on it).
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from dataclasses import dataclass, field, replace
 
 from transport import StepReport
 
-THRESHOLD = 0.2  # a speed 20% off the plan's assumption is a change
+THRESHOLD = 0.2  # a speed 20% off the baseline is a change
 STREAK = 4  # ... when it lasts this many consecutive steps
+SETTLE = 2  # steps of a new epoch not measured against anything
 ERROR_WINDOW = 256  # measured steps kept per epoch for the prediction error
 PENDING_STEPS = 4  # a step still missing reports this far behind the newest is dropped
 
@@ -34,8 +37,9 @@ PENDING_STEPS = 4  # a step still missing reports this far behind the newest is 
 class Watch:
     """One member's compute time against the plan's prediction for its share."""
 
-    expected_s: float  # compute seconds the plan predicted (or the last finding measured)
-    guessed: bool  # the prediction came from calibration, not from measured steps
+    expected_s: float  # compute seconds the plan predicted, then the measured baseline
+    baselined: bool = False  # expected_s is measured (after SETTLE + STREAK steps of this epoch)
+    settled: int = 0  # steps seen of this epoch, up to SETTLE
     slow: int = 0
     fast: int = 0
     recent: tuple[tuple[int, float], ...] = ()  # the latest STREAK (samples, compute seconds)
@@ -78,9 +82,9 @@ class Tracker:
 
 
 def start(epoch: int, members: tuple[str, ...], predicted_step_s: float | None,
-          compute: dict[str, tuple[float, bool]]) -> Tracker:
-    """A tracker for a new epoch; `compute` maps a member to (predicted compute seconds, guessed?)."""
-    watches = {n: Watch(expected_s=c, guessed=g) for n, (c, g) in compute.items() if c > 0}
+          compute: dict[str, float]) -> Tracker:
+    """A tracker for a new epoch; `compute` maps a member to its predicted compute seconds."""
+    watches = {n: Watch(expected_s=c) for n, c in compute.items() if c > 0}
     return Tracker(epoch=epoch, members=members, predicted_step_s=predicted_step_s, watches=watches)
 
 
@@ -111,18 +115,20 @@ def observe(t: Tracker, r: StepReport) -> tuple[Tracker, list[Finding]]:
 
 
 def _watch(w: Watch, name: str, samples: int, compute_s: float) -> tuple[Watch, SpeedChange | None]:
+    if w.settled < SETTLE:
+        return replace(w, settled=w.settled + 1), None
     recent = (*w.recent, (samples, compute_s))[-STREAK:]
-    if w.guessed:
+    if not w.baselined:
         if len(recent) < STREAK:
             return replace(w, recent=recent), None
         change = _change(w, name, "calibration", recent) if _off(_median(recent), w.expected_s) else None
-        return Watch(expected_s=_median(recent), guessed=False), change
+        return Watch(expected_s=_median(recent), baselined=True, settled=SETTLE), change
     slow = w.slow + 1 if compute_s * (1 - THRESHOLD) > w.expected_s else 0  # speed 20% below
     fast = w.fast + 1 if compute_s < (1 - THRESHOLD) * w.expected_s else 0  # speed 25% above
     w = replace(w, slow=slow, fast=fast, recent=recent)
     if slow >= STREAK or fast >= STREAK:
         change = _change(w, name, "straggler" if slow >= STREAK else "recovered", recent)
-        return Watch(expected_s=_median(recent), guessed=False), change
+        return Watch(expected_s=_median(recent), baselined=True, settled=SETTLE), change
     return w, None
 
 

@@ -193,3 +193,12 @@ def job_10m() -> Job:
         n_layer=6, d_model=384, n_head=6, block=128, global_batch=16, num_steps=100, lr=3e-4,
         description="char GPT, 6 layers x 384 (~10M parameters), on the Python stdlib source",
     )
+
+
+def job_long() -> Job:
+    """The small GPT with a bigger batch and no end in sight (100,000 steps): for benchmarks that
+    stop it themselves (`ctl.py stop`), such as scripts/bench_planner.py --job examples/gpt.py:job_long."""
+    return _make_job(
+        n_layer=4, d_model=128, n_head=4, block=64, global_batch=48, num_steps=100_000, lr=1e-3,
+        description="char GPT, 4 layers x 128, long run",
+    )

@@ -220,20 +220,22 @@ class Cluster:
         return sorted(out, key=lambda c: min(c[1]))
 
 
+SHARE_SPREAD = 1.5  # share sizes this far apart can tell the fixed part from the per-sample part
 MAX_SPEED = 1e12  # samples/s: a compute time that does not grow with the share at all
 
 
 def fit_compute(window: tuple[tuple[int, float], ...], fixed_before: float) -> tuple[float, float]:
     """(fixed seconds, seconds per sample) of compute from recent (samples, seconds) observations.
-    Once the window holds two or more share sizes seen at least twice each: a non-negative
+    Once the window holds share sizes at least SHARE_SPREAD apart, seen twice each: a non-negative
     least-squares line through each size's median (medians, not every point: one slow step must
-    not tilt the line), weighted by how often each was seen. Else the previous fixed part, and the
-    rest per sample."""
+    not tilt the line), weighted by how often each was seen. (Sizes closer together than that give
+    a slope that noise decides, and a plan that extrapolates it far.) Else the previous fixed part,
+    and the rest per sample."""
     groups: dict[int, list[float]] = {}
     for n, t in window:
         groups.setdefault(n, []).append(t)
     seen = {n: ts for n, ts in groups.items() if len(ts) >= 2}
-    if len(seen) >= 2:
+    if len(seen) >= 2 and max(seen) >= SHARE_SPREAD * min(seen):
         obs = tuple(Observation(1.0, float(n), statistics.median(ts)) for n, ts in seen.items() for _ in ts)
         fixed, per_sample = fit_two_terms(obs, (0.0, 0.0))
         return fixed, max(per_sample, 1.0 / MAX_SPEED)

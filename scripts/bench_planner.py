@@ -202,7 +202,7 @@ def table(r: dict[str, Any]) -> str:
     rows: list[tuple[str, str, str]] = []
     for key, engine in (("solve", "auto"), ("solve_milp", "MILP only")):
         for size in r.get(key, {}).get("sizes", []):
-            rows.append((f"solve ({engine}), {size['devices']} devices ({size['classes']} classes)",
+            rows.append((f"solve ({engine}), {size['devices']} devices ({size['classes']})",
                          f"median {_f(size['median_s'])} s, max {_f(size['max_s'])} s, {size['statuses']}",
                          "<= 1 s at 1024" if size["devices"] == 1024 else ""))
     if "quality" in r:
@@ -213,9 +213,11 @@ def table(r: dict[str, Any]) -> str:
             rows.append(("quality, make_plan vs enumeration", f"{_f(q['planner_worst_gap'], '+.2%')} over "
                          f"{q['planner_cases']} cases", "<= 2%"))
     if "latency" in r:
-        for name, m in r["latency"].get("metrics", {}).items():
-            rows.append((f"latency: {name}", f"p50 {_f(m.get('p50_ms'), '.1f')} ms, p95 {_f(m.get('p95_ms'), '.1f')} "
-                         f"ms", "p50 <= 50 ms" if "delta" in name else ""))
+        devices = r["latency"].get("settings", {}).get("devices", "?")
+        for name, m in r["latency"].get("summary", {}).get("rows", {}).items():
+            ms = {k: None if m.get(k) is None else m[k] * 1e3 for k in ("p50", "p95", "max")}
+            rows.append((f"latency, {devices} devices: {name}", f"p50 {_f(ms['p50'], '.1f')} ms, p95 "
+                         f"{_f(ms['p95'], '.1f')} ms, max {_f(ms['max'], '.1f')} ms", m.get("goal", "")))
     if "hetero" in r:
         h = r["hetero"]
         for policy in ("milp", "even"):
@@ -250,6 +252,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--job", default=PACED, help="job of the real-worker sections (default: the paced job)")
     p.add_argument("--quick", action="store_true", help="fewer scenarios, trials and steps (a smoke run)")
     p.add_argument("--out", type=Path, default=ROOT / "bench-out" / "planner.json", help="where the JSON goes")
+    p.add_argument("--table-from", type=Path, metavar="JSON", help="only print the table of an earlier run's JSON")
     a = p.parse_args(argv)
     unknown = set(a.sections.split(",")) - set(SECTIONS)
     if unknown:
@@ -259,6 +262,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    if a.table_from is not None:  # print the table of an earlier run
+        print(table(json.loads(a.table_from.read_text())))
+        return 0
     sections = a.sections.split(",")
     results: dict[str, Any] = {"settings": {"sections": sections, "job": a.job, "quick": a.quick}}
     workdir = Path(tempfile.mkdtemp(prefix="bench-planner-"))

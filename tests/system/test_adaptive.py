@@ -59,7 +59,10 @@ def test_straggler_is_found_its_share_drops_and_recovers(tmp_path: Path, undistu
         w1 = next(m for m in explained["members"] if m["name"] == "w1")
         assert w2["speed"] < 0.5 * w1["speed"]
         assert explained["runner_up"] is not None and explained["why"]
-        # Recovery: full speed again raises its share.
+        # Recovery: full speed again raises its share (once the new epoch has measured its baseline).
+        epoch_steps = lambda e: e["kind"] == "step" and e["epoch"] == replan["epoch"]  # noqa: E731
+        job.wait_event(lambda e: epoch_steps(e) and sum(map(epoch_steps, job.events())) >= 10, 30,
+                       "the straggler epoch's baseline")
         job.ctl("slowdown", "w2", "1")
         recovered = job.wait_event(lambda e: e["kind"] == "recovered", 60, "recovered event")
         assert recovered["worker"] == "w2"

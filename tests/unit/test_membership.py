@@ -500,7 +500,7 @@ def test_straggler_is_found_from_step_times_and_its_share_drops() -> None:
     sim.ack_all()
     first = sim.state.plan
     assert first is not None and sim.state.result is not None and sim.state.result.status == "heuristic"
-    effects = train(sim, 6, {"a": 0.01, "b": 0.01, "c": 0.01})  # measured: no change worth a new epoch
+    effects = train(sim, 12, {"a": 0.01, "b": 0.01, "c": 0.01})  # measured: no change worth a new epoch
     assert not deltas(effects) and sim.state.epoch == 1
     effects = train(sim, 6, {"a": 0.01, "b": 0.03, "c": 0.01})  # b three times slower
     assert [f["worker"] for f in logs(effects, "straggler")] == ["b"]
@@ -511,6 +511,7 @@ def test_straggler_is_found_from_step_times_and_its_share_drops() -> None:
     assert not d.abort and d.members == list(first.members)
     assert shares["b"] < GLOBAL_BATCH / 3 / 2 and sum(d.shares) == GLOBAL_BATCH
     sim.ack_all()
+    train(sim, 6, {"a": 0.01, "b": 0.03, "c": 0.01})  # the new epoch settles and measures its baseline
     effects = train(sim, 6, {"a": 0.01, "b": 0.01, "c": 0.01})
     assert [f["worker"] for f in logs(effects, "recovered")] == ["b"]
     assert dict(zip(the_delta(effects).members, the_delta(effects).shares))["b"] >= 20
@@ -547,3 +548,18 @@ def test_failure_that_leaves_too_little_memory_waits_with_the_state() -> None:
     sim(m.Joined(_join_msg("new")))
     d = the_delta(sim(m.MadeReady("new")))
     assert set(d.members) == {"small", "new"} and dict(zip(d.members, d.shares))["small"] <= 10
+
+
+def test_standby_workers_are_stopped_when_the_job_is_over() -> None:
+    sim = graph_sim("a", "b")
+    sim.config = replace(sim.config, min_workers=2, num_steps=20)
+    sim(m.MadeReady("a"))
+    sim(m.MadeReady("b"))
+    sim.ack_all()
+    train(sim, 6, {"a": 0.001, "b": 0.001})
+    sim(m.Joined(_join_msg("snail", flops=1e3)))
+    sim(m.MadeReady("snail"))
+    assert sim.state.result is not None and "snail" in sim.state.result.standby
+    effects = train(sim, 14, {"a": 0.001, "b": 0.001})
+    assert sim.state.finished
+    assert set(sent(effects, Stop)) == {"snail"}, "members leave by themselves; the standby is told"
