@@ -155,9 +155,11 @@ def summary(job: LocalJob, marks: dict[str, float]) -> None:
                          if reshard else "-"))
             if first:
                 rows.append(("w4 planned in -> its first committed step", f"{first['ts'] - plan['ts']:.3f} s"))
-    straggler = next((e for e in events if e["kind"] == "straggler"), None)
+    straggler = next((e for e in events if e["kind"] == "straggler" and e["worker"] == "w3"
+                      and e["step"] >= marks.get("slow", 0)), None)
     if straggler and "slow" in marks:
-        replan = next((e for e in events if e["kind"] == "plan" and e["reason"] == "straggler"), None)
+        replan = next((e for e in events if e["kind"] == "plan" and e["reason"] == "straggler"
+                       and e["ts"] >= straggler["ts"]), None)
         rows.append(("slowdown w3 -> straggler found", f"{straggler['step'] - marks['slow']} steps"))
         if replan:
             first = next((e for e in events if e["kind"] == "step" and e["epoch"] == replan["epoch"]), None)
