@@ -92,13 +92,17 @@ def _events(core: Core, args: list[str]) -> dict[str, Any]:
     return {"events": events, "next": max(after, 0) + len(events)}
 
 
-def _drain(core: Core, args: list[str]) -> dict[str, Any]:
-    if len(args) != 1:
-        raise ValueError("drain takes one worker NAME")
-    name = args[0]
+def _known_worker(core: Core, name: str) -> str:
     if name not in core.state.workers:
         known = ", ".join(sorted(core.state.workers)) or "none"
         raise ValueError(f"unknown worker {name!r} (workers: {known})")
+    return name
+
+
+def _drain(core: Core, args: list[str]) -> dict[str, Any]:
+    if len(args) != 1:
+        raise ValueError("drain takes one worker NAME")
+    name = _known_worker(core, args[0])
     core.apply(m.DrainRequested(name))
     return {"draining": name}
 
@@ -106,10 +110,7 @@ def _drain(core: Core, args: list[str]) -> dict[str, Any]:
 def _slowdown(core: Core, args: list[str]) -> dict[str, Any]:
     if len(args) != 2:
         raise ValueError("slowdown takes a worker NAME and a FACTOR (1 = full speed, 3 = three times slower)")
-    name, text = args
-    if name not in core.state.workers:
-        known = ", ".join(sorted(core.state.workers)) or "none"
-        raise ValueError(f"unknown worker {name!r} (workers: {known})")
+    name, text = _known_worker(core, args[0]), args[1]
     try:
         factor = float(text)
     except ValueError:

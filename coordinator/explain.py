@@ -11,8 +11,9 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from coordinator import steps
 from coordinator.state import State
-from plan import Layout
+from plan import Alternative, Layout, PlanResult
 from plan.graph import describe, placements
 
 
@@ -38,20 +39,18 @@ def explain(state: State) -> dict[str, Any]:
         out["runner_up"] = {"description": runner.description, "members": list(runner.plan.members),
                             "shares": list(runner.plan.shares), "predicted_step_s": runner.plan.predicted_step_s,
                             "objective_s": runner.objective_s, "moved_bytes": runner.moved_bytes}
-        out["why"] = _why(result.objective_s, plan.predicted_step_s, runner.objective_s,
-                          runner.plan.predicted_step_s, runner.moved_bytes, result.moved_bytes, runner.description)
+        out["why"] = _why(result, runner)
     t = state.tracker
     if t is not None and t.epoch == state.epoch:
         out["measured"] = {"steps": len(t.measured),
                            "median_step_s": statistics.median(t.measured) if t.measured else None,
-                           "median_error": statistics.median(t.errors) if t.errors else None,
+                           "median_error": steps.median_error(t),
                            "predicted_step_s": t.predicted_step_s}
-    link = state.cluster.link(plan.members)
-    fit = state.cluster.inter_host if state.cluster.spans_hosts(plan.members) else state.cluster.intra_host
+    scope, fit = state.cluster.link_fit(plan.members)
     g = state.graph
     out["constants"] = {
-        "link": {"alpha_s": link.alpha_s, "beta_s_per_byte": link.beta_s_per_byte, "measurements": fit.measured,
-                 "scope": "inter-host" if state.cluster.spans_hosts(plan.members) else "intra-host"},
+        "link": {"alpha_s": fit.coef[0], "beta_s_per_byte": fit.coef[1], "measurements": fit.measured,
+                 "scope": scope},
         "switch_s": state.cluster.switch_s(),
         "move_s_per_byte": state.cluster.migration.coef[1],
         "migration_measurements": state.cluster.migration.measured,
@@ -63,14 +62,14 @@ def explain(state: State) -> dict[str, Any]:
     return out
 
 
-def _why(obj: float | None, step: float | None, r_obj: float, r_step: float | None, r_moved: int, moved: int,
-         description: str) -> str:
-    if obj is None or step is None or r_step is None:
+def _why(result: PlanResult, runner: Alternative) -> str:
+    step, r_step = result.plan.predicted_step_s if result.plan else None, runner.plan.predicted_step_s
+    if result.objective_s is None or step is None or r_step is None:
         return ""
-    text = f"{description} predicts {r_step * 1e3:.1f} ms a step against {step * 1e3:.1f} ms"
-    if r_moved != moved:
-        text += f" and moves {r_moved / 1e6:.1f} MB of state against {moved / 1e6:.1f} MB"
-    gain = (r_obj - obj) / r_obj if r_obj > 0 else 0.0
+    text = f"{runner.description} predicts {r_step * 1e3:.1f} ms a step against {step * 1e3:.1f} ms"
+    if runner.moved_bytes != result.moved_bytes:
+        text += f" and moves {runner.moved_bytes / 1e6:.1f} MB of state against {result.moved_bytes / 1e6:.1f} MB"
+    gain = (runner.objective_s - result.objective_s) / runner.objective_s if runner.objective_s > 0 else 0.0
     if gain >= 0:
         return f"{text}: this plan is {gain:.1%} better, the amortised switch cost included"
     return f"{text}: it would be {-gain:.1%} better, but not by enough to be worth a new epoch"

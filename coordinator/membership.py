@@ -163,10 +163,9 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
                     cluster = cluster.with_allreduce(ranks, state.graph.param_bytes, comm_s,
                                                      cross_host=cluster.spans_hosts(tracker.members))
                 case steps.SpeedChange(name=name, kind=kind, speed=speed, expected=expected, recent=recent):
+                    changes.append(kind)
                     if kind != "calibration":  # (a calibration's measurements are the model already)
                         cluster = cluster.with_speed_change(name, recent)
-                    changes.append(kind)
-                    if kind != "calibration":
                         effects.append(Log(kind, {"worker": name, "speed": round(speed, 3),
                                                   "expected": round(expected, 3), "step": r.step}))
     state = replace(state, cluster=cluster, tracker=tracker)

@@ -21,7 +21,7 @@ from dataclasses import replace
 
 from coordinator import steps
 from coordinator.state import Config, Effect, Log, Planned, Result, Send, State
-from plan import Plan, PlanLimits, PlanResult, make_plan, predict
+from plan import PlanLimits, PlanResult, make_plan, predict
 from transport import PlanDelta
 
 
@@ -47,10 +47,7 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
     limits = PlanLimits(global_batch=config.global_batch, max_workers=config.max_workers,
                         time_limit_s=config.solve_time_limit_s, policy=config.planner, engine=config.solver,
                         horizon_steps=max(1, min(config.horizon_steps, config.num_steps - state.last_step)))
-    previous = state.plan
-    if previous is None and holders:  # survivors waiting for a plan that fits
-        previous = Plan(members=tuple(holders), shares=(0,) * len(holders))
-    result = make_plan(cluster, state.graph, previous, limits=limits)
+    result = make_plan(cluster, state.graph, state.plan, limits=limits, holders=holders)
     if result.plan is None:
         return _nothing_fits(state, result, holders, reason, abort=abort)
     new = result.plan

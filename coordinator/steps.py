@@ -24,6 +24,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field, replace
 
+from plan.cost import relative_error
 from transport import StepReport
 
 THRESHOLD = 0.2  # a speed 20% off the baseline is a change
@@ -109,7 +110,7 @@ def observe(t: Tracker, r: StepReport) -> tuple[Tracker, list[Finding]]:
     measured = (*t.measured, step_s)[-ERROR_WINDOW:]
     errors = t.errors
     if t.predicted_step_s is not None and step_s > 0:
-        errors = (*errors, (t.predicted_step_s - step_s) / step_s)[-ERROR_WINDOW:]
+        errors = (*errors, relative_error(t.predicted_step_s, step_s))[-ERROR_WINDOW:]
     t = replace(t, pending=pending, measured=measured, errors=errors)
     return t, [*findings, Measured(step=r.step, step_s=step_s, comm_s=comm_s, ranks=len(t.members))]
 
@@ -123,8 +124,8 @@ def _watch(w: Watch, name: str, samples: int, compute_s: float) -> tuple[Watch, 
             return replace(w, recent=recent), None
         change = _change(w, name, "calibration", recent) if _off(_median(recent), w.expected_s) else None
         return Watch(expected_s=_median(recent), baselined=True, settled=SETTLE), change
-    slow = w.slow + 1 if compute_s * (1 - THRESHOLD) > w.expected_s else 0  # speed 20% below
-    fast = w.fast + 1 if compute_s < (1 - THRESHOLD) * w.expected_s else 0  # speed 25% above
+    slow = w.slow + 1 if _slower(compute_s, w.expected_s) else 0
+    fast = w.fast + 1 if _faster(compute_s, w.expected_s) else 0
     w = replace(w, slow=slow, fast=fast, recent=recent)
     if slow >= STREAK or fast >= STREAK:
         change = _change(w, name, "straggler" if slow >= STREAK else "recovered", recent)
@@ -143,8 +144,18 @@ def _change(w: Watch, name: str, kind: str, recent: tuple[tuple[int, float], ...
                        expected=samples / w.expected_s, recent=recent)
 
 
+def _slower(measured_s: float, expected_s: float) -> bool:
+    """Speed (samples / time) at least THRESHOLD below the expected."""
+    return measured_s * (1 - THRESHOLD) > expected_s
+
+
+def _faster(measured_s: float, expected_s: float) -> bool:
+    """Speed at least as far above: time below (1 − THRESHOLD) of the expected."""
+    return measured_s < (1 - THRESHOLD) * expected_s
+
+
 def _off(measured_s: float, expected_s: float) -> bool:
-    return measured_s * (1 - THRESHOLD) > expected_s or measured_s < (1 - THRESHOLD) * expected_s
+    return _slower(measured_s, expected_s) or _faster(measured_s, expected_s)
 
 
 def median_error(t: Tracker) -> float | None:

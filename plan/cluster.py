@@ -168,9 +168,15 @@ class Cluster:
     def spans_hosts(self, names: Iterable[str]) -> bool:
         return len({self.devices[n].host for n in names if n in self.devices}) > 1
 
+    def link_fit(self, names: Iterable[str]) -> tuple[str, TwoTermFit]:
+        """Which link a collective over `names` is limited by ("intra-host" or "inter-host"), and its fit."""
+        if self.spans_hosts(names):
+            return "inter-host", self.inter_host
+        return "intra-host", self.intra_host
+
     def link(self, names: Iterable[str]) -> Link:
         """The link a collective over `names` is limited by."""
-        fit = self.inter_host if self.spans_hosts(names) else self.intra_host
+        _, fit = self.link_fit(names)
         return Link(alpha_s=fit.coef[0], beta_s_per_byte=fit.coef[1])
 
     def with_allreduce(self, ranks: int, n_bytes: float, seconds: float, *, cross_host: bool) -> Cluster:
@@ -242,14 +248,3 @@ def fit_compute(window: tuple[tuple[int, float], ...], fixed_before: float) -> t
     fixed = min(fixed_before, min(t for _, t in window))
     per_sample = statistics.median((t - fixed) / n for n, t in window)
     return fixed, max(per_sample, 1.0 / MAX_SPEED)
-
-
-def capacity(memory_bytes: float, static_bytes: float, activation_bytes: float) -> float | None:
-    """Samples a device of `memory_bytes` can train at once (inf without activations); None when
-    even the parameters, gradients and optimizer state do not fit."""
-    free = memory_bytes - static_bytes
-    if free < 0:
-        return None
-    if activation_bytes <= 0:
-        return math.inf
-    return float(math.floor(free / activation_bytes))

@@ -8,10 +8,10 @@ Communication follows the α–β model: a message of n bytes costs α (latency,
     reduce-scatter   (R−1)·α  + (R−1)/R · n·β       (n = the whole tensor before scattering)
     p2p              α + n·β
 
-and cost nothing for R = 1. Compute of a device is samples × (forward + backward FLOPs) / FLOP/s,
-times a calibration factor fitted from measured steps (FLOPs alone under-predict real kernels).
-Memory of a data-parallel replica is parameters + gradients + optimizer state + activations of
-its micro-batch.
+and cost nothing for R = 1. Compute time per device is fitted from measured steps (`plan.cluster`:
+fixed + samples / speed; FLOPs alone under-predict real kernels), and a plan's step is put together
+from these parts by `plan.prediction.predict`. Memory of a data-parallel replica is parameters +
+gradients + optimizer state + activations of its micro-batch.
 
 A synchronous data-parallel step of replicas with compute c_i and per-step overhead o_i (copying
 gradients, the optimizer step) repeats every max_i(c_i + o_i) + all-reduce: each replica starts
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from plan.graph import Graph
 
@@ -66,33 +66,6 @@ def p2p_s(n_bytes: float, link: Link) -> float:
     return link.alpha_s + n_bytes * link.beta_s_per_byte
 
 
-def compute_s(samples: float, train_flops: float, effective_flops: float, factor: float = 1.0) -> float:
-    """Forward + backward time of `samples` samples on a device of `effective_flops` FLOP/s."""
-    if effective_flops <= 0:
-        raise ValueError(f"effective FLOP/s must be positive, got {effective_flops}")
-    return samples * train_flops * factor / effective_flops
-
-
-def samples_per_s(train_flops: float, effective_flops: float, factor: float = 1.0) -> float:
-    """The compute throughput `compute_s` implies (samples per second)."""
-    return effective_flops / (train_flops * factor)
-
-
-def fit_factor(predicted: Sequence[float], measured: Sequence[float]) -> float:
-    """The factor f minimising Σ (f·predicted − measured)², over pairs with both sides positive.
-
-    1.0 when there is nothing to fit. A least-squares fit through the origin: the longest steps
-    weigh most, which is what matters for a makespan.
-    """
-    if len(predicted) != len(measured):
-        raise ValueError(f"fit_factor: {len(predicted)} predictions but {len(measured)} measurements")
-    pairs = [(p, m) for p, m in zip(predicted, measured) if p > 0 and m > 0 and math.isfinite(p * m)]
-    den = sum(p * p for p, _ in pairs)
-    if den == 0:
-        return 1.0
-    return sum(p * m for p, m in pairs) / den
-
-
 def relative_error(predicted: float, measured: float) -> float:
     """Signed relative error (predicted − measured) / measured; positive means over-predicted."""
     if measured <= 0:
@@ -110,62 +83,24 @@ def memory_bytes(graph: Graph, micro_batch: float, optimizer_state_factor: float
     return static_bytes(graph.param_bytes, optimizer_state_factor) + graph.activation_bytes * micro_batch
 
 
+def samples_that_fit(device_memory_bytes: float, static: float, activation_bytes: float) -> float | None:
+    """The most samples a device of `device_memory_bytes` trains at once when `static` bytes
+    (parameters, gradients, optimizer state) are resident: inf without activations (or unbounded
+    memory); None when not even `static` fits."""
+    free = device_memory_bytes - static
+    if free < 0:
+        return None
+    if activation_bytes <= 0 or math.isinf(free):
+        return math.inf
+    return float(math.floor(free / activation_bytes))
+
+
 def max_micro_batch(
     graph: Graph, device_memory_bytes: float, optimizer_state_factor: float = 2.0
 ) -> float | None:
-    """The most samples a replica fits in `device_memory_bytes` (inf without activations);
-    None when even the parameters, gradients and optimizer state do not fit."""
-    free = device_memory_bytes - static_bytes(graph.param_bytes, optimizer_state_factor)
-    if free < 0:
-        return None
-    if graph.activation_bytes == 0:
-        return math.inf
-    return math.floor(free / graph.activation_bytes)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Replica:
-    """One data-parallel replica: its device's FLOP/s, calibration factor and share of the batch."""
-
-    name: str
-    effective_flops: float
-    samples: int
-    factor: float = 1.0
-    overhead_s: float = 0.0  # per-step time outside compute and the all-reduce
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Prediction:
-    """Predicted step of a plan; per-device values are keyed by replica name."""
-
-    step_s: float
-    compute_s: dict[str, float]
-    comm_s: float
-    wait_s: dict[str, float]  # idle time in a step: step − all-reduce − own compute − own overhead
-    memory_bytes: dict[str, float]
-    overhead_s: dict[str, float] = field(default_factory=dict)
-
-
-def predict_dp(
-    graph: Graph, replicas: Sequence[Replica], link: Link, *, optimizer_state_factor: float = 2.0
-) -> Prediction:
-    """A synchronous data-parallel step: every replica computes its share, then one ring
-    all-reduce of the gradients (the size of the parameters), then its overhead (see the module
-    comment). No overlap is assumed."""
-    compute = {
-        r.name: compute_s(r.samples, graph.train_flops, r.effective_flops, r.factor) for r in replicas
-    }
-    overhead = {r.name: r.overhead_s for r in replicas}
-    busiest = max((compute[r.name] + r.overhead_s for r in replicas), default=0.0)
-    comm = allreduce_s(graph.param_bytes, len(replicas), link)
-    return Prediction(
-        step_s=busiest + comm,
-        compute_s=compute,
-        comm_s=comm,
-        wait_s={name: busiest - c - overhead[name] for name, c in compute.items()},
-        memory_bytes={r.name: memory_bytes(graph, r.samples, optimizer_state_factor) for r in replicas},
-        overhead_s=overhead,
-    )
+    """The most samples an unsharded data-parallel replica of `graph` fits in `device_memory_bytes`."""
+    return samples_that_fit(device_memory_bytes, static_bytes(graph.param_bytes, optimizer_state_factor),
+                            graph.activation_bytes)
 
 
 def pipeline_step_s(stage_s_per_micro_batch: Sequence[float], micro_batches: int,

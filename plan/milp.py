@@ -32,7 +32,6 @@ when the MILP found none (the previous counts, else the usable devices, with bal
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -41,8 +40,9 @@ import numpy as np
 
 from plan._dp_search import Floats, Ints, candidate_pairs, continuous_makespans, search
 from plan._milp_model import solve_milp
-from plan.cost import Link, allreduce_s, static_bytes
+from plan.cost import Link, allreduce_s, samples_that_fit, static_bytes
 from plan.graph import Graph
+from plan.shares import round_to_total
 
 # "optimal" means proved within this relative gap of the best bound: a tenth of a percent of
 # step time is below what the cost model can predict.
@@ -93,12 +93,7 @@ class DpCosts:
 
     def max_samples(self, memory_bytes: float) -> float | None:
         """Most samples per device in `memory_bytes` (inf if unbounded); None if nothing fits."""
-        free = memory_bytes - self.static_bytes
-        if free < 0:
-            return None
-        if self.activation_bytes_per_sample <= 0 or math.isinf(free):
-            return math.inf
-        return float(math.floor(free / self.activation_bytes_per_sample))
+        return samples_that_fit(memory_bytes, self.static_bytes, self.activation_bytes_per_sample)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -342,25 +337,15 @@ def round_shares(
     counts: Mapping[str, int], speeds: Mapping[str, float], caps: Mapping[str, float],
     per_device: Mapping[str, float], B: int,
 ) -> dict[str, tuple[int, ...]]:
-    """Integer shares summing to B: floors first, then one sample at a time to the device that
-    would finish earliest with it (within its memory cap)."""
-    shares = {c: [math.floor(per_device[c] + 1e-9)] * n for c, n in counts.items()}
-    left = B - sum(sum(s) for s in shares.values())
-    while left < 0:  # floating-point slack rounded a share up: take back from the slowest finisher
-        big = [(c, i) for c, ss in shares.items() for i, s in enumerate(ss) if s > 1]  # keep 1 each
-        c, i = max(big or [(c, i) for c, ss in shares.items() for i, s in enumerate(ss) if s > 0],
-                   key=lambda ci: shares[ci[0]][ci[1]] / speeds[ci[0]])
-        shares[c][i] -= 1
-        left += 1
-    heap = [((s + 1) / speeds[c], c, i) for c, ss in shares.items() for i, s in enumerate(ss) if s + 1 <= caps[c]]
-    heapq.heapify(heap)
-    while left > 0 and heap:
-        _, c, i = heapq.heappop(heap)
-        shares[c][i] += 1
-        left -= 1
-        if shares[c][i] + 1 <= caps[c]:
-            heapq.heappush(heap, ((shares[c][i] + 1) / speeds[c], c, i))
-    assert left == 0, "rounding ran out of room under the memory caps"
+    """Integer shares summing to B (`plan.shares.round_to_total` over every device, classes in
+    name order), each device keeping at least one sample where it can."""
+    order = sorted(c for c, n in counts.items() for _ in range(n))
+    rounded = round_to_total([per_device[c] for c in order], [speeds[c] for c in order], [0.0] * len(order),
+                             [caps[c] for c in order], B, min_share=1)
+    assert rounded is not None, "rounding ran out of room under the memory caps"
+    shares: dict[str, list[int]] = {c: [] for c in counts}
+    for c, s in zip(order, rounded):
+        shares[c].append(s)
     return {c: tuple(sorted(ss, reverse=True)) for c, ss in shares.items()}
 
 

@@ -27,14 +27,15 @@ The `even` policy (benchmarks' baseline) splits the batch evenly over every usab
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from plan.cluster import Cluster, capacity
-from plan.cost import static_bytes
+from plan.cluster import Cluster
+from plan.cost import max_micro_batch, static_bytes
 from plan.graph import Graph
 from plan.milp import ENGINES, DeviceClass, DpCosts, map_to_devices, solve_dp
-from plan.prediction import MemberCost, Plan, assign, predict, split_shares
+from plan.prediction import MemberCost, Plan, predict
+from plan.shares import assign, split_shares
 
 __all__ = ["Alternative", "MemberCost", "Plan", "PlanLimits", "PlanResult", "assign", "make_plan", "predict",
            "score_members", "split_shares"]
@@ -119,45 +120,45 @@ class _Ctx:
         return predict(self.cluster, self.graph, [m for m, _ in kept], [s for _, s in kept])
 
     def score(self, plan: Plan, description: str) -> Alternative:
-        new = [m for m in plan.members if m not in self.holders]
-        moved = len(new) * self.graph.state_bytes if self.holders else 0
-        switch = 0.0
-        if not plan.same_assignment(self.previous):
-            switch = self.cluster.switch_s() + (self.cluster.move_s(self.graph.state_bytes) * len(new)
-                                                if self.holders else 0.0)
-        horizon = self.limits.horizon_steps
+        """Predicted step + the switch to it (forming the group, moving state to devices that do
+        not hold it; nothing moves before any device holds state) spread over the horizon."""
+        moved = sum(m not in self.holders for m in plan.members) * self.graph.state_bytes if self.holders else 0
+        switch = 0.0 if plan.same_assignment(self.previous) else self.cluster.switch_s() + self.cluster.move_s(moved)
         assert plan.predicted_step_s is not None
-        return Alternative(description=description, plan=plan, objective_s=plan.predicted_step_s + switch / horizon,
-                           moved_bytes=moved)
+        return Alternative(description=description, plan=plan, moved_bytes=moved,
+                           objective_s=plan.predicted_step_s + switch / self.limits.horizon_steps)
 
 
-def _context(cluster: Cluster, graph: Graph, previous: Plan | None, limits: PlanLimits) -> _Ctx:
+def _context(cluster: Cluster, graph: Graph, previous: Plan | None, limits: PlanLimits,
+             holders: Collection[str] | None) -> _Ctx:
     speeds = cluster.speeds_for(graph.train_flops)
-    static = static_bytes(graph.param_bytes, graph.optimizer_state_factor)
-    caps = {n: capacity(d.memory_bytes, static, graph.activation_bytes) for n, d in cluster.devices.items()}
-    holders = frozenset(m for m in (previous.members if previous else ()) if m in cluster.devices)
+    caps = {n: max_micro_batch(graph, d.memory_bytes, graph.optimizer_state_factor) for n, d in cluster.devices.items()}
+    held = (previous.members if previous else ()) if holders is None else holders
+    holders = frozenset(m for m in held if m in cluster.devices)
     return _Ctx(cluster, graph, previous, limits, speeds, cluster.fixed_compute(), caps, holders)
 
 
 def score_members(cluster: Cluster, graph: Graph, previous: Plan | None, members: Sequence[str], *,
-                  limits: PlanLimits) -> Alternative | None:
+                  limits: PlanLimits, holders: Collection[str] | None = None) -> Alternative | None:
     """`members` with balanced shares, scored as the planner scores its candidates (predicted step
     plus the amortised switch and migration cost); None if they cannot hold the batch. For checking
     the planner against an enumeration of every subset on small clusters."""
-    ctx = _context(cluster, graph, previous, limits)
+    ctx = _context(cluster, graph, previous, limits, holders)
     plan = ctx.balanced(members)
     if plan is None or len(plan.members) != len(members):
         return None
     return ctx.score(plan, "enumerated")
 
 
-def make_plan(cluster: Cluster, graph: Graph | None, previous: Plan | None, *, limits: PlanLimits) -> PlanResult:
-    """The best plan for `cluster` (see the module comment)."""
+def make_plan(cluster: Cluster, graph: Graph | None, previous: Plan | None, *, limits: PlanLimits,
+              holders: Collection[str] | None = None) -> PlanResult:
+    """The best plan for `cluster` (see the module comment). `holders`: the devices that hold the
+    training state (moving it elsewhere costs); default the previous plan's members."""
     if not cluster.devices:
         return PlanResult(plan=None, status="infeasible", reason="no ready devices")
     if graph is None:
-        return _by_speed(cluster, previous, limits)
-    ctx = _context(cluster, graph, previous, limits)
+        return _by_speed(cluster, previous.members if previous else tuple(holders or ()), limits)
+    ctx = _context(cluster, graph, previous, limits, holders)
     speeds = ctx.speeds
     usable = sorted((n for n in cluster.devices if (ctx.caps[n] or 0) >= 1), key=lambda n: (-speeds[n], n))
     if limits.policy == "even":
@@ -178,13 +179,14 @@ def make_plan(cluster: Cluster, graph: Graph | None, previous: Plan | None, *, l
         return PlanResult(plan=None, status="infeasible", reason=reason)
 
     best, status, reason = min(solved, key=lambda s: s[0].objective_s)
-    alternatives = [a for a, _, _ in solved if a is not best] + _alternatives(ctx, usable)
+    keep = _keep_members(ctx, usable)
+    alternatives = [a for a, _, _ in solved if a is not best] + _alternatives(ctx, usable, keep)
     for alt in alternatives:
-        if alt.objective_s < best.objective_s - 1e-12:  # a plain plan beat the MILP's rounding
+        if alt.objective_s < best.objective_s - 1e-12:  # a plain plan beat the class-level solve
             best, reason = alt, f"{reason}; {alt.description} scored better"
     runner = _runner_up(best, alternatives)
     chosen, why = best, reason
-    current = _current(ctx, alternatives)
+    current = _current(ctx, keep)
     if (current is not None and not best.plan.same_assignment(current.plan)
             and best.objective_s > current.objective_s * (1 - MIN_GAIN)):
         chosen, runner = current, best
@@ -211,7 +213,7 @@ def _scopes(cluster: Cluster, usable: list[str], speeds: Mapping[str, float]) ->
 
 
 def _solve(ctx: _Ctx, scope: list[str]) -> tuple[Alternative, str, str] | str:
-    """The MILP over the classes of `scope`; returns the scored plan, or why nothing fits."""
+    """The class-level solve over `scope`; returns the scored plan, or why nothing fits."""
     if not scope:
         return "no device can hold the model"
     g, cluster = ctx.graph, ctx.cluster
@@ -219,8 +221,7 @@ def _solve(ctx: _Ctx, scope: list[str]) -> tuple[Alternative, str, str] | str:
     classes = [DeviceClass(name=cname, available=len(ms),
                            samples_per_s=sum(ctx.speeds[m] for m in ms) / len(ms),
                            memory_bytes=min(cluster.devices[m].memory_bytes for m in ms)) for cname, ms in groups]
-    costs = DpCosts(allreduce_bytes=g.param_bytes, static_bytes=static_bytes(g.param_bytes, g.optimizer_state_factor),
-                    activation_bytes_per_sample=g.activation_bytes, link=cluster.link(scope))
+    costs = DpCosts.from_graph(g, cluster.link(scope), optimizer_state_factor=g.optimizer_state_factor)
     previous_counts = ({cname: sum(m in ctx.holders for m in ms) for cname, ms in groups}
                        if ctx.holders else None)
     result = solve_dp(classes, costs, ctx.limits.global_batch, time_limit_s=ctx.limits.time_limit_s,
@@ -231,20 +232,25 @@ def _solve(ctx: _Ctx, scope: list[str]) -> tuple[Alternative, str, str] | str:
     if result.status == "infeasible":
         return result.reason
     order = {cname: ms for cname, ms in groups}  # fastest first within a class
-    previous = [m for m in (ctx.previous.members if ctx.previous else ()) if m in ctx.holders]
-    plan = ctx.balanced(map_to_devices(result.counts, order, previous))
+    plan = ctx.balanced(map_to_devices(result.counts, order, ctx.ranked(list(ctx.holders))))
     if plan is None:
         return f"the solver's counts ({result.reason}) do not hold the batch per device"
-    return ctx.score(plan, "the MILP's plan"), result.status, result.reason
+    return ctx.score(plan, "the solver's plan"), result.status, result.reason
 
 
-def _alternatives(ctx: _Ctx, usable: list[str]) -> list[Alternative]:
-    """Plain plans scored with the same cost model."""
+def _keep_members(ctx: _Ctx, usable: list[str]) -> Alternative | None:
+    """The devices that hold the state now (up to max_workers), re-balanced."""
     cap = ctx.limits.max_workers or len(usable)
-    out: list[Alternative] = []
-    kept = [m for m in (ctx.previous.members if ctx.previous else ()) if m in ctx.holders and m in usable][:cap]
-    if kept and (p := ctx.balanced(kept)) is not None:
-        out.append(ctx.score(p, f"keeping the current {len(kept)} members, re-balanced"))
+    kept = ctx.ranked([m for m in ctx.holders if m in usable])[:cap]
+    p = ctx.balanced(kept) if kept else None
+    return ctx.score(p, f"keeping the current {len(kept)} members, re-balanced") if p is not None else None
+
+
+def _alternatives(ctx: _Ctx, usable: list[str], keep: Alternative | None) -> list[Alternative]:
+    """Plain plans scored with the same cost model (`keep` first)."""
+    cap = ctx.limits.max_workers or len(usable)
+    out: list[Alternative] = [keep] if keep is not None else []
+    kept = list(keep.plan.members) if keep is not None else []
     everyone = kept + [n for n in usable if n not in kept]
     if (p := ctx.balanced(everyone[:cap])) is not None:
         out.append(ctx.score(p, f"every usable device ({min(cap, len(everyone))})"))
@@ -255,15 +261,13 @@ def _alternatives(ctx: _Ctx, usable: list[str]) -> list[Alternative]:
     return out
 
 
-def _current(ctx: _Ctx, alternatives: list[Alternative]) -> Alternative | None:
+def _current(ctx: _Ctx, keep: Alternative | None) -> Alternative | None:
     """What "not changing" means now: the current plan as it is when all its members are still
     here, else (after a failure or a leave) its surviving members re-balanced."""
     previous = ctx.previous
-    if previous is None or previous.global_batch != ctx.limits.global_batch:
-        return next((a for a in alternatives if a.description.startswith("keeping the current")), None)
-    if set(previous.members) <= set(ctx.cluster.devices):
+    if previous is not None and set(previous.members) <= set(ctx.cluster.devices):
         return ctx.score(predict(ctx.cluster, ctx.graph, previous.members, previous.shares), "the current plan")
-    return next((a for a in alternatives if a.description.startswith("keeping the current")), None)
+    return keep
 
 
 def _runner_up(best: Alternative, alternatives: list[Alternative]) -> Alternative | None:
@@ -332,10 +336,11 @@ def _even(ctx: _Ctx, usable: list[str]) -> PlanResult:
                       objective_s=plan.predicted_step_s)
 
 
-def _by_speed(cluster: Cluster, previous: Plan | None, limits: PlanLimits) -> PlanResult:
-    """No graph of the model: every device (up to max_workers) in, shares by speed."""
+def _by_speed(cluster: Cluster, before: Sequence[str], limits: PlanLimits) -> PlanResult:
+    """No graph of the model: every device (up to max_workers) in, shares by speed; devices of
+    the previous plan (`before`) keep their ranks."""
     speeds = cluster.speeds()
-    kept = [m for m in (previous.members if previous else ()) if m in speeds][: limits.max_workers]
+    kept = [m for m in before if m in speeds][: limits.max_workers]
     newcomers = sorted((n for n in speeds if n not in kept), key=lambda n: (-speeds[n], n))
     if limits.max_workers is not None:
         newcomers = newcomers[: max(limits.max_workers - len(kept), 0)]

@@ -47,12 +47,13 @@ SECTIONS = ("solve", "quality", "latency", "hetero", "cost", "straggler")
 # --- reading a run ---------------------------------------------------------------------------------
 
 
-def step_events(job: LocalJob) -> list[dict[str, Any]]:
-    return sorted((e for e in job.events() if e["kind"] == "step"), key=lambda e: e["step"])
+def step_events(job: LocalJob, events: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    return sorted((e for e in (job.events() if events is None else events) if e["kind"] == "step"),
+                  key=lambda e: e["step"])
 
 
-def plan_events(job: LocalJob) -> list[dict[str, Any]]:
-    return [e for e in job.events() if e["kind"] == "plan" and e.get("layout")]
+def plan_events(job: LocalJob, events: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    return [e for e in (job.events() if events is None else events) if e["kind"] == "plan" and e.get("layout")]
 
 
 def samples_per_s(steps: list[dict[str, Any]]) -> float | None:
@@ -65,20 +66,14 @@ def samples_per_s(steps: list[dict[str, Any]]) -> float | None:
 
 def wait_settled(job: LocalJob, steady_steps: int, timeout_s: float) -> int:
     """Wait until the latest plan's epoch has run `steady_steps` steps with no newer plan; its epoch."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        plans = plan_events(job)
-        if plans:
-            epoch = plans[-1]["epoch"]
-            if sum(e["epoch"] == epoch for e in step_events(job)) >= steady_steps:
-                return int(epoch)
-        time.sleep(0.05)
-    raise TimeoutError(f"no steady plan within {timeout_s} s: {job.tail('coordinator.out')}")
+    def steady(events: list[dict[str, Any]]) -> int | None:
+        plans = plan_events(job, events)
+        if not plans:
+            return None
+        epoch = int(plans[-1]["epoch"])
+        return epoch if sum(e["kind"] == "step" and e["epoch"] == epoch for e in events) >= steady_steps else None
 
-
-def wait_epoch_steps(job: LocalJob, epoch: int, n: int, timeout_s: float) -> None:
-    job.wait_event(lambda e: e["kind"] == "step" and e["epoch"] == epoch and
-                   sum(s["epoch"] == epoch for s in step_events(job)) >= n, timeout_s, f"{n} steps of epoch {epoch}")
+    return job.wait_until(steady, timeout_s, "a steady plan")
 
 
 def stop(job: LocalJob) -> None:
@@ -137,11 +132,11 @@ def bench_cost(job_ref: str, workdir: Path, *, per_plan: int, min_plans: int) ->
                 job.add_worker(action[1])
             else:
                 job.ctl(*action)
-            def more_plans(_: dict[str, Any], n: int = before) -> bool:
-                return len(plan_events(job)) > n
+            def more_plans(events: list[dict[str, Any]], n: int = before) -> bool | None:
+                return len(plan_events(job, events)) > n or None
 
             try:
-                job.wait_event(more_plans, 60, f"a plan after {action}")
+                job.wait_until(more_plans, 60, f"a plan after {action}")
             except TimeoutError:
                 continue  # the planner kept the current plan
             wait_settled(job, per_plan, 120)
@@ -175,7 +170,7 @@ def bench_straggler(job_ref: str, workdir: Path, *, window: int) -> dict[str, An
         job.ctl("slowdown", "w2", "3")
         slow = job.wait_event(lambda e: e["kind"] == "slowdown", 10, "slowdown event")
         replan = job.wait_event(lambda e: e["kind"] == "plan" and e["reason"] == "straggler", 60, "straggler plan")
-        wait_epoch_steps(job, replan["epoch"], window + 5, 120)
+        job.wait_epoch_steps(replan["epoch"], window + 5, 120)
         straggler = next(e for e in job.events() if e["kind"] == "straggler")
         steps = step_events(job)
         stop(job)

@@ -16,8 +16,9 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+T = TypeVar("T")
 READY = re.compile(r"^ready workers=(\S+) control=(\S+)")
 DIGEST = re.compile(r"digest step (\d+) ([0-9a-f]+)")
 
@@ -133,17 +134,27 @@ class LocalJob:
     def events(self) -> list[dict[str, Any]]:
         return read_jsonl(self.state_dir / "events.jsonl")
 
-    def wait_event(self, match: Callable[[dict[str, Any]], bool], timeout_s: float,
-                   what: str = "event") -> dict[str, Any]:
+    def wait_until(self, found: Callable[[list[dict[str, Any]]], T | None], timeout_s: float, what: str) -> T:
+        """Poll the event log (read once a poll) until `found(events)` is not None; return it."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            for ev in self.events():
-                if match(ev):
-                    return ev
+            result = found(self.events())
+            if result is not None:
+                return result
             if self.coordinator is not None and self.coordinator.poll() is not None:
                 break
             time.sleep(0.02)
         raise TimeoutError(f"no {what} within {timeout_s} s; coordinator: {self.tail('coordinator.out')}")
+
+    def wait_event(self, match: Callable[[dict[str, Any]], bool], timeout_s: float,
+                   what: str = "event") -> dict[str, Any]:
+        """The first event that `match`es."""
+        return self.wait_until(lambda events: next((e for e in events if match(e)), None), timeout_s, what)
+
+    def wait_epoch_steps(self, epoch: int, n: int, timeout_s: float) -> None:
+        """Wait until epoch `epoch` has committed `n` steps."""
+        self.wait_until(lambda events: sum(e["kind"] == "step" and e["epoch"] == epoch for e in events) >= n or None,
+                        timeout_s, f"{n} steps of epoch {epoch}")
 
     def wait_step(self, step: int, timeout_s: float) -> dict[str, Any]:
         return self.wait_event(lambda e: e["kind"] == "step" and e["step"] >= step, timeout_s, f"step {step}")
@@ -159,6 +170,17 @@ class LocalJob:
         if out.returncode != 0:
             raise RuntimeError(f"ctl {' '.join(args)} failed: {out.stderr.strip()}")
         return json.loads(out.stdout)
+
+    def losses(self) -> dict[int, float]:
+        """The loss of every committed step."""
+        return {s: e["loss"] for s, e in self.steps().items()}
+
+    def loss_gap(self, reference: dict[int, float]) -> float:
+        """The largest relative difference between this run's loss and `reference`'s, step by step
+        (inf if a step of the reference is missing here)."""
+        mine = self.losses()
+        return max((abs(mine[s] - ref) / abs(ref) if s in mine else float("inf") for s, ref in reference.items()),
+                   default=0.0)
 
     def digests(self, name: str) -> dict[int, str]:
         """The parameter digests a worker run with `--digest-every` printed, by step."""

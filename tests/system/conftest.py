@@ -19,4 +19,4 @@ def undisturbed(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
         for name in ("w1", "w2", "w3"):
             job.add_worker(name)
         assert job.wait_coordinator(180) == 0, job.tail("coordinator.out")
-        return {s: e["loss"] for s, e in job.steps().items()}
+        return job.losses()

@@ -30,9 +30,8 @@ def share(plan: dict[str, Any], name: str) -> int:
 
 
 def assert_same_curve(job: LocalJob, undisturbed: dict[int, float]) -> None:
-    losses = {s: e["loss"] for s, e in job.steps().items()}
-    assert sorted(losses) == sorted(undisturbed) == list(range(1, NUM_STEPS + 1))
-    worst = max(abs(losses[s] - undisturbed[s]) / abs(undisturbed[s]) for s in undisturbed)
+    assert sorted(job.losses()) == sorted(undisturbed) == list(range(1, NUM_STEPS + 1))
+    worst = job.loss_gap(undisturbed)
     assert worst <= 1e-4, f"largest relative loss difference {worst:.2e}"
 
 
@@ -60,9 +59,7 @@ def test_straggler_is_found_its_share_drops_and_recovers(tmp_path: Path, undistu
         assert w2["speed"] < 0.5 * w1["speed"]
         assert explained["runner_up"] is not None and explained["why"]
         # Recovery: full speed again raises its share (once the new epoch has measured its baseline).
-        epoch_steps = lambda e: e["kind"] == "step" and e["epoch"] == replan["epoch"]  # noqa: E731
-        job.wait_event(lambda e: epoch_steps(e) and sum(map(epoch_steps, job.events())) >= 10, 30,
-                       "the straggler epoch's baseline")
+        job.wait_epoch_steps(replan["epoch"], 10, 30)
         job.ctl("slowdown", "w2", "1")
         recovered = job.wait_event(lambda e: e["kind"] == "recovered", 60, "recovered event")
         assert recovered["worker"] == "w2"

@@ -6,8 +6,9 @@ import math
 
 import pytest
 
-from plan.cost import (Link, Replica, allgather_s, allreduce_s, compute_s, fit_factor, max_micro_batch,
-                       memory_bytes, p2p_s, predict_dp, reduce_scatter_s, relative_error)
+from plan import Cluster, Device, predict
+from plan.cost import (Link, allgather_s, allreduce_s, bubble_fraction, max_micro_batch, memory_bytes, p2p_s,
+                       pipeline_step_s, reduce_scatter_s, relative_error, samples_that_fit)
 from plan.graph import Graph, Layer, Replicate, Shard, TensorSpec
 
 LINK = Link(alpha_s=1e-3, beta_s_per_byte=1e-9)
@@ -30,16 +31,15 @@ def test_collectives_by_hand() -> None:
         assert f(n, 1, LINK) == 0.0
 
 
-def test_compute_and_fitted_factor_recovers_1_5x() -> None:
+def test_compute_factor_is_fitted_from_measured_speed() -> None:
     g = graph()
     assert g.train_flops == pytest.approx(3e9 + 5e9)
-    assert compute_s(10, g.train_flops, 8e10) == pytest.approx(1.0)
-    predicted = [compute_s(s, g.train_flops, 8e10) for s in (4, 8, 16, 32)]
-    measured = [1.5 * p for p in predicted]
-    assert fit_factor(predicted, measured) == pytest.approx(1.5)
-    noisy = [m * (1 + e) for m, e in zip(measured, (0.02, -0.02, 0.01, -0.01))]
-    assert fit_factor(predicted, noisy) == pytest.approx(1.5, rel=0.02)
-    assert fit_factor([], []) == 1.0
+    c = Cluster().with_device(Device(name="a", host="h", kind="cpu", flops=8e10, memory_bytes=1 << 30))
+    assert c.compute_factor(g.train_flops) is None, "nothing measured: no factor"
+    # 8e10 FLOP/s over 8e9 FLOPs a sample is 10 samples/s on paper; it measures 1.5x slower.
+    c = c.with_device(Device(name="a", host="h", kind="cpu", flops=8e10, memory_bytes=1 << 30,
+                             samples_per_s=10 / 1.5))
+    assert c.compute_factor(g.train_flops) == pytest.approx(1.5)
     assert relative_error(1.1, 1.0) == pytest.approx(0.1)
 
 
@@ -51,17 +51,34 @@ def test_memory_sums() -> None:
     assert memory_bytes(g, 8, optimizer_state_factor=0) == params * 2 + 1500 * 8
     assert max_micro_batch(g, params * 4 + 1500 * 10 + 7) == 10
     assert max_micro_batch(g, params * 4 - 1) is None
+    assert samples_that_fit(100, 40, 0) == math.inf and samples_that_fit(100, 40, 7) == 8
 
 
-def test_predict_dp() -> None:
-    g = graph()
-    p = predict_dp(g, [Replica(name="fast", effective_flops=8e10, samples=20),
-                       Replica(name="slow", effective_flops=4e10, samples=5, factor=2.0)], LINK)
-    assert p.compute_s == {"fast": pytest.approx(2.0), "slow": pytest.approx(2.0)}
-    assert p.comm_s == pytest.approx(allreduce_s(5_000_000, 2, LINK))
-    assert p.step_s == pytest.approx(2.0 + p.comm_s)
-    assert p.wait_s["fast"] == pytest.approx(0.0)
-    assert p.memory_bytes["fast"] == 20_000_000 + 1500 * 20
+def test_predicted_data_parallel_step_by_hand() -> None:
+    g = graph()  # 5 MB of parameters, 1500 B of activations per sample
+    c = Cluster()
+    for name, speed, overhead in (("fast", 10.0, 0.1), ("slow", 2.5, 0.0)):
+        c = c.with_device(Device(name=name, host="h", kind="cpu", flops=1e9, memory_bytes=1 << 30,
+                                 samples_per_s=speed, overhead_s=overhead))
+    p = predict(c, g, ["fast", "slow"], [20, 5])
+    comm = allreduce_s(5_000_000, 2, c.link(["fast", "slow"]))
+    costs = {m.name: m for m in p.costs}
+    assert costs["fast"].compute_s == pytest.approx(2.0) and costs["slow"].compute_s == pytest.approx(2.0)
+    assert p.comm_s == pytest.approx(comm)
+    assert p.predicted_step_s == pytest.approx(2.1 + comm)  # max(compute + overhead) + all-reduce
+    assert costs["fast"].wait_s == pytest.approx(0.0) and costs["slow"].wait_s == pytest.approx(0.1)
+    assert costs["fast"].memory_bytes == 20_000_000 + 1500 * 20
+
+
+def test_pipeline_step_and_bubble_by_hand() -> None:
+    # 4 stages, 8 micro-batches, slowest stage 0.1 s a micro-batch: (8 + 3) x 0.1 s.
+    assert pipeline_step_s([0.05, 0.1, 0.08, 0.07], 8) == pytest.approx(1.1)
+    assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    # plus, per micro-batch, each boundary forward and its gradient back: 2 x (1 ms + 1 MB x 1 ns/B)
+    assert pipeline_step_s([0.1, 0.1], 2, [1e6], LINK) == pytest.approx(3 * 0.1 + 2 * 2 * (1e-3 + 1e-3))
+    assert bubble_fraction(1, 8) == 0.0
+    with pytest.raises(ValueError):
+        pipeline_step_s([0.1, 0.1], 2, [1e6, 1e6], LINK)
 
 
 def test_graph_json_round_trip_and_validation() -> None:

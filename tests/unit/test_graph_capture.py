@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -132,11 +131,10 @@ def test_non_sequential_model_uses_children_or_whole(mlp_job: Job) -> None:
     assert odd.param_bytes == 4 * (32 * 5 + 5 + 32 * 4 + 4)
 
 
-def test_capture_is_fast() -> None:
+def test_capture_of_the_10m_model_runs_on_meta() -> None:
+    """The 10M GPT is captured without allocating its parameters (the meta device); how long that
+    takes is for a benchmark, not a test."""
     job = _load("examples/gpt.py:job_10m")
-    capture_graph(job)  # warm-up (imports, dispatcher caches)
-    start = time.perf_counter()
     graph = capture_graph(job)
-    elapsed = time.perf_counter() - start
-    assert elapsed < 1.0, f"capture took {elapsed:.2f} s"
     assert graph.param_bytes == 4 * _num_params(job)
+    assert graph.optimizer_state_bytes is not None and graph.optimizer_state_bytes >= 2 * graph.param_bytes
