@@ -265,7 +265,8 @@ def _current(ctx: _Ctx, keep: Alternative | None) -> Alternative | None:
     """What "not changing" means now: the current plan as it is when all its members are still
     here, else (after a failure or a leave) its surviving members re-balanced."""
     previous = ctx.previous
-    if previous is not None and set(previous.members) <= set(ctx.cluster.devices):
+    if (previous is not None and previous.global_batch == ctx.limits.global_batch
+            and set(previous.members) <= set(ctx.cluster.devices)):
         return ctx.score(predict(ctx.cluster, ctx.graph, previous.members, previous.shares), "the current plan")
     return keep
 

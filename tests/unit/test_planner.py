@@ -232,3 +232,10 @@ def test_bad_limits_are_refused() -> None:
         PlanLimits(global_batch=8, policy="fastest")
     with pytest.raises(ValueError, match="global batch"):
         PlanLimits(global_batch=0)
+
+
+def test_a_previous_plan_of_another_batch_is_never_kept_as_it_is() -> None:
+    c = cluster(device("a", 100.0), device("b", 100.0))
+    previous = Plan(members=("a", "b"), shares=(1, 1))  # e.g. survivors waiting: no real shares
+    result = make_plan(c, GRAPH, previous, limits=PlanLimits(global_batch=64))
+    assert result.plan is not None and sum(result.plan.shares) == 64
