@@ -1,7 +1,8 @@
-"""`coordinator --bind tcp://HOST:PORT --job PATH:NAME`: parse flags, check the job, run the daemon.
+"""`coordinator --bind tcp://HOST:PORT --job PATH:NAME --keys DIR`: parse flags, check the job, run
+the daemon. `coordinator keygen DIR [--worker NAME ...]`: write the cluster's CURVE keys.
 
 Exit status: 0 when the job finished or was stopped (ctl stop, SIGTERM); 2 for a usage error, a job
-that does not load, or an address that cannot be bound.
+that does not load, keys that cannot be used, or an address that cannot be bound.
 """
 
 from __future__ import annotations
@@ -15,14 +16,22 @@ import trio
 
 from coordinator.daemon import CoordinatorConfig, serve
 from coordinator.jobinfo import JobRefused, inspect_job
+from transport.security import KEYS_ENV, KeysError, generate_keys, keys_dir, load_server_keys
 
 EPILOG = """\
 examples:
-  coordinator --bind tcp://0.0.0.0:5555 --job examples/gpt.py:job --min-workers 2
-  coordinator --bind tcp://127.0.0.1:0 --job examples/mlp.py:job --state-dir runs/mlp
+  coordinator keygen keys/                                     # once: the cluster's CURVE keys
+  coordinator --bind tcp://0.0.0.0:5555 --job examples/gpt.py:job --keys keys/ --min-workers 2
+  coordinator --bind tcp://127.0.0.1:0 --job examples/mlp.py:job --insecure   # trusted network only
+
+Security: every socket (workers, control, the rendezvous store) uses ZeroMQ CURVE with the keys in
+--keys DIR (or $ADAPTRAIN_KEYS): only workers holding worker.key_secret and ctl holding
+ctl.key_secret get in; everyone else is refused at the handshake and counted (ctl status). CURVE
+does not cover the torch.distributed data plane between workers: run that on a private network.
+--insecure runs without keys, for trusted networks only.
 
 Once listening it prints one line:
-  ready workers=tcp://HOST:PORT control=tcp://HOST:PORT state_dir=DIR job=REF
+  ready workers=tcp://HOST:PORT control=tcp://HOST:PORT state_dir=DIR job=REF keys=curve|none(insecure)
 Workers join with `worker --join <workers endpoint>`; `python scripts/ctl.py --control <control
 endpoint> status` shows the job. Events go to STATE_DIR/events.jsonl, one JSON object a line.
 SIGTERM or SIGINT: tell the workers to stop, wait for them (up to --stop-grace), exit 0.
@@ -30,7 +39,8 @@ SIGTERM or SIGINT: tell the workers to stop, wait for them (up to --stop-grace),
 
 
 def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
-    p = argparse.ArgumentParser(prog="coordinator", description="Run an adaptrain job's coordinator.",
+    p = argparse.ArgumentParser(prog="coordinator", description="Run an adaptrain job's coordinator "
+                                "(`coordinator keygen --help`: make its keys).",
                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bind", required=True, metavar="tcp://HOST:PORT",
                    help="where workers connect (port 0: pick a free port; the ready line prints it)")
@@ -62,6 +72,14 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
     p.add_argument("--horizon", type=int, default=200, metavar="STEPS",
                    help="steps over which a re-plan's one-off cost (new group, state moved) is amortised "
                         "when deciding whether a new plan pays off (default 200, or the steps left)")
+    p.add_argument("--keys", metavar="DIR",
+                   help=f"CURVE keys written by `coordinator keygen DIR` (default: ${KEYS_ENV})")
+    p.add_argument("--insecure", action="store_true",
+                   help="run without keys: anyone who can reach the ports can join, read events or stop the "
+                        "job. Only for a trusted network (or loopback)")
+    p.add_argument("--max-joining", type=int, default=64, metavar="N",
+                   help="at most N workers joined but not yet ready at once; more Joins are told to retry "
+                        "(default 64)")
     p.add_argument("--quiet", action="store_true", help="print only the ready line and errors")
     a = p.parse_args(argv)
     for flag, endpoint in (("--bind", a.bind), ("--control", a.control)):
@@ -75,6 +93,20 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
         p.error("--solve-time-limit must be positive")
     if a.horizon < 1:
         p.error("--horizon must be at least 1")
+    if a.max_joining < 1:
+        p.error("--max-joining must be at least 1")
+    directory = keys_dir(a.keys)
+    if a.insecure and a.keys is not None:
+        p.error("--insecure and --keys contradict each other: choose one")
+    keys = None
+    if not a.insecure:
+        if directory is None:
+            p.error(f"no keys: give --keys DIR (make them once with `coordinator keygen DIR`) or set ${KEYS_ENV}; "
+                    "on a trusted network, --insecure runs without them")
+        try:
+            keys = load_server_keys(directory)
+        except KeysError as e:
+            p.error(str(e))
     if a.lease <= 0 or a.heartbeat <= 0 or a.heartbeat >= a.lease:
         p.error("--heartbeat and --lease must be positive, with --heartbeat below --lease")
     control = a.control
@@ -82,7 +114,8 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
         host = a.bind.rsplit(":", 1)[0] if a.bind.startswith("tcp://") else "tcp://127.0.0.1"
         control = f"{host}:0"
     state_dir = a.state_dir or Path(tempfile.mkdtemp(prefix="adaptrain-"))
-    cfg = CoordinatorConfig(bind=a.bind, control=control, state_dir=state_dir, min_workers=a.min_workers,
+    cfg = CoordinatorConfig(bind=a.bind, control=control, state_dir=state_dir, keys=keys,
+                            max_joining=a.max_joining, min_workers=a.min_workers,
                             max_workers=a.max_workers, lease_s=a.lease, heartbeat_s=a.heartbeat,
                             stop_grace_s=a.stop_grace, quiet=a.quiet, planner=a.planner,
                             solve_time_limit_s=a.solve_time_limit, horizon_steps=a.horizon,
@@ -90,8 +123,43 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
     return cfg, a.job
 
 
+KEYGEN_EPILOG = """\
+writes (existing key files are kept, so it is safe to run again to add --worker keys):
+  DIR/server.key, DIR/server.key_secret    the coordinator's pair (the secret stays on the coordinator)
+  DIR/worker.key, DIR/worker.key_secret    the key every worker uses
+  DIR/ctl.key, DIR/ctl.key_secret          the key of the control tool
+  DIR/workers/NAME.key(_secret)            with --worker NAME: a key that can only join as NAME
+
+to hand keys to a spot instance, give it a directory with server.key and worker.key_secret only
+(or server.key and workers/NAME.key_secret), e.g. from your secrets manager at boot, and start
+`worker --keys THAT_DIR`; ctl needs server.key and ctl.key_secret.
+"""
+
+
+def keygen(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="coordinator keygen", description="Write the cluster's CURVE keys.",
+                                epilog=KEYGEN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("dir", type=Path, metavar="DIR")
+    p.add_argument("--worker", action="append", default=[], metavar="NAME",
+                   help="also write a per-worker key that may only join as NAME (repeatable)")
+    a = p.parse_args(argv)
+    try:
+        written = generate_keys(a.dir, workers=a.worker)
+    except (KeysError, OSError) as e:
+        print(f"coordinator keygen: {e}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(f"wrote {path}")
+    if not written:
+        print(f"all keys already exist in {a.dir}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    cfg, job_ref = parse_args(argv)
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["keygen"]:
+        return keygen(args[1:])
+    cfg, job_ref = parse_args(args)
     try:
         job = inspect_job(job_ref)
     except JobRefused as e:

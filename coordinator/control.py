@@ -1,42 +1,66 @@
-"""Answers to ctl's control commands, computed from the core's state.
+"""Answers to ctl's control commands: a pure function of what the coordinator knows and a command.
 
-`status`, `plan` (`plan explain`: coordinator/explain.py), `graph` and `events` only read; `drain`,
-`slowdown` and `stop` feed membership events. Every reply is
-plain JSON-able data (ctl prints it for people, or as JSON with --json). An unknown command or an
-unknown worker gets ``ok: false`` with an error that says what would work.
+``answer_control(view, request, now=...) -> (reply, events)``: `view` is a read-only snapshot of
+the coordinator (membership state, the job, the event log so far, the refusal counters); the
+membership events in the result are what the daemon applies next (`drain`, `slowdown` and `stop`
+produce them; `status`, `plan` (`plan explain`: coordinator/explain.py), `graph` and `events` only
+read). No sockets and no clock here: the daemon owns both. Every reply is plain JSON-able data
+(ctl prints it for people, or as JSON with --json). An unknown command or an unknown worker gets
+``ok: false`` with an error that says what would work.
 """
 
 from __future__ import annotations
 
 import math
-import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from coordinator import membership as m
 from coordinator.explain import explain
+from plan import Graph
 from transport import CONTROL_COMMANDS, ControlReply, ControlRequest
 
-if TYPE_CHECKING:
-    from coordinator.daemon import Core
+EVENTS_PAGE = 1000  # at most this many events per `events` reply
 
 
-def answer_control(core: Core, req: ControlRequest) -> ControlReply:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ControlView:
+    """What a control command may read: the coordinator's state at the moment it is answered."""
+
+    state: m.State
+    job_ref: str
+    num_steps: int
+    global_batch: int
+    uptime_s: float
+    events: Sequence[dict[str, Any]] = ()  # the event log so far, oldest first
+    refused: dict[str, int] = field(default_factory=dict)  # refusal counts by reason (coordinator.guard)
+    secure: bool = True  # CURVE keys on (False: --insecure)
+
+
+Answer = tuple[dict[str, Any], list[m.Event]]
+
+
+def answer_control(view: ControlView, req: ControlRequest, *, now: float) -> tuple[ControlReply, list[m.Event]]:
+    """The reply to `req`, and the membership events to apply (nothing is applied here)."""
+    handler = _HANDLERS.get(req.command)
+    if handler is None:
+        return _error(f"unknown command {req.command!r}; commands: {', '.join(CONTROL_COMMANDS)}"), []
     try:
-        handler = _HANDLERS[req.command]
-    except KeyError:
-        return _error(f"unknown command {req.command!r}; commands: {', '.join(CONTROL_COMMANDS)}")
-    try:
-        return ControlReply(ok=True, data=handler(core, req.args), error="")
+        data, events = handler(view, req.args, now)
     except ValueError as e:
-        return _error(str(e))
+        return _error(str(e)), []
+    return ControlReply(ok=True, data=data, error=""), events
 
 
 def _error(text: str) -> ControlReply:
     return ControlReply(ok=False, data={}, error=text)
 
 
-def _status(core: Core, args: list[str]) -> dict[str, Any]:
-    s, now = core.state, time.monotonic()
+def _status(view: ControlView, args: list[str], now: float) -> Answer:
+    if args:
+        raise ValueError(f"status takes no argument, got {args}")
+    s = view.state
     plan = s.plan
     members = list(plan.members) if plan else []
     workers = []
@@ -51,15 +75,16 @@ def _status(core: Core, args: list[str]) -> dict[str, Any]:
             "epoch": w.epoch, "step": w.step, "last_seen_s": round(now - w.last_seen, 3),
             "speed": round(speeds.get(w.name, 0.0), 3),
         })
-    return {"job": core.job.ref, "epoch": s.epoch, "step": s.last_step, "num_steps": core.job.num_steps,
-            "global_batch": core.job.global_batch, "pending": s.pending, "finished": s.finished,
-            "stopping": s.stopping, "uptime_s": round(time.time() - core.started, 1), "workers": workers}
+    return {"job": view.job_ref, "epoch": s.epoch, "step": s.last_step, "num_steps": view.num_steps,
+            "global_batch": view.global_batch, "pending": s.pending, "finished": s.finished,
+            "stopping": s.stopping, "uptime_s": round(view.uptime_s, 1), "workers": workers,
+            "secure": view.secure, "refused": dict(view.refused), "refused_total": sum(view.refused.values())}, []
 
 
-def _plan(core: Core, args: list[str]) -> dict[str, Any]:
+def _plan(view: ControlView, args: list[str], now: float) -> Answer:
     if args not in ([], ["explain"]):
         raise ValueError(f"plan takes no argument or 'explain', got {args}")
-    s = core.state
+    s = view.state
     if s.plan is None:
         out: dict[str, Any] = {"epoch": s.epoch, "plan": None,
                                "status": s.result.status if s.result else None,
@@ -71,60 +96,63 @@ def _plan(core: Core, args: list[str]) -> dict[str, Any]:
                "acknowledged": sorted(s.acked), "status": s.result.status if s.result else None}
     if args == ["explain"]:
         out["explain"] = explain(s)
-    return out
+    return out, []
 
 
-def _graph(core: Core, args: list[str]) -> dict[str, Any]:
-    g = core.graph
+def _graph(view: ControlView, args: list[str], now: float) -> Answer:
+    if args:
+        raise ValueError(f"graph takes no argument, got {args}")
+    g: Graph | None = view.state.graph
     if g is None:
         raise ValueError("no graph yet: the first worker to join captures the model and uploads it")
     layers = [{**layer.to_dict(), "flops": layer.train_flops} for layer in g.layers]
     return {"layers": layers, "param_bytes": g.param_bytes, "flops": g.train_flops,
-            "activation_bytes": g.activation_bytes, "per": "sample (flops, activation and boundary bytes)"}
+            "activation_bytes": g.activation_bytes, "per": "sample (flops, activation and boundary bytes)"}, []
 
 
-def _events(core: Core, args: list[str]) -> dict[str, Any]:
+def _events(view: ControlView, args: list[str], now: float) -> Answer:
+    if len(args) > 1:
+        raise ValueError(f"events takes at most one event index, got {args}")
     try:
-        after = int(args[0]) if args else 0
+        after = max(int(args[0]), 0) if args else 0
     except ValueError:
-        raise ValueError(f"events takes an event index, got {args[0]!r}") from None
-    events = core.log.since(max(after, 0))
-    return {"events": events, "next": max(after, 0) + len(events)}
+        raise ValueError(f"events takes an event index, got {args[0][:40]!r}") from None
+    events = list(view.events[after:after + EVENTS_PAGE])
+    return {"events": events, "next": after + len(events)}, []
 
 
-def _known_worker(core: Core, name: str) -> str:
-    if name not in core.state.workers:
-        known = ", ".join(sorted(core.state.workers)) or "none"
-        raise ValueError(f"unknown worker {name!r} (workers: {known})")
+def _known_worker(view: ControlView, name: str) -> str:
+    if name not in view.state.workers:
+        known = ", ".join(sorted(view.state.workers)) or "none"
+        raise ValueError(f"unknown worker {name[:80]!r} (workers: {known})")
     return name
 
 
-def _drain(core: Core, args: list[str]) -> dict[str, Any]:
+def _drain(view: ControlView, args: list[str], now: float) -> Answer:
     if len(args) != 1:
         raise ValueError("drain takes one worker NAME")
-    name = _known_worker(core, args[0])
-    core.apply(m.DrainRequested(name))
-    return {"draining": name}
+    name = _known_worker(view, args[0])
+    return {"draining": name}, [m.DrainRequested(name)]
 
 
-def _slowdown(core: Core, args: list[str]) -> dict[str, Any]:
+def _slowdown(view: ControlView, args: list[str], now: float) -> Answer:
     if len(args) != 2:
         raise ValueError("slowdown takes a worker NAME and a FACTOR (1 = full speed, 3 = three times slower)")
-    name, text = _known_worker(core, args[0]), args[1]
+    name, text = _known_worker(view, args[0]), args[1]
     try:
         factor = float(text)
     except ValueError:
-        raise ValueError(f"FACTOR must be a number, got {text!r}") from None
+        raise ValueError(f"FACTOR must be a number, got {text[:40]!r}") from None
     if not math.isfinite(factor) or not 1.0 <= factor <= 1000.0:
-        raise ValueError(f"FACTOR must be between 1 (full speed) and 1000, got {text}")
-    core.apply(m.SlowdownRequested(name, factor))
-    return {"worker": name, "factor": factor}
+        raise ValueError(f"FACTOR must be between 1 (full speed) and 1000, got {text[:40]}")
+    return {"worker": name, "factor": factor}, [m.SlowdownRequested(name, factor)]
 
 
-def _stop(core: Core, args: list[str]) -> dict[str, Any]:
-    core.apply(m.StopRequested("stopped by ctl"))
-    return {"stopping": True, "workers": sorted(core.state.workers)}
+def _stop(view: ControlView, args: list[str], now: float) -> Answer:
+    if args:
+        raise ValueError(f"stop takes no argument, got {args}")
+    return {"stopping": True, "workers": sorted(view.state.workers)}, [m.StopRequested("stopped by ctl")]
 
 
-_HANDLERS = {"status": _status, "plan": _plan, "graph": _graph, "events": _events, "drain": _drain,
+_HANDLERS: dict[str, Callable[[ControlView, list[str], float], Answer]] = {"status": _status, "plan": _plan, "graph": _graph, "events": _events, "drain": _drain,
              "slowdown": _slowdown, "stop": _stop}

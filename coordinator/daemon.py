@@ -3,14 +3,23 @@
 Tasks and who owns what:
 
 * `_pump_workers` waits on the workers ROUTER (the only task that does), decodes frames and
-  forwards them; an undecodable frame is answered with `Error` right there and never reaches state.
-* `_pump_monitor` turns the socket monitor's disconnects into `Lost` events (milliseconds after a
-  worker process dies: the kernel closes its sockets).
+  forwards them; a frame that cannot be handled (wrong frame count, undecodable, another protocol
+  version, a kind or key role this socket does not take) is refused right there: counted, logged at
+  a bounded rate, answered with `Error`, and it never reaches state. At most FRAMES_IN_FLIGHT
+  frames wait for the core, so a flood backs up into zmq's per-peer queues, not into memory.
+* `_pump_monitor` follows each socket's connections (coordinator.guard.ConnectionLedger: refused
+  handshakes are counted) and turns a worker connection's disconnect into a `Lost` event
+  (milliseconds after a worker process dies: the kernel closes its sockets).
 * `_pump_control` does the same for ctl's requests.
 * `_ticker` sends a `Tick` every `tick_s` (lease expiry, store deadlines).
-* `_run_core` is the one task that owns the state: it applies events with
+* the main loop of `serve` is the one task that owns the state: it applies events with
   `membership.apply`, runs the rendezvous store, and executes effects (sends are synchronous and never
   wait; see transport.trio_zmq).
+
+Names are bound to connections: a worker's Join binds its NAME to the ROUTER routing id of the
+connection it came on (zmq assigns it; a peer cannot choose a bound one), and every later message
+under that name must come on that connection (coordinator.guard.check_agent_message). The binding
+ends when membership forgets the worker. With per-worker keys, the key's name must match too.
 
 The coordinator is not on the training step's critical path: workers all-reduce among themselves
 and only report steps here.
@@ -29,13 +38,20 @@ import trio
 import zmq
 
 from coordinator import membership as m
-from coordinator.control import answer_control
+from coordinator.control import ControlView, answer_control
 from coordinator.events import EventLog
+from coordinator.guard import LEDGER_EVENTS, ConnectionLedger, Refusals, check_agent_message
 from coordinator.jobinfo import JobInfo
 from coordinator.store import RendezvousStore
 from plan.graph import Graph
 from transport import (
     ERR_BAD_REQUEST,
+    ERR_BUSY,
+    ERR_DECODE,
+    ERR_NAME_TAKEN,
+    ERR_PROTOCOL,
+    ERR_STALE_EPOCH,
+    MAX_FRAME_BYTES,
     Ack,
     CodecError,
     ControlReply,
@@ -54,8 +70,21 @@ from transport import (
     decode,
     encode,
 )
+from transport.security import (
+    DOMAIN_CONTROL,
+    DOMAIN_WORKERS,
+    Gatekeeper,
+    ServerKeys,
+    harden_server,
+    may_control,
+    may_work,
+)
 
 AGENT_MESSAGES = (Join, Ready, GraphUpload, Heartbeat, StepReport, Ack, Leave)
+FRAMES_IN_FLIGHT = 1024  # decoded frames waiting for the core, at most
+MAX_CONTROL_BYTES = 64 * 1024  # a control request is a command and a few words
+_ERROR_CODES = {"name": ERR_NAME_TAKEN, "stale": ERR_STALE_EPOCH, "busy": ERR_BUSY, "version": ERR_PROTOCOL,
+                "decode": ERR_DECODE, "frames": ERR_DECODE}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -63,8 +92,10 @@ class CoordinatorConfig:
     bind: str
     control: str
     state_dir: Path
+    keys: ServerKeys | None  # None: --insecure (no CURVE; every peer may connect)
     min_workers: int = 1
     max_workers: int | None = None
+    max_joining: int = 64  # workers joined but not ready yet; more Joins are told to retry
     lease_s: float = 1.5
     heartbeat_s: float = 0.25
     tick_s: float = 0.05
@@ -88,6 +119,7 @@ class _FromWorker:
     identity: bytes
     msg: Message
     fd: int
+    user_id: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,20 +154,31 @@ class Core:
                                solver=cfg.solver)
         self.state = m.State()
         self.store = RendezvousStore()
+        self.refusals = Refusals()
+        self.bindings: dict[str, bytes] = {}  # live worker name -> routing id of its connection
         self.fd_owner: dict[int, str] = {}  # connection fd -> worker name (agent sockets only)
         self.worker_fd: dict[str, int] = {}
         self.done = trio.Event()
         self.finish_reason = ""
-        self.started = time.time()
+        self.started = time.monotonic()
 
     # --- inbox -------------------------------------------------------------------------------
 
     def handle(self, item: Inbox) -> None:
         match item:
-            case _FromWorker(identity, msg, fd):
-                self._from_worker(identity, msg, fd)
+            case _FromWorker(identity, msg, fd, user_id):
+                self._from_worker(identity, msg, fd, user_id)
             case _FromControl(identity, request):
-                self.control.send([identity, encode(answer_control(self, request))])
+                view = ControlView(state=self.state, job_ref=self.job.ref, num_steps=self.job.num_steps,
+                                   global_batch=self.job.global_batch, uptime_s=time.monotonic() - self.started,
+                                   events=self.log.events, refused=self.refusals.snapshot(),
+                                   secure=self.cfg.keys is not None)
+                reply, events = answer_control(view, request, now=time.monotonic())
+                if not reply.ok:
+                    self.refuse("request", f"control {request.command[:40]!r}: {reply.error}")
+                self.control.send([identity, encode(reply)])
+                for event in events:
+                    self.apply(event)
             case _Disconnected(fd):
                 name = self.fd_owner.pop(fd, None)
                 if name is not None and self.worker_fd.get(name) == fd:
@@ -146,21 +189,31 @@ class Core:
                 if isinstance(event, m.Tick):
                     for client, late in self.store.expire(now=time.monotonic()):
                         self.workers.send([client, encode(late)])
+                    for line in self.refusals.flush(now=time.monotonic()):
+                        self.say(line, err=True)
 
-    def _from_worker(self, identity: bytes, msg: Message, fd: int) -> None:
+    def _from_worker(self, identity: bytes, msg: Message, fd: int, user_id: str) -> None:
         if isinstance(msg, StoreRequest):
             self._store(identity, msg)
             return
         if not isinstance(msg, AGENT_MESSAGES):
-            self._refuse(identity, f"workers do not send {type(msg).__name__}")
+            self.refuse("role", f"workers do not send {type(msg).__name__}", reply_to=(self.workers, identity))
             return
-        if msg.name.encode() != identity:
-            self._refuse(identity, f"message names {msg.name!r} but came from socket id {identity!r}")
+        refused = check_agent_message(self.state, self.bindings, identity, user_id, msg,
+                                      max_joining=self.cfg.max_joining)
+        if refused is not None:
+            text = refused.text
+            if refused.reason == "stale":
+                text = f"{msg.name!r} is not a member of the current epoch; join again"
+            elif refused.reason == "busy":
+                text = f"{refused.text}: try again shortly"
+            self.refuse(refused.reason, refused.text, reply_to=(self.workers, identity), reply_text=text)
             return
         self.fd_owner[fd] = msg.name
         self.worker_fd[msg.name] = fd
         match msg:
             case Join():
+                self.bindings[msg.name] = identity
                 self.apply(m.Joined(msg))
             case Ready(name=name):
                 self.apply(m.MadeReady(name))
@@ -184,8 +237,8 @@ class Core:
             return  # the first upload wins: every worker runs the same job
         try:
             g = Graph.from_dict(data)
-        except ValueError as e:
-            self._refuse(identity, f"bad graph from {name}: {e}")
+        except (ValueError, TypeError, KeyError) as e:
+            self.refuse("decode", f"bad graph from {name}: {e!r}"[:300], reply_to=(self.workers, identity))
             return
         self.apply(m.GraphReceived(g))
         self.say(f"graph from {name}: {len(g.layers)} layers, {g.param_bytes / 1e6:.1f} MB of parameters, "
@@ -193,18 +246,24 @@ class Core:
 
     def _store(self, identity: bytes, req: StoreRequest) -> None:
         try:
-            reply = self.store.handle(identity, req, now=time.monotonic())
+            reply = self.store.handle(identity, req, now=time.monotonic(), epoch=self.state.epoch)
         except ValueError as e:
-            self._refuse(identity, str(e))
+            self.refuse("store", str(e), reply_to=(self.workers, identity))
             return
         if reply is not None:
             self.workers.send([identity, encode(reply)])
         for client, answer in self.store.poke():
             self.workers.send([client, encode(answer)])
 
-    def _refuse(self, identity: bytes, text: str) -> None:
-        self.say(f"refused a frame from {identity!r}: {text}", err=True)
-        self.workers.send([identity, encode(Error(code=ERR_BAD_REQUEST, message=text))])
+    def refuse(self, reason: str, text: str, *, reply_to: tuple[TrioSocket, bytes] | None = None,
+               reply_text: str | None = None) -> None:
+        """Count and (at a bounded rate) log one refused input; answer the peer where it can be told."""
+        for line in self.refusals.refuse(reason, text, now=time.monotonic()):
+            self.say(line, err=True)
+        if reply_to is not None:
+            sock, identity = reply_to
+            code = _ERROR_CODES.get(reason, ERR_BAD_REQUEST)
+            sock.send([identity, encode(Error(code=code, message=(reply_text or text)[:1000]))])
 
     # --- effects -----------------------------------------------------------------------------
 
@@ -217,18 +276,24 @@ class Core:
         self.state = state
         for effect in effects:
             self._execute(effect, elapsed)
+        for name in [n for n in self.bindings if n not in self.state.workers]:
+            del self.bindings[name]  # forgotten by membership: the name is free again
+
+    def _send(self, to: str, msg: Message) -> bool:
+        identity = self.bindings.get(to)
+        return identity is not None and self.workers.send([identity, encode(msg)])
 
     def _execute(self, effect: m.Effect, elapsed_s: float) -> None:
         match effect:
             case m.Send(to, msg):
-                if not self.workers.send([to.encode(), encode(msg)]):
+                if not self._send(to, msg):
                     self.say(f"could not deliver {type(msg).__name__} to {to} (not connected)", err=True)
             case m.Welcome(to):
                 job = self.job
-                self.workers.send([to.encode(), encode(Welcome(
+                self._send(to, Welcome(
                     name=to, run_id=self.run_id, job_ref=job.ref, job_name=job.name, job_source=job.source,
                     job_sha256=job.sha256, heartbeat_s=self.cfg.heartbeat_s, lease_s=self.cfg.lease_s,
-                    want_graph=self.graph is None))])
+                    want_graph=self.graph is None))
             case m.Log(kind, fields):
                 self.log.write(kind, **fields)
                 self._echo(kind, fields)
@@ -277,43 +342,65 @@ class Core:
 # --- tasks ---------------------------------------------------------------------------------------
 
 
-async def _pump_workers(sock: TrioSocket, inbox: trio.MemorySendChannel[Inbox], core: Core) -> None:
+async def _pump_workers(sock: TrioSocket, inbox: trio.MemorySendChannel[Inbox], core: Core,
+                        in_flight: trio.Semaphore) -> None:
     while True:
-        frames, fd = await sock.receive_with_fd()
-        if len(frames) != 2:
-            continue  # not a DEALER frame; nothing to answer to
-        identity, frame = frames
-        try:
-            msg = decode(frame)
-        except CodecError as e:
-            core.say(f"bad frame from {identity!r}: {e}", err=True)
-            sock.send([identity, encode(Error(code=e.code, message=str(e)))])
+        received = await sock.receive_from()
+        identity = received.frames[0]
+        reply_to = (sock, identity)
+        if len(received.frames) != 2 or received.dropped:
+            n = len(received.frames) + received.dropped
+            core.refuse("frames", f"a message of {n} frames (one is expected after the routing id)", reply_to=reply_to)
             continue
-        await inbox.send(_FromWorker(identity, msg, fd))
+        if not may_work(received.user_id):
+            core.refuse("role", f"a {received.user_id!r} key on the workers socket")
+            continue
+        try:
+            msg = decode(received.frames[1])
+        except CodecError as e:
+            core.refuse("version" if e.code == ERR_PROTOCOL else "decode", str(e), reply_to=reply_to)
+            continue
+        await in_flight.acquire()  # released by the core once handled
+        await inbox.send(_FromWorker(identity, msg, received.fd, received.user_id))
 
 
-async def _pump_control(sock: TrioSocket, inbox: trio.MemorySendChannel[Inbox], core: Core) -> None:
+async def _pump_control(sock: TrioSocket, inbox: trio.MemorySendChannel[Inbox], core: Core,
+                        in_flight: trio.Semaphore) -> None:
     while True:
-        frames = await sock.receive()
-        if len(frames) != 2:
+        received = await sock.receive_from()
+        identity = received.frames[0]
+        reply_to = (sock, identity)
+        if len(received.frames) != 2 or received.dropped:
+            n = len(received.frames) + received.dropped
+            core.refuse("frames", f"a control message of {n} frames", reply_to=reply_to)
             continue
-        identity, frame = frames
+        if not may_control(received.user_id):
+            core.refuse("role", f"a {received.user_id!r} key on the control socket")
+            continue
         try:
-            msg = decode(frame)
+            msg = decode(received.frames[1], max_bytes=MAX_CONTROL_BYTES)
         except CodecError as e:
-            sock.send([identity, encode(Error(code=e.code, message=str(e)))])
+            core.refuse("version" if e.code == ERR_PROTOCOL else "decode", f"control: {e}", reply_to=reply_to)
             continue
         if not isinstance(msg, ControlRequest):
+            core.refuse("role", f"control socket got {type(msg).__name__}")
             sock.send([identity, encode(ControlReply(ok=False, data={},
                                                      error=f"expected ControlRequest, got {type(msg).__name__}"))])
             continue
+        await in_flight.acquire()
         await inbox.send(_FromControl(identity, msg))
 
 
-async def _pump_monitor(sock: TrioSocket, inbox: trio.MemorySendChannel[Inbox]) -> None:
-    with sock.monitor(zmq.EVENT_DISCONNECTED) as monitor:
+async def _pump_monitor(sock: TrioSocket, inbox: trio.MemorySendChannel[Inbox], core: Core, *,
+                        workers: bool) -> None:
+    ledger = ConnectionLedger()
+    with sock.monitor(LEDGER_EVENTS) as monitor:
         async for event in monitor:
-            await inbox.send(_Disconnected(event.value))
+            refused = ledger.observe(event.event, event.value)
+            if refused is not None:
+                core.refuse(*refused)
+            if workers and event.event == zmq.EVENT_DISCONNECTED:
+                await inbox.send(_Disconnected(event.value))
 
 
 async def _ticker(inbox: trio.MemorySendChannel[Inbox], tick_s: float) -> None:
@@ -348,28 +435,41 @@ async def serve(cfg: CoordinatorConfig, job: JobInfo, *,
                 task_status: trio.TaskStatus[Endpoints] = trio.TASK_STATUS_IGNORED) -> str:
     """Run the coordinator until the job is over; returns why it ended."""
     log = EventLog(cfg.state_dir / "events.jsonl")
+    gatekeeper = Gatekeeper(zmq.Context.instance(), cfg.keys)
+    gatekeeper.start()
     workers = TrioSocket.create(zmq.ROUTER)
     workers.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    workers.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    harden_server(workers.socket, max_bytes=MAX_FRAME_BYTES + 4096, domain=DOMAIN_WORKERS, keys=cfg.keys)
     control = TrioSocket.create(zmq.ROUTER)
+    harden_server(control.socket, max_bytes=MAX_CONTROL_BYTES, domain=DOMAIN_CONTROL, keys=cfg.keys)
     try:
         endpoints = Endpoints(workers=_bind(workers, cfg.bind), control=_bind(control, cfg.control))
         core = Core(cfg, job, workers, control, log, run_id=f"{int(time.time())}")
-        send, receive = trio.open_memory_channel[Inbox](math.inf)
+        send, receive = trio.open_memory_channel[Inbox](math.inf)  # frames are bounded by `in_flight`
+        in_flight = trio.Semaphore(FRAMES_IN_FLIGHT)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_pump_workers, workers, send, core)
-            nursery.start_soon(_pump_control, control, send, core)
-            nursery.start_soon(_pump_monitor, workers, send)
+            nursery.start_soon(_pump_workers, workers, send, core, in_flight)
+            nursery.start_soon(_pump_control, control, send, core, in_flight)
+            nursery.start_soon(lambda: _pump_monitor(workers, send, core, workers=True))
+            nursery.start_soon(lambda: _pump_monitor(control, send, core, workers=False))
             nursery.start_soon(_ticker, send, cfg.tick_s)
             nursery.start_soon(_signals, send, core, cfg.stop_grace_s)
             task_status.started(endpoints)
+            security = "keys=curve" if cfg.keys is not None else "keys=none(insecure)"
             print(f"ready workers={endpoints.workers} control={endpoints.control} "
-                  f"state_dir={cfg.state_dir} job={job.ref}", flush=True)
+                  f"state_dir={cfg.state_dir} job={job.ref} {security}", flush=True)
+            if cfg.keys is None:
+                core.say("WARNING: --insecure: no CURVE keys; anyone who can reach these ports can join, "
+                         "read events and stop the job. Use only on a trusted network.", err=True)
             async with receive:
                 while not core.done.is_set():
                     with trio.move_on_after(cfg.tick_s):
                         item = await receive.receive()
-                        core.handle(item)
+                        try:
+                            core.handle(item)
+                        finally:
+                            if isinstance(item, (_FromWorker, _FromControl)):
+                                in_flight.release()
                 nursery.cancel_scope.cancel()  # before the inbox closes under the pumps
         core.say(f"done: {core.finish_reason} (last step {core.state.last_step}/{job.num_steps})")
         return core.finish_reason
@@ -378,5 +478,4 @@ async def serve(cfg: CoordinatorConfig, job: JobInfo, *,
         with trio.CancelScope(shield=True):
             workers.close(linger_s=0.5)
             control.close(linger_s=0.5)
-
-
+            gatekeeper.stop()

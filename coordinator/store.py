@@ -7,6 +7,12 @@ that a write made answerable; `expire` fails parked requests past their deadline
 
 Keys are namespaced by torch's PrefixStore as "epoch{E}/..."; `forget_epochs_before` drops the keys
 of old epochs so the store does not grow with every re-plan.
+
+Limits, because any worker-keyed peer can reach it (a refused request raises `ValueError` and
+changes nothing): keys must lie in the namespace of an epoch that exists (`epoch{E}/` with E at most
+the latest), at most MAX_KEYS keys of MAX_KEY_CHARS characters, values of at most MAX_VALUE_BYTES,
+MAX_DATA_BYTES in all; waits last at most MAX_WAIT_S, and each client parks at most
+MAX_PARKED_PER_CLIENT requests (MAX_PARKED in all).
 """
 
 from __future__ import annotations
@@ -14,9 +20,16 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from transport import StoreReply, StoreRequest
+from transport import STORE_OPS, StoreReply, StoreRequest
 
 _EPOCH_KEY = re.compile(r"^epoch(\d+)/")
+MAX_KEYS = 100_000
+MAX_KEY_CHARS = 512
+MAX_VALUE_BYTES = 1 << 20
+MAX_DATA_BYTES = 64 << 20
+MAX_WAIT_S = 600.0
+MAX_PARKED_PER_CLIENT = 64
+MAX_PARKED = 4096
 
 
 @dataclass(slots=True)
@@ -30,30 +43,37 @@ class _Parked:
 class RendezvousStore:
     data: dict[str, bytes] = field(default_factory=dict)
     parked: list[_Parked] = field(default_factory=list)
+    data_bytes: int = 0
 
-    def handle(self, client: bytes, req: StoreRequest, *, now: float) -> StoreReply | None:
-        """Apply `req`; the reply, or None when it is parked until its keys exist."""
+    def handle(self, client: bytes, req: StoreRequest, *, now: float, epoch: int) -> StoreReply | None:
+        """Apply `req` (from a client while `epoch` is the latest); the reply, or None when it is
+        parked until its keys exist. ValueError for a request outside the limits."""
         op, keys = req.op, req.keys
+        self._check(client, req, epoch)
         if op in ("get", "wait"):
             if all(k in self.data for k in keys):
                 return self._answer_wait(req)
-            self.parked.append(_Parked(client, req, now + max(req.timeout_s, 0.0)))
+            timeout_s = req.timeout_s if req.timeout_s == req.timeout_s else 0.0  # NaN waits not at all
+            self.parked.append(_Parked(client, req, now + min(max(timeout_s, 0.0), MAX_WAIT_S)))
             return None
         if op == "set":
             self._need(req, keys=1, values=1)
-            self.data[keys[0]] = req.values[0]
+            self._put(keys[0], req.values[0])
             return _ok(req)
         if op == "add":
             self._need(req, keys=1, values=0)
-            value = int(self.data.get(keys[0], b"0")) + req.amount
-            self.data[keys[0]] = str(value).encode()
+            try:
+                value = int(self.data.get(keys[0], b"0")) + req.amount
+            except ValueError:
+                raise ValueError(f"store add on {keys[0]!r}, which does not hold a number") from None
+            self._put(keys[0], str(value).encode())
             return _ok(req, number=value)
         if op == "compare_set":
             self._need(req, keys=1, values=2)
             expected, desired = req.values
             current = self.data.get(keys[0])
             if (current is None and expected == b"") or current == expected:
-                self.data[keys[0]] = desired
+                self._put(keys[0], desired)
                 current = desired
             return _ok(req, values=[current if current is not None else expected])
         if op == "check":
@@ -62,8 +82,10 @@ class RendezvousStore:
             return _ok(req, number=len(self.data))
         if op == "delete":
             self._need(req, keys=1, values=0)
-            return _ok(req, number=int(self.data.pop(keys[0], None) is not None))
-        raise ValueError(f"unknown store operation {op!r}")
+            gone = self.data.pop(keys[0], None)
+            self.data_bytes -= len(keys[0]) + len(gone) if gone is not None else 0
+            return _ok(req, number=int(gone is not None))
+        raise AssertionError(f"unhandled store operation {op!r}")  # _check knows STORE_OPS
 
     def poke(self) -> list[tuple[bytes, StoreReply]]:
         """Answers for parked requests whose keys now all exist."""
@@ -90,7 +112,35 @@ class RendezvousStore:
             return m is not None and int(m.group(1)) < epoch
 
         self.data = {k: v for k, v in self.data.items() if not old(k)}
+        self.data_bytes = sum(len(k) + len(v) for k, v in self.data.items())
         self.parked = [p for p in self.parked if not any(old(k) for k in p.request.keys)]
+
+    def _check(self, client: bytes, req: StoreRequest, epoch: int) -> None:
+        if req.op not in STORE_OPS:
+            raise ValueError(f"unknown store operation {req.op!r}")
+        if not 0 < len(req.keys) <= 64 and req.op != "num_keys":
+            raise ValueError(f"store {req.op} with {len(req.keys)} keys (1 to 64 allowed)")
+        for key in req.keys:
+            m = _EPOCH_KEY.match(key)
+            if len(key) > MAX_KEY_CHARS or m is None or int(m.group(1)) > epoch:
+                raise ValueError(f"store key {key[:80]!r} is not in the namespace of an existing epoch "
+                                 f"(epoch{{E}}/..., E <= {epoch}, at most {MAX_KEY_CHARS} characters)")
+        if any(len(v) > MAX_VALUE_BYTES for v in req.values):
+            raise ValueError(f"store value over {MAX_VALUE_BYTES} bytes")
+        if req.op in ("get", "wait"):
+            mine = sum(p.client == client for p in self.parked)
+            if mine >= MAX_PARKED_PER_CLIENT or len(self.parked) >= MAX_PARKED:
+                raise ValueError(f"too many parked store waits ({mine} from this client, {len(self.parked)} in all)")
+
+    def _put(self, key: str, value: bytes) -> None:
+        old = self.data.get(key)
+        grow = len(value) - (len(old) if old is not None else -len(key))
+        if old is None and len(self.data) >= MAX_KEYS:
+            raise ValueError(f"the store holds {MAX_KEYS} keys already")
+        if self.data_bytes + grow > MAX_DATA_BYTES:
+            raise ValueError(f"the store would hold over {MAX_DATA_BYTES} bytes")
+        self.data[key] = value
+        self.data_bytes += grow
 
     def _answer_wait(self, req: StoreRequest) -> StoreReply:
         values = [self.data[k] for k in req.keys] if req.op == "get" else []

@@ -29,8 +29,20 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from transport import CodecError, ControlReply, ControlRequest, Error, decode, encode
+from transport.security import (
+    HANDSHAKE_EVENTS,
+    KEYS_ENV,
+    ROLE_CTL,
+    ClientKeys,
+    KeysError,
+    handshake_failure,
+    harden_client,
+    keys_dir,
+    load_client_keys,
+)
 
 EPILOG = """\
 examples:
@@ -45,7 +57,9 @@ examples:
   python scripts/ctl.py --control tcp://127.0.0.1:5556 stop
 
 The control endpoint is the `control=` address in the coordinator's `ready` line (not the workers
-one). --control may also come from $ADAPTRAIN_CONTROL. --json and --timeout may go before or after
+one). --control may also come from $ADAPTRAIN_CONTROL. --keys DIR (or $ADAPTRAIN_KEYS) holds
+server.key and ctl.key_secret from `coordinator keygen`; without keys ctl connects without CURVE,
+which only an --insecure coordinator accepts. --json, --keys and --timeout may go before or after
 the command.
 
 exit status: 0 done; 1 the coordinator refused the command (the reason goes to stderr);
@@ -71,24 +85,58 @@ class Client:
     """A DEALER to the control endpoint. A request that times out poisons the socket (a late reply
     would be taken for the next answer), so the next request gets a fresh one."""
 
-    def __init__(self, endpoint: str, timeout_s: float) -> None:
+    def __init__(self, endpoint: str, timeout_s: float, keys: ClientKeys | None = None) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
+        self.keys = keys
         self.ctx = zmq.Context()
         self.sock: zmq.Socket[bytes] | None = None
+        self.monitor: zmq.Socket[bytes] | None = None
 
-    def request(self, command: str, *args: str) -> dict[str, Any]:
+    def _connect(self) -> zmq.Socket[bytes]:
         if self.sock is None:
             self.sock = self.ctx.socket(zmq.DEALER)
             self.sock.setsockopt(zmq.LINGER, 0)
+            harden_client(self.sock, max_bytes=64 << 20, keys=self.keys)
+            self.monitor = self.sock.get_monitor_socket(HANDSHAKE_EVENTS)
             self.sock.connect(self.endpoint)
-        self.sock.send(encode(ControlRequest(command=command, args=list(args))))
-        if not self.sock.poll(int(self.timeout_s * 1000), zmq.POLLIN):
+        return self.sock
+
+    def _drop(self) -> None:
+        if self.sock is not None:
+            self.sock.disable_monitor()
             self.sock.close(linger=0)
-            self.sock = None
-            raise NoAnswer(f"no answer from the coordinator at {self.endpoint} within {self.timeout_s:g} s "
-                           "(is it running? is this the control endpoint from its ready line?)")
-        frames = self.sock.recv_multipart()
+        if self.monitor is not None:
+            self.monitor.close(linger=0)
+        self.sock = self.monitor = None
+
+    def _wait(self) -> None:
+        """Until the answer is there; Refused when the coordinator refuses the handshake (keys)."""
+        assert self.sock is not None and self.monitor is not None
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        deadline = time.monotonic() + self.timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            ready = dict(poller.poll(int(left * 1000) + 1))
+            if self.sock in ready:
+                return
+            if self.monitor in ready:
+                event = recv_monitor_message(self.monitor)
+                why = handshake_failure(int(event["event"]), int(event["value"]), self.keys, who="ctl")
+                if why is not None:
+                    self._drop()
+                    raise Refused(why)
+        self._drop()
+        hint = "" if self.keys is not None else f"; if it uses keys, give --keys DIR or set ${KEYS_ENV}"
+        raise NoAnswer(f"no answer from the coordinator at {self.endpoint} within {self.timeout_s:g} s "
+                       f"(is it running? is this the control endpoint from its ready line?{hint})")
+
+    def request(self, command: str, *args: str) -> dict[str, Any]:
+        sock = self._connect()
+        sock.send(encode(ControlRequest(command=command, args=list(args))))
+        self._wait()
+        frames = sock.recv_multipart()
         try:
             reply = decode(frames[-1])
         except CodecError as e:
@@ -105,8 +153,7 @@ class Client:
         return reply.data
 
     def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close(linger=0)
+        self._drop()
         self.ctx.term()
 
 
@@ -158,6 +205,10 @@ def format_status(d: dict[str, Any]) -> str:
     head = (f"job {d.get('job', '?')}  epoch {d.get('epoch', '?')}  step {d.get('step', '?')}/"
             f"{d.get('num_steps', '?')}  global batch {d.get('global_batch', '?')}  up {d.get('uptime_s', '?')} s\n"
             f"state: {state}  (pending {_yes(d.get('pending'))}, finished {_yes(d.get('finished'))})")
+    refused = d.get("refused") or {}
+    by = ", ".join(f"{k} {v}" for k, v in refused.items())
+    head += (f"\nsecurity: {'CURVE keys' if d.get('secure', True) else 'none (--insecure)'}  "
+             f"refused inputs: {d.get('refused_total', 0)}{f' ({by})' if by else ''}")
     workers = d.get("workers") or []
     if not workers:
         return head + "\nno workers"
@@ -344,6 +395,8 @@ def _common(parser: argparse.ArgumentParser, *, suppress: bool) -> None:
                         help="the coordinator's control endpoint (`control=` in its ready line)")
     parser.add_argument("--timeout", type=float, metavar="S", default=d(5.0),
                         help="give up when the coordinator does not answer within S seconds (default 5)")
+    parser.add_argument("--keys", metavar="DIR", default=d(None),
+                        help=f"CURVE keys from `coordinator keygen` (server.key + ctl.key_secret); default ${KEYS_ENV}")
     parser.add_argument("--json", action="store_true", default=d(False),
                         help="print the coordinator's reply as JSON instead of tables")
 
@@ -387,6 +440,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--timeout must be positive")
     if getattr(a, "since", 0) < 0:
         p.error("--since must be 0 or more")
+    directory = keys_dir(a.keys)
+    a.client_keys = None
+    if directory is not None:
+        try:
+            a.client_keys = load_client_keys(directory, ROLE_CTL)
+        except KeysError as e:
+            p.error(str(e))
     return a
 
 
@@ -398,7 +458,7 @@ def _die(text: str, status: int) -> NoReturn:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     try:
-        client = Client(a.control, a.timeout)
+        client = Client(a.control, a.timeout, a.client_keys)
     except zmq.ZMQError as e:
         _die(f"cannot use {a.control}: {e}", 2)
     try:

@@ -3,6 +3,10 @@ processes on loopback. Used by the demo, the benchmarks and the system tests.
 
 Every process is started in its own session and is killed and reaped by `close()` (also on
 errors: use it as a context manager), so nothing is left behind.
+
+Keys are on, as in production: `start()` writes a fresh key set into STATE_DIR/keys (or uses
+`keys=`), and every process it starts (coordinator, workers, ctl) gets it through $ADAPTRAIN_KEYS.
+`insecure=True` runs the coordinator with --insecure and gives nobody keys.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ DIGEST = re.compile(r"digest step (\d+) ([0-9a-f]+)")
 class LocalJob:
     def __init__(self, job_ref: str, state_dir: Path, *, min_workers: int = 1, lease_s: float = 1.0,
                  heartbeat_s: float = 0.2, coordinator_args: list[str] | None = None,
-                 threads: int = 1) -> None:
+                 threads: int = 1, insecure: bool = False, keys: Path | None = None) -> None:
         self.job_ref = job_ref
         self.state_dir = Path(state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -35,6 +39,8 @@ class LocalJob:
         self.heartbeat_s = heartbeat_s
         self.coordinator_args = coordinator_args or []
         self.threads = threads
+        self.insecure = insecure
+        self.keys_dir: Path | None = None if insecure else (keys or self.state_dir / "keys")
         self.coordinator: subprocess.Popen[str] | None = None
         self.workers: dict[str, subprocess.Popen[bytes]] = {}
         self.workers_endpoint = ""
@@ -42,13 +48,26 @@ class LocalJob:
 
     # --- processes -------------------------------------------------------------------------------
 
+    def env(self) -> dict[str, str]:
+        """The environment of every process of this job (keys included)."""
+        env = _env()
+        env.pop("ADAPTRAIN_KEYS", None)
+        if self.keys_dir is not None:
+            env["ADAPTRAIN_KEYS"] = str(self.keys_dir)
+        return env
+
     def start(self, timeout_s: float = 60.0) -> None:
+        if self.keys_dir is not None and not (self.keys_dir / "server.key_secret").exists():
+            from transport.security import generate_keys
+
+            generate_keys(self.keys_dir)
         cmd = [sys.executable, "-m", "coordinator", "--bind", "tcp://127.0.0.1:0", "--job", self.job_ref,
                "--state-dir", str(self.state_dir), "--min-workers", str(self.min_workers),
-               "--lease", str(self.lease_s), "--heartbeat", str(self.heartbeat_s), *self.coordinator_args]
+               "--lease", str(self.lease_s), "--heartbeat", str(self.heartbeat_s),
+               *(["--insecure"] if self.insecure else []), *self.coordinator_args]
         with (self.state_dir / "coordinator.log").open("w") as log:  # the child keeps its own copy
             self.coordinator = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
-                                                start_new_session=True, env=_env())
+                                                start_new_session=True, env=self.env())
         assert self.coordinator.stdout is not None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -73,12 +92,13 @@ class LocalJob:
 
         threading.Thread(target=drain, daemon=True).start()
 
-    def add_worker(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+    def add_worker(self, name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """Start `worker NAME` with `args`; `env` replaces the job's environment (e.g. without keys)."""
         cmd = [sys.executable, "-m", "worker", "--join", self.workers_endpoint, "--name", name,
                "--threads", str(self.threads), *args]
         with (self.state_dir / f"{name}.log").open("wb") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env=_env())
+                                    env=self.env() if env is None else env)
         self.workers[name] = proc
         return proc
 
@@ -166,7 +186,7 @@ class LocalJob:
     def ctl(self, *args: str) -> Any:
         out = subprocess.run([sys.executable, str(Path(__file__).with_name("ctl.py")), "--control",
                               self.control_endpoint, *args, "--json"], capture_output=True, text=True,
-                             timeout=30, env=_env())
+                             timeout=30, env=self.env())
         if out.returncode != 0:
             raise RuntimeError(f"ctl {' '.join(args)} failed: {out.stderr.strip()}")
         return json.loads(out.stdout)

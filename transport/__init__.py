@@ -7,6 +7,7 @@ from .codec import MAX_FRAME_BYTES, CodecError, decode, encode
 from .messages import (
     CONTROL_COMMANDS,
     ERR_BAD_REQUEST,
+    ERR_BUSY,
     ERR_DECODE,
     ERR_NAME_TAKEN,
     ERR_PROTOCOL,
@@ -33,12 +34,14 @@ from .messages import (
     StoreReply,
     StoreRequest,
     Welcome,
+    check_name,
 )
-from .trio_zmq import MonitorEvent, SocketMonitor, TrioSocket
+from .trio_zmq import MonitorEvent, Received, SocketMonitor, TrioSocket
 
 __all__ = [
     "CONTROL_COMMANDS",
     "ERR_BAD_REQUEST",
+    "ERR_BUSY",
     "ERR_DECODE",
     "ERR_NAME_TAKEN",
     "ERR_PROTOCOL",
@@ -61,6 +64,7 @@ __all__ = [
     "Message",
     "MonitorEvent",
     "PlanDelta",
+    "Received",
     "Ready",
     "Slowdown",
     "SocketMonitor",
@@ -70,6 +74,7 @@ __all__ = [
     "StoreRequest",
     "TrioSocket",
     "Welcome",
+    "check_name",
     "decode",
     "encode",
 ]

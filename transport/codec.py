@@ -144,5 +144,8 @@ def decode(frame: bytes, *, max_bytes: int = MAX_FRAME_BYTES) -> Message:
         values = {name: _convert(obj[name], tp, f"{kind}.{name}") for name, tp in fields.items()}
     except TypeError as exc:
         raise CodecError(str(exc)) from None
-    msg: Message = cls(**values)
+    try:
+        msg: Message = cls(**values)  # the message's own checks (names, counts)
+    except ValueError as exc:
+        raise CodecError(str(exc)) from None
     return msg

@@ -19,6 +19,8 @@ Tensors never travel here: they go worker to worker over torch.distributed.
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +32,26 @@ ERR_PROTOCOL = "protocol"  # the peer speaks another PROTOCOL_VERSION
 ERR_STALE_EPOCH = "stale-epoch"  # the sender is fenced: it is not a member of the current epoch
 ERR_UNKNOWN_WORKER = "unknown-worker"  # a message or command names a worker that is not a member
 ERR_BAD_REQUEST = "bad-request"  # a well-formed message that makes no sense now
-ERR_NAME_TAKEN = "name-taken"  # a Join whose NAME belongs to a live member
+ERR_NAME_TAKEN = "name-taken"  # a Join whose NAME belongs to a live member (or a message under another's name)
+ERR_BUSY = "busy"  # too many workers are joining at once: the worker retries its Join shortly
+
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$")
+
+
+def check_name(name: str) -> None:
+    """A worker NAME: 1-128 characters, letters, digits and ._:@+- (it appears in events, logs,
+    file names and ctl commands). ValueError otherwise."""
+    if not NAME_PATTERN.match(name):
+        raise ValueError(f"bad worker name {name[:60]!r}: use 1-128 letters, digits and ._:@+- "
+                         "(starting with a letter or digit)")
+
+
+def _check_counts(msg: object, *names: str) -> None:
+    """Each named int field is >= 0 and each named float field finite and >= 0."""
+    for field_name in names:
+        value = getattr(msg, field_name)
+        if not (value >= 0 and (not isinstance(value, float) or math.isfinite(value))):
+            raise ValueError(f"{type(msg).__name__}.{field_name} must be finite and >= 0, got {value!r}")
 
 
 # --- worker -> coordinator -------------------------------------------------------------------
@@ -53,6 +74,10 @@ class Join:
     memory_bytes: int  # usable memory (after --memory-limit)
     threads: int
 
+    def __post_init__(self) -> None:
+        check_name(self.name)
+        _check_counts(self, "pid", "flops", "memory_bytes", "threads")
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Ready:
@@ -60,6 +85,9 @@ class Ready:
     include this worker now (until then a join would stall the running members at the switch)."""
 
     name: str
+
+    def __post_init__(self) -> None:
+        check_name(self.name)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -70,6 +98,9 @@ class GraphUpload:
 
     name: str
     graph: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        check_name(self.name)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -83,6 +114,10 @@ class Heartbeat:
     name: str
     epoch: int  # the epoch the worker is training in (0 before its first plan)
     step: int  # optimizer steps applied so far
+
+    def __post_init__(self) -> None:
+        check_name(self.name)
+        _check_counts(self, "epoch", "step")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -110,6 +145,10 @@ class StepReport:
     step_s: float
     digest: str
 
+    def __post_init__(self) -> None:
+        check_name(self.name)
+        _check_counts(self, "epoch", "step", "samples", "global_batch", "compute_s", "comm_s", "step_s")
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Ack:
@@ -125,6 +164,10 @@ class Ack:
     reshard_bytes: int
     reshard_s: float
 
+    def __post_init__(self) -> None:
+        check_name(self.name)
+        _check_counts(self, "epoch", "step", "reshard_bytes", "reshard_s")
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Leave:
@@ -136,6 +179,9 @@ class Leave:
 
     name: str
     reason: str
+
+    def __post_init__(self) -> None:
+        check_name(self.name)
 
 
 # --- coordinator -> worker -------------------------------------------------------------------

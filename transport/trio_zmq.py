@@ -21,7 +21,7 @@ can run a send: the only window is while the receiver is parked, which rule 2 co
 
 `SocketMonitor` reads a socket's monitor (a PAIR socket that zmq feeds with connection events)
 through the same adapter; the coordinator uses `EVENT_DISCONNECTED` to see a killed worker at once.
-Its `value` is the file descriptor of the connection, which `TrioSocket.receive_with_fd` reports
+Its `value` is the file descriptor of the connection, which `TrioSocket.receive_from` reports
 for every message, so a disconnect can be mapped to the peer that sent on that connection.
 """
 
@@ -37,6 +37,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 _T = TypeVar("_T")
+_P = TypeVar("_P", int, str)
 
 
 class TrioSocket:
@@ -63,13 +64,27 @@ class TrioSocket:
         """The next multipart message. Raises trio.ClosedResourceError once the socket is closed."""
         return await self._receive(lambda: self.socket.recv_multipart(zmq.NOBLOCK))
 
-    async def receive_with_fd(self) -> tuple[list[bytes], int]:
-        """Like `receive`, plus the file descriptor of the connection the message came on (the
-        `value` of that connection's `EVENT_DISCONNECTED` in `SocketMonitor`)."""
+    async def receive_from(self, *, max_frames: int = 8) -> Received:
+        """Like `receive`, plus where the message came from: the file descriptor of its connection
+        (the `value` of that connection's `EVENT_DISCONNECTED` in `SocketMonitor`; -1 when zmq
+        cannot tell) and the ZAP user id its peer authenticated as ("" when none). Frames past
+        `max_frames` are read and dropped (`Received.dropped` counts them), so a peer cannot make
+        this side hold a message of a million parts."""
 
-        def recv() -> tuple[list[bytes], int]:
-            frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
-            return [f.bytes for f in frames], int(frames[-1].get(zmq.SRCFD))
+        def recv() -> Received:
+            frames: list[zmq.Frame] = []
+            dropped = 0
+            while True:
+                frame = self.socket.recv(zmq.NOBLOCK, copy=False)
+                if len(frames) < max_frames:
+                    frames.append(frame)
+                else:
+                    dropped += 1
+                if not frame.more:
+                    break
+            last = frames[-1]
+            return Received([f.bytes for f in frames], _property(last, zmq.SRCFD, -1),
+                            _property(last, "User-Id", ""), dropped)
 
         return await self._receive(recv)
 
@@ -135,6 +150,23 @@ class TrioSocket:
         self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+class Received(NamedTuple):
+    frames: list[bytes]
+    fd: int  # the connection it came on (-1: unknown)
+    user_id: str  # the ZAP user id of the peer ("" without ZAP)
+    dropped: int  # frames past the limit, read and thrown away
+
+
+def _property(frame: zmq.Frame, name: int | str, default: _P) -> _P:
+    """A frame's metadata, or `default`: zmq raises EINVAL for messages that carry none (seen for a
+    raw-TCP peer whose bytes libzmq parsed as ZMTP 1.0 frames), and that must never crash a pump."""
+    try:
+        value = frame.get(name)
+    except zmq.ZMQError:
+        return default
+    return type(default)(value)
 
 
 class MonitorEvent(NamedTuple):

@@ -10,7 +10,11 @@ a small thread-safe mailbox that the trainer reads between (and during) collecti
 * `Stop`, and fencing (`ERR_STALE_EPOCH`: the coordinator no longer counts this worker as a member;
   the agent joins again and the trainer drops its state).
 
-The socket is a DEALER whose routing id is the worker's name, so the coordinator can address it.
+The socket is a DEALER with CURVE keys (unless the coordinator runs --insecure). The coordinator
+binds the worker's name to this connection at Join, so the agent keeps one socket for its life.
+The agent watches its socket's handshakes: a coordinator that refuses its key, wants keys it does
+not have, or runs without keys it was given is a `FatalError` with a sentence saying which. An
+`ERR_BUSY` answer to a Join (too many workers joining at once) is retried after JOIN_RETRY_S.
 """
 
 from __future__ import annotations
@@ -23,9 +27,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from transport import (
+    ERR_BUSY,
     ERR_STALE_EPOCH,
+    MAX_FRAME_BYTES,
     Abort,
     CodecError,
     Error,
@@ -41,9 +48,12 @@ from transport import (
     decode,
     encode,
 )
+from transport.security import HANDSHAKE_EVENTS, ClientKeys, handshake_failure, harden_client, no_detail_failure
 from worker.calibrate import Calibration
 
 POLL_S = 0.01
+JOIN_RETRY_S = 1.0
+MAX_SILENT_HANDSHAKE_FAILURES = 5  # failures with no detail (a reset connection) before giving up
 REJOIN_GRACE_S = 1.0  # stale-epoch answers this soon after a Join are echoes of older heartbeats
 
 
@@ -60,11 +70,15 @@ class _Mailbox:
     fenced: bool = False
     fatal: str | None = None
     joined_at: float = 0.0  # monotonic time of the last Join sent
+    retry_join_at: float | None = None  # the coordinator was busy: send the Join again then
 
 
 class Agent:
-    def __init__(self, endpoint: str, name: str, calibration: Calibration, *, slowdown: float = 1.0) -> None:
+    def __init__(self, endpoint: str, name: str, calibration: Calibration, *, slowdown: float = 1.0,
+                 keys: ClientKeys | None = None) -> None:
         self.endpoint = endpoint
+        self.keys = keys
+        self._failed_handshakes = 0
         self.name = name
         self.calibration = calibration
         self.slowdown = slowdown  # the test knob: compute is stretched by this factor (`Slowdown`)
@@ -163,19 +177,48 @@ class Agent:
 
     def _run(self) -> None:
         sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, self.name.encode())
         sock.setsockopt(zmq.LINGER, 1000)
+        harden_client(sock, max_bytes=MAX_FRAME_BYTES + 4096, keys=self.keys)
+        monitor = sock.get_monitor_socket(HANDSHAKE_EVENTS)
         sock.connect(self.endpoint)
         try:
-            self._loop(sock)
+            self._loop(sock, monitor)
         finally:
+            sock.disable_monitor()
+            monitor.close(linger=0)
             sock.close()
 
-    def _loop(self, sock: zmq.Socket[bytes]) -> None:
+    def _watch_handshakes(self, monitor: zmq.Socket[bytes]) -> None:
+        """Turn a handshake the coordinator refused into a fatal error that says why."""
+        while monitor.poll(0):
+            event = recv_monitor_message(monitor)
+            kind, value = int(event["event"]), int(event["value"])
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._failed_handshakes = 0
+                continue
+            why = handshake_failure(kind, value, self.keys, who="worker")
+            self._failed_handshakes += 1
+            if why is None and self._failed_handshakes >= MAX_SILENT_HANDSHAKE_FAILURES:
+                why = no_detail_failure(self.keys)
+            if why is not None:
+                with self._cond:
+                    self._box.fatal = why
+                    self._cond.notify_all()
+
+    def _loop(self, sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:
+        self._failed_handshakes = 0
         self._box.joined_at = time.monotonic()
         sock.send(encode(self._join_message()))
         next_beat = time.monotonic()
         while True:
+            self._watch_handshakes(monitor)
+            if self._box.fatal is not None and self._box.welcome is None:
+                return  # refused at the door: nothing to flush
+            retry = self._box.retry_join_at
+            if retry is not None and time.monotonic() >= retry:
+                self._box.retry_join_at = None
+                self._box.joined_at = time.monotonic()
+                sock.send(encode(self._join_message()))
             closing = self._closing.is_set()
             while True:
                 try:
@@ -224,6 +267,9 @@ class Agent:
                         sock.send(encode(self._join_message()))
                         if self._ready:
                             sock.send(encode(Ready(name=self.name)))
+                case Error(code=code, message=text) if code == ERR_BUSY and box.welcome is None:
+                    self._log(f"the coordinator is busy ({text}); joining again in {JOIN_RETRY_S:g} s")
+                    box.retry_join_at = time.monotonic() + JOIN_RETRY_S
                 case Error(code=code, message=text):
                     if box.welcome is None:
                         box.fatal = f"the coordinator refused this worker: {text}"

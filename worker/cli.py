@@ -16,13 +16,18 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-from transport import GraphUpload, Leave
+from transport import GraphUpload, Leave, check_name
+from transport.security import KEYS_ENV, ROLE_WORKER, ClientKeys, KeysError, keys_dir, load_client_keys
 
 EPILOG = """\
 examples:
-  worker --join tcp://10.0.0.5:5555                      # a spot instance joins a running job
-  worker --join tcp://127.0.0.1:5555 --name w3 --threads 1
-  worker --join tcp://coord:5555 --device cuda:0         # GPU worker (NCCL data plane)
+  worker --join tcp://10.0.0.5:5555 --keys /etc/adaptrain/keys   # a spot instance joins a running job
+  worker --join tcp://127.0.0.1:5555 --name w3 --threads 1      # keys from $ADAPTRAIN_KEYS
+  worker --join tcp://coord:5555 --device cuda:0 --keys keys/   # GPU worker (NCCL data plane)
+
+Keys: --keys DIR (or $ADAPTRAIN_KEYS) holds server.key and worker.key_secret (or
+workers/NAME.key_secret, a key that may only join as NAME) from `coordinator keygen`. Without
+keys the worker connects without CURVE, which only a coordinator started with --insecure accepts.
 
 The job (model, data, optimizer) comes from the coordinator, so a new machine needs nothing but
 adaptrain installed and the coordinator's address. SIGTERM (a spot preemption notice) makes the
@@ -42,6 +47,7 @@ class WorkerConfig:
     group_timeout_s: float
     connect_timeout_s: float
     slowdown: float
+    keys: ClientKeys | None
 
 
 def parse_args(argv: list[str] | None) -> WorkerConfig:
@@ -59,6 +65,9 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
                    help="test knob: stretch every step's compute by FACTOR (>= 1; default 1), as a throttled "
                         "or shared device would; change it live with `ctl.py slowdown NAME FACTOR`. "
                         "Join-time calibration is not slowed, so the coordinator finds it from step timings")
+    p.add_argument("--keys", metavar="DIR",
+                   help=f"CURVE keys from `coordinator keygen` (server.key + worker.key_secret); default ${KEYS_ENV}; "
+                        "none: connect without CURVE (only an --insecure coordinator accepts that)")
     p.add_argument("--digest-every", type=int, default=0, metavar="N",
                    help="hash the parameters every N steps and report it (to check replicas agree); 0: off")
     p.add_argument("--log-every", type=int, default=10, metavar="N", help="print progress every N steps")
@@ -78,7 +87,18 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
     if not (a.device == "cpu" or a.device.startswith("cuda")):
         p.error(f"--device must be cpu or cuda[:N], got {a.device!r}")
     name = a.name or f"{socket.gethostname()}-{os.getpid()}"
-    return WorkerConfig(join=a.join, name=name, device=a.device, threads=a.threads,
+    try:
+        check_name(name)
+    except ValueError as e:
+        p.error(f"--name: {e}" if a.name else f"{e}; pass --name")
+    directory = keys_dir(a.keys)
+    keys = None
+    if directory is not None:
+        try:
+            keys = load_client_keys(directory, ROLE_WORKER, name=name)
+        except KeysError as e:
+            p.error(str(e))
+    return WorkerConfig(keys=keys, join=a.join, name=name, device=a.device, threads=a.threads,
                         memory_limit_gib=a.memory_limit, digest_every=a.digest_every, log_every=a.log_every,
                         group_timeout_s=a.group_timeout, connect_timeout_s=a.connect_timeout,
                         slowdown=a.slowdown)
@@ -112,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"worker: --device {cfg.device} but torch sees no CUDA device", file=sys.stderr)
         return 2
     calibration = calibrate(cfg.device, memory_limit_gib=cfg.memory_limit_gib)
-    agent = Agent(cfg.join, cfg.name, calibration, slowdown=cfg.slowdown)
+    agent = Agent(cfg.join, cfg.name, calibration, slowdown=cfg.slowdown, keys=cfg.keys)
     trainer: Trainer | None = None
     preempted = False
 
@@ -135,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         job = load_job(welcome.job_source, welcome.job_name, filename=welcome.job_ref)
         trainer = Trainer(job, agent, cfg.join, TrainerConfig(group_timeout_s=cfg.group_timeout_s,
                                                               digest_every=cfg.digest_every,
-                                                              log_every=cfg.log_every, device=cfg.device))
+                                                              log_every=cfg.log_every, device=cfg.device,
+                                                              keys=cfg.keys))
         if preempted:  # SIGTERM while loading: we were never planned in, so just go
             agent.close()
             return 0

@@ -22,7 +22,8 @@ from datetime import timedelta
 import torch.distributed as dist
 import zmq
 
-from transport import StoreReply, StoreRequest, decode, encode
+from transport import MAX_FRAME_BYTES, CodecError, Error, StoreReply, StoreRequest, decode, encode
+from transport.security import ClientKeys, harden_client
 
 POLL_S = 0.02  # how often a blocked call looks at the abort flag
 
@@ -32,8 +33,10 @@ class StoreAborted(RuntimeError):
 
 
 class CoordinatorStore(dist.Store):  # type: ignore[misc,name-defined]
-    def __init__(self, endpoint: str, *, is_aborted: Callable[[], bool], timeout_s: float) -> None:
+    def __init__(self, endpoint: str, *, is_aborted: Callable[[], bool], timeout_s: float,
+                 keys: ClientKeys | None = None) -> None:
         super().__init__()
+        self._keys = keys
         self._endpoint = endpoint
         self._is_aborted = is_aborted
         self._timeout_s = timeout_s
@@ -82,6 +85,7 @@ class CoordinatorStore(dist.Store):  # type: ignore[misc,name-defined]
         if sock is None:
             sock = zmq.Context.instance().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            harden_client(sock, max_bytes=MAX_FRAME_BYTES + 4096, keys=self._keys)
             sock.connect(self._endpoint)
             self._local.sock = sock
             with self._lock:
@@ -112,9 +116,15 @@ class CoordinatorStore(dist.Store):  # type: ignore[misc,name-defined]
                 raise RuntimeError(f"store {op} {keys}: no answer from the coordinator in {timeout_s:.0f} s")
             if not sock.poll(int(POLL_S * 1000)):
                 continue
-            reply = decode(sock.recv())
+            try:
+                reply = decode(sock.recv())
+            except CodecError:
+                continue  # not from a coordinator of ours: never let it end the wait early
+            if isinstance(reply, Error):  # the coordinator refused the request itself (its limits)
+                self._discard_socket()
+                raise RuntimeError(f"store {op} {keys}: refused by the coordinator: {reply.message}")
             if not isinstance(reply, StoreReply) or reply.req_id != req.req_id:
-                continue  # an Error frame or a stray reply: keep waiting for ours
+                continue  # a stray reply: keep waiting for ours
             if not reply.ok:
                 raise RuntimeError(f"store {op} {keys}: {reply.error}")
             return reply

@@ -29,6 +29,7 @@ from worker import comm, state
 from worker.agent import Agent
 from worker.comm import Superseded
 from worker.job import Job, sample_ids, share_slice
+from transport.security import ClientKeys
 from worker.store import CoordinatorStore
 
 RETRY_S = 0.5  # pause before forming an epoch's group again after a failed rendezvous
@@ -51,6 +52,7 @@ class TrainerConfig:
     log_every: int = 10
     delta_timeout_s: float = 600.0  # how long to wait for a plan before giving up
     device: str = "cpu"
+    keys: ClientKeys | None = None  # CURVE keys for the store's sockets (None: --insecure coordinator)
 
 
 class Trainer:
@@ -133,7 +135,7 @@ class Trainer:
         t0 = time.perf_counter()
         rank, world = delta.members.index(self.name), len(delta.members)
         store = CoordinatorStore(self.endpoint, is_aborted=lambda: self.agent.superseded(delta.epoch),
-                                 timeout_s=self.config.group_timeout_s)
+                                 timeout_s=self.config.group_timeout_s, keys=self.config.keys)
         try:
             pg = comm.form_group(store, delta.epoch, rank, world, self.device,
                                  timeout_s=self.config.group_timeout_s,

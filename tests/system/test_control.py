@@ -59,14 +59,16 @@ def job():
 GLOBAL_BATCH = 32
 
 
-def ctl(endpoint: str, *args: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess[str]:
-    """Run scripts/ctl.py as a file, from another directory than the repository's."""
+def ctl(endpoint: str, *args: str, timeout_s: float = 60.0,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run scripts/ctl.py as a file, from another directory than the repository's (`env`: a job's
+    environment, which carries its keys)."""
     return subprocess.run([sys.executable, str(CTL), "--control", endpoint, *args], capture_output=True,
-                          text=True, timeout=timeout_s, cwd=Path(SCRIPTS.anchor))
+                          text=True, timeout=timeout_s, cwd=Path(SCRIPTS.anchor), env=env)
 
 
-def ctl_json(endpoint: str, *args: str) -> Any:
-    out = ctl(endpoint, *args, "--json")
+def ctl_json(endpoint: str, *args: str, env: dict[str, str] | None = None) -> Any:
+    out = ctl(endpoint, *args, "--json", env=env)
     assert out.returncode == 0, f"ctl {' '.join(args)}: rc {out.returncode}: {out.stderr}"
     return json.loads(out.stdout)
 
@@ -92,8 +94,9 @@ def test_ctl_status_plan_events_drain_and_stop(tmp_path: Path) -> None:
         job.add_worker("w2")
         job.wait_step(5, timeout_s=180)
         endpoint = job.control_endpoint
+        env = job.env()
 
-        status = ctl_json(endpoint, "status")
+        status = ctl_json(endpoint, "status", env=env)
         assert status["epoch"] >= 1 and status["global_batch"] == GLOBAL_BATCH
         assert status["num_steps"] == 100000 and status["step"] >= 5
         workers = {w["name"]: w for w in status["workers"]}
@@ -101,31 +104,31 @@ def test_ctl_status_plan_events_drain_and_stop(tmp_path: Path) -> None:
         assert all(w["role"] == "member" for w in workers.values())
         assert sorted(w["rank"] for w in workers.values()) == [0, 1]
 
-        plan = ctl_json(endpoint, "plan")
+        plan = ctl_json(endpoint, "plan", env=env)
         assert plan["epoch"] >= 1
         assert sorted(plan["members"]) == ["w1", "w2"]
         assert sum(plan["shares"]) == GLOBAL_BATCH == plan["global_batch"]
 
-        human = ctl(endpoint, "status")
+        human = ctl(endpoint, "status", env=env)
         assert human.returncode == 0, human.stderr
         assert "w1" in human.stdout and "w2" in human.stdout and "RANK" in human.stdout
 
-        human_plan = ctl(endpoint, "plan")
+        human_plan = ctl(endpoint, "plan", env=env)
         assert human_plan.returncode == 0 and "w1" in human_plan.stdout and "w2" in human_plan.stdout
 
-        events = ctl_json(endpoint, "events")
+        events = ctl_json(endpoint, "events", env=env)
         assert events["next"] == len(events["events"])
         joined = {e["worker"] for e in events["events"] if e["kind"] == "joined"}
         assert joined == {"w1", "w2"}
         assert any(e["kind"] == "plan" for e in events["events"])
-        later = ctl_json(endpoint, "events", "--since", str(events["next"]))
+        later = ctl_json(endpoint, "events", "--since", str(events["next"]), env=env)
         assert later["next"] >= events["next"]
         assert all(e["kind"] == "step" for e in later["events"]), "only steps happen meanwhile"
 
-        human_events = ctl(endpoint, "events", "--since", "0")
+        human_events = ctl(endpoint, "events", "--since", "0", env=env)
         assert human_events.returncode == 0 and "joined" in human_events.stdout
 
-        drain = ctl(endpoint, "drain", "nosuchworker")
+        drain = ctl(endpoint, "drain", "nosuchworker", env=env)
         assert drain.returncode == 1
         assert "nosuchworker" in drain.stderr and drain.stdout == ""
 
@@ -134,12 +137,12 @@ def test_ctl_status_plan_events_drain_and_stop(tmp_path: Path) -> None:
         out_path, err_path = tmp_path / "follow.out", tmp_path / "follow.err"
         with out_path.open("w") as out_file, err_path.open("w") as err_file:
             follow = subprocess.Popen([sys.executable, str(CTL), "--control", endpoint, "events", "--follow",
-                                       "--json", "--timeout", "2"], stdout=out_file, stderr=err_file)
+                                       "--json", "--timeout", "2"], stdout=out_file, stderr=err_file, env=env)
         try:
             while not out_path.read_text().count("\n"):  # it answered once: a stop ends it cleanly
                 assert follow.poll() is None, err_path.read_text()
                 time.sleep(0.05)
-            stop = ctl(endpoint, "stop")
+            stop = ctl(endpoint, "stop", env=env)
             assert stop.returncode == 0, stop.stderr
             assert "w1" in stop.stdout and "w2" in stop.stdout
             _assert_coordinator_exits_0(job, 60)
@@ -184,7 +187,7 @@ def _ask(sock: zmq.Socket[bytes], frame: bytes) -> Error:
 
 @pytest.mark.timeout(240)
 def test_coordinator_answers_bad_frames_with_errors_and_keeps_serving(tmp_path: Path) -> None:
-    with LocalJob(MLP_JOB, tmp_path / "state") as job:
+    with LocalJob(MLP_JOB, tmp_path / "state", insecure=True) as job:
         job.start()
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
