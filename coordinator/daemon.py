@@ -441,7 +441,7 @@ async def serve(cfg: CoordinatorConfig, job: JobInfo, *,
     workers.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
     harden_server(workers.socket, max_bytes=MAX_FRAME_BYTES + 4096, domain=DOMAIN_WORKERS, keys=cfg.keys)
     control = TrioSocket.create(zmq.ROUTER)
-    harden_server(control.socket, max_bytes=MAX_CONTROL_BYTES, domain=DOMAIN_CONTROL, keys=cfg.keys)
+    harden_server(control.socket, max_bytes=MAX_CONTROL_BYTES + 4096, domain=DOMAIN_CONTROL, keys=cfg.keys)
     try:
         endpoints = Endpoints(workers=_bind(workers, cfg.bind), control=_bind(control, cfg.control))
         core = Core(cfg, job, workers, control, log, run_id=f"{int(time.time())}")

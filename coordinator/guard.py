@@ -142,7 +142,8 @@ def check_agent_message(state: State, bindings: dict[str, bytes], identity: byte
     owner = bindings.get(name)
     if isinstance(msg, Join):
         if name in state.workers and owner != identity:
-            return Refuse("name", f"Join as {name!r}, a live worker's name on another connection")
+            return Refuse("name", f"a live worker is already named {name!r} (on another connection); "
+                                  "start this one with another --name")
         joining = sum(not w.ready for w in state.workers.values())
         if name not in state.workers and joining >= max_joining:
             return Refuse("busy", f"Join as {name!r} while {joining} workers are still joining")

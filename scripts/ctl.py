@@ -42,6 +42,7 @@ from transport.security import (
     harden_client,
     keys_dir,
     load_client_keys,
+    no_detail_failure,
 )
 
 EPILOG = """\
@@ -123,7 +124,10 @@ class Client:
                 return
             if self.monitor in ready:
                 event = recv_monitor_message(self.monitor)
-                why = handshake_failure(int(event["event"]), int(event["value"]), self.keys, who="ctl")
+                kind = int(event["event"])
+                why = handshake_failure(kind, int(event["value"]), self.keys, who="ctl")
+                if why is None and kind != zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    why = no_detail_failure(self.keys)  # ctl never got in: say what is likely wrong
                 if why is not None:
                     self._drop()
                     raise Refused(why)

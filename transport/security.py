@@ -232,6 +232,10 @@ def handshake_failure(event: int, value: int, keys: ClientKeys | None, *, who: s
 
 
 def no_detail_failure(keys: ClientKeys | None) -> str:
-    hint = ("the coordinator did not accept the CURVE handshake: is server.key the coordinator's?"
-            if keys is not None else "is this an adaptrain coordinator's endpoint?")
-    return f"repeated failed handshakes with the coordinator: {hint}"
+    """What to say when handshakes keep failing with no reason given (the coordinator closed the
+    connection mid-handshake, or it is not an adaptrain coordinator)."""
+    if keys is not None:
+        return ("the coordinator did not accept the CURVE handshake: is server.key the coordinator's? "
+                "(or the coordinator runs --insecure, without keys)")
+    return ("the coordinator closed every connection during the handshake: it probably requires CURVE keys: "
+            f"give --keys DIR (or set ${KEYS_ENV}); or this is not an adaptrain coordinator's endpoint")

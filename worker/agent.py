@@ -53,7 +53,7 @@ from worker.calibrate import Calibration
 
 POLL_S = 0.01
 JOIN_RETRY_S = 1.0
-MAX_SILENT_HANDSHAKE_FAILURES = 5  # failures with no detail (a reset connection) before giving up
+NO_DETAIL_GRACE_S = 3.0  # handshakes failing without detail (and none succeeding) for this long: give up
 REJOIN_GRACE_S = 1.0  # stale-epoch answers this soon after a Join are echoes of older heartbeats
 
 
@@ -78,7 +78,8 @@ class Agent:
                  keys: ClientKeys | None = None) -> None:
         self.endpoint = endpoint
         self.keys = keys
-        self._failed_handshakes = 0
+        self._handshaken = False  # a handshake with the coordinator succeeded at least once
+        self._failing_since: float | None = None  # first failed handshake before any success
         self.name = name
         self.calibration = calibration
         self.slowdown = slowdown  # the test knob: compute is stretched by this factor (`Slowdown`)
@@ -189,24 +190,27 @@ class Agent:
             sock.close()
 
     def _watch_handshakes(self, monitor: zmq.Socket[bytes]) -> None:
-        """Turn a handshake the coordinator refused into a fatal error that says why."""
+        """Turn a handshake the coordinator refused into a fatal error that says why. A failure
+        without detail (the coordinator closed the connection mid-handshake, which is how a refusal
+        can look under load) is fatal too when no handshake has succeeded for NO_DETAIL_GRACE_S."""
+        why: str | None = None
         while monitor.poll(0):
             event = recv_monitor_message(monitor)
             kind, value = int(event["event"]), int(event["value"])
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._failed_handshakes = 0
+                self._handshaken, self._failing_since = True, None
                 continue
-            why = handshake_failure(kind, value, self.keys, who="worker")
-            self._failed_handshakes += 1
-            if why is None and self._failed_handshakes >= MAX_SILENT_HANDSHAKE_FAILURES:
-                why = no_detail_failure(self.keys)
-            if why is not None:
-                with self._cond:
-                    self._box.fatal = why
-                    self._cond.notify_all()
+            why = why or handshake_failure(kind, value, self.keys, who="worker")
+            if not self._handshaken and self._failing_since is None:
+                self._failing_since = time.monotonic()
+        if why is None and self._failing_since is not None and time.monotonic() - self._failing_since > NO_DETAIL_GRACE_S:
+            why = no_detail_failure(self.keys)
+        if why is not None:
+            with self._cond:
+                self._box.fatal = why
+                self._cond.notify_all()
 
     def _loop(self, sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:
-        self._failed_handshakes = 0
         self._box.joined_at = time.monotonic()
         sock.send(encode(self._join_message()))
         next_beat = time.monotonic()

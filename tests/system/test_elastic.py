@@ -110,6 +110,9 @@ def test_stopped_worker_is_fenced_and_rejoins(tmp_path: Path, undisturbed: dict[
         job.signal("w2", signal.SIGCONT)
         job.wait_event(lambda e: e["kind"] == "plan" and "w2" in (e["layout"] or {}).get("members", [])
                        and e["epoch"] > plan["epoch"], 60, "w2 planned in again")
+        # Its first words after SIGCONT spoke for a membership it had lost: refused (told to join
+        # again) and counted, never applied.
+        assert job.ctl("status")["refused"].get("stale", 0) >= 1
         exits = job.wait_workers(180)
         assert exits == {"w1": 0, "w2": 0, "w3": 0}, {n: job.tail(n) for n in exits}
         assert job.wait_coordinator(30) == 0

@@ -177,8 +177,9 @@ async def test_monitor_sees_disconnect_of_the_sending_connection() -> None:
         port = router.socket.bind_to_random_port("tcp://127.0.0.1")
         dealer.socket.connect(f"tcp://127.0.0.1:{port}")
         assert dealer.send([b"hello"])
-        (peer, body), fd = await router.receive_with_fd()
-        assert body == b"hello" and fd >= 0
+        received = await router.receive_from()
+        (peer, body), fd = received.frames, received.fd
+        assert body == b"hello" and fd >= 0 and received.user_id == "" and received.dropped == 0
 
         dealer.close()
         seen = []
@@ -189,3 +190,19 @@ async def test_monitor_sees_disconnect_of_the_sending_connection() -> None:
                 assert event.endpoint == f"tcp://127.0.0.1:{port}"
                 break
         assert zmq.EVENT_ACCEPTED in seen
+
+
+async def test_a_message_of_many_frames_is_read_whole_but_kept_short() -> None:
+    """A peer cannot make the receiver hold a message of a million parts: frames past the limit are
+    read (the next message is intact) and counted, not kept."""
+    router = TrioSocket.create(zmq.ROUTER, linger_s=0)
+    dealer = TrioSocket.create(zmq.DEALER, linger_s=0)
+    with router, dealer, trio.fail_after(10):
+        port = router.socket.bind_to_random_port("tcp://127.0.0.1")
+        dealer.socket.connect(f"tcp://127.0.0.1:{port}")
+        assert dealer.send([b"%d" % i for i in range(1000)])
+        assert dealer.send([b"next"])
+        many = await router.receive_from(max_frames=4)
+        assert len(many.frames) == 4 and many.dropped == 1 + 1000 - 4  # the routing id is a frame too
+        after = await router.receive_from()
+        assert after.frames[1:] == [b"next"] and after.dropped == 0
