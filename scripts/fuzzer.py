@@ -123,7 +123,7 @@ def _junk(rng: random.Random, depth: int = 0) -> Any:
     if choice == 4:
         return [_junk(rng, depth + 1) for _ in range(rng.randrange(5))]
     if choice == 5:  # a map that looks a little like a frame
-        m: dict[Any, Any] = {rng.choice(["v", "kind", "name", "x"]): _junk(rng, depth + 1) for _ in range(3)}
+        m: dict[Any, Any] = {rng.choice(["kind", "name", "x", 7]): _junk(rng, depth + 1) for _ in range(3)}
         return m
     return None
 
@@ -257,20 +257,21 @@ def send_messages(endpoint: str, keys: ClientKeys | None, inputs: list[tuple[str
             sock.send_multipart(frames)
             report.sent[kind] += 1
             report.expected[kinds.get(kind, "decode")] += 1
-            if i % 64 == 0:
-                _drain(sock)
+            _drain(sock)
             if rate_per_s is not None:
                 ahead = (i + 1) / rate_per_s - (time.perf_counter() - t0)
                 if ahead > 0:
                     time.sleep(ahead)
-        deadline = time.monotonic() + 10.0
-        while sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.2)  # let zmq's I/O thread hand the tail to the kernel before closing
-        _drain(sock)
+        # Keep the connection (and reading its answers) until the coordinator has caught up: a
+        # closing zmq socket stops reading, and what it had not yet sent would be lost with it.
+        quiet_since, deadline = time.monotonic(), time.monotonic() + 120
+        while time.monotonic() - quiet_since < 1.0 and time.monotonic() < deadline:
+            if sock.poll(50):
+                _drain(sock)
+                quiet_since = time.monotonic()
     finally:
         report.seconds = time.perf_counter() - t0
-        sock.close(linger=2000)
+        sock.close(linger=0)
         ctx.term()
     return report
 
