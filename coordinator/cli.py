@@ -31,7 +31,7 @@ does not cover the torch.distributed data plane between workers: run that on a p
 --insecure runs without keys, for trusted networks only.
 
 Once listening it prints one line:
-  ready workers=tcp://HOST:PORT control=tcp://HOST:PORT state_dir=DIR job=REF keys=curve|none(insecure)
+  ready workers=tcp://HOST:PORT control=tcp://HOST:PORT state_dir=DIR job=REF keys=curve|none(insecure) protocol=N
 Workers join with `worker --join <workers endpoint>`; `python scripts/ctl.py --control <control
 endpoint> status` shows the job. Events go to STATE_DIR/events.jsonl, one JSON object a line.
 SIGTERM or SIGINT: tell the workers to stop, wait for them (up to --stop-grace), exit 0.

@@ -52,6 +52,7 @@ from transport import (
     ERR_PROTOCOL,
     ERR_STALE_EPOCH,
     MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
     Ack,
     CodecError,
     ControlReply,
@@ -457,7 +458,7 @@ async def serve(cfg: CoordinatorConfig, job: JobInfo, *,
             task_status.started(endpoints)
             security = "keys=curve" if cfg.keys is not None else "keys=none(insecure)"
             print(f"ready workers={endpoints.workers} control={endpoints.control} "
-                  f"state_dir={cfg.state_dir} job={job.ref} {security}", flush=True)
+                  f"state_dir={cfg.state_dir} job={job.ref} {security} protocol={PROTOCOL_VERSION}", flush=True)
             if cfg.keys is None:
                 core.say("WARNING: --insecure: no CURVE keys; anyone who can reach these ports can join, "
                          "read events and stop the job. Use only on a trusted network.", err=True)

@@ -111,7 +111,7 @@ def latency(workdir: Path, secure: bool, rounds: int, joins: int) -> dict[str, A
 
 def _median_step_s(job: LocalJob, first: int, last: int) -> float:
     steps = job.steps()
-    return statistics.median(steps[s]["step_s"] for s in range(first, last + 1) if s in steps)
+    return float(statistics.median(steps[s]["step_s"] for s in range(first, last + 1) if s in steps))
 
 
 def fuzz(workdir: Path, messages: int, seed: int) -> dict[str, Any]:

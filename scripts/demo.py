@@ -58,6 +58,8 @@ def main() -> int:
 def run(job: LocalJob, kill_at: int, join_at: int, slow_at: int) -> int:
     job.start()
     print(f"coordinator ready: workers={job.workers_endpoint} control={job.control_endpoint}")
+    print(f"CURVE keys in {job.keys_dir} (`coordinator keygen`): the coordinator, every worker and ctl use them; "
+          "anyone else is refused and counted")
     for name in ("w1", "w2", "w3"):
         job.add_worker(name, "--log-every", "0")
     print("started w1 w2 w3 (each calibrates, loads the job, joins)\n")

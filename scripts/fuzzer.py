@@ -180,24 +180,27 @@ def worker_input(kind: str, rng: random.Random, live: list[str]) -> list[bytes]:
         return [encode(rng.choice(_ROLE_SAMPLES + [t.ControlRequest(command="stop", args=[])]))]
     if kind == "replay":
         name, epoch, step = rng.choice(live), rng.randrange(0, 3), rng.randrange(0, 100)
-        return [encode(rng.choice([
+        replays: list[t.Message] = [
             t.Heartbeat(name=name, epoch=epoch, step=step),
             t.StepReport(name=name, epoch=epoch, step=step, loss=rng.random(), samples=4, global_batch=64,
                          compute_s=0.01, comm_s=0.01, step_s=0.03, digest=""),
-            t.Ack(name=name, epoch=epoch, step=step, reshard_bytes=0, reshard_s=0.0)]))]
+            t.Ack(name=name, epoch=epoch, step=step, reshard_bytes=0, reshard_s=0.0)]
+        return [encode(rng.choice(replays))]
     if kind == "impersonate":
         name = rng.choice(live)
-        return [encode(rng.choice([
+        claims: list[t.Message] = [
             t.Leave(name=name, reason="drained"), t.Ready(name=name),
             t.Join(name=name, host="evil", pid=1, device="cpu", flops=1e12, memory_bytes=1 << 40, threads=1),
-            t.GraphUpload(name=name, graph={"layers": []})]))]
+            t.GraphUpload(name=name, graph={"layers": []})]
+        return [encode(rng.choice(claims))]
     if kind == "stale":
         ghost = f"ghost-{rng.randrange(10**6)}"
-        return [encode(rng.choice([
+        ghosts: list[t.Message] = [
             t.Heartbeat(name=ghost, epoch=rng.randrange(5), step=1),
             t.StepReport(name=ghost, epoch=1, step=1, loss=0.0, samples=1, global_batch=1, compute_s=0.0,
                          comm_s=0.0, step_s=0.0, digest=""),
-            t.Ack(name=ghost, epoch=1, step=0, reshard_bytes=0, reshard_s=0.0)]))]
+            t.Ack(name=ghost, epoch=1, step=0, reshard_bytes=0, reshard_s=0.0)]
+        return [encode(rng.choice(ghosts))]
     if kind == "store":
         op = rng.choice(["set", "get", "add", "wait", "frobnicate", "delete", "compare_set"])
         keys = rng.choice([[], ["unscoped"], [f"epoch{10**9}/k"], ["epoch1/" + "k" * 600],
@@ -374,7 +377,9 @@ def plan_messages(rng: random.Random, n: int, kinds: dict[str, str], *, live: li
     order = names + [rng.choice(names) for _ in range(max(0, n - len(names) - oversize))]
     order += ["oversize"] * oversize
     rng.shuffle(order)
-    make = (lambda k: control_input(k, rng)) if control else (lambda k: worker_input(k, rng, live))
+    def make(kind: str) -> list[bytes]:
+        return control_input(kind, rng) if control else worker_input(kind, rng, live)
+
     return [(k, make(k)) for k in order[:n]]
 
 

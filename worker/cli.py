@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-from transport import GraphUpload, Leave, check_name
+from transport import PROTOCOL_VERSION, GraphUpload, Leave, check_name
 from transport.security import KEYS_ENV, ROLE_WORKER, ClientKeys, KeysError, keys_dir, load_client_keys
 
 EPILOG = """\
@@ -146,8 +146,9 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     agent.start()
+    keys = f"CURVE key {cfg.keys.path}" if cfg.keys is not None else "no keys"
     print(f"[{cfg.name}] joining {cfg.join} ({calibration.flops / 1e9:.1f} GFLOP/s, "
-          f"{calibration.memory_bytes / 2**30:.1f} GiB)", flush=True)
+          f"{calibration.memory_bytes / 2**30:.1f} GiB; protocol v{PROTOCOL_VERSION}, {keys})", flush=True)
     try:
         welcome = agent.wait_welcome(cfg.connect_timeout_s)
         if hashlib.sha256(welcome.job_source.encode()).hexdigest() != welcome.job_sha256:
