@@ -78,6 +78,7 @@ class Agent:
                  keys: ClientKeys | None = None) -> None:
         self.endpoint = endpoint
         self.keys = keys
+        self._ignored = 0  # frames from the coordinator that could not be used
         self._handshaken = False  # a handshake with the coordinator succeeded at least once
         self._failing_since: float | None = None  # first failed handshake before any success
         self.name = name
@@ -243,7 +244,9 @@ class Agent:
         try:
             msg = decode(frame)
         except CodecError as e:
-            self._log(f"ignoring an undecodable frame from the coordinator: {e}")
+            self._ignored += 1
+            if self._ignored <= 5 or self._ignored % 1000 == 0:  # bounded: a flood must not flood the log
+                self._log(f"ignoring an undecodable frame from the coordinator ({self._ignored} so far): {e}")
             return
         with self._cond:
             box = self._box
@@ -280,7 +283,10 @@ class Agent:
                     else:
                         self._log(f"coordinator error {code}: {text}")
                 case _:
-                    self._log(f"ignoring unexpected {type(msg).__name__} from the coordinator")
+                    self._ignored += 1
+                    if self._ignored <= 5 or self._ignored % 1000 == 0:
+                        self._log(f"ignoring unexpected {type(msg).__name__} from the coordinator "
+                                  f"({self._ignored} so far)")
             self._cond.notify_all()
         if self.on_interrupt is not None and isinstance(msg, (PlanDelta, Abort, Stop, Error)):
             self.on_interrupt()
