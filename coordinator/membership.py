@@ -136,7 +136,7 @@ def _join(state: State, msg: Join, config: Config, now: float) -> Result:
     worker = Worker(name=msg.name, host=msg.host, device=msg.device, pid=msg.pid, joined_at=now,
                     last_seen=now)
     device = Device(name=msg.name, host=msg.host, kind=msg.device, flops=max(msg.flops, 1.0),
-                    memory_bytes=msg.memory_bytes)
+                    memory_bytes=msg.memory_bytes, threads=max(msg.threads, 1), host_cores=msg.cores)
     state = replace(state, workers={**state.workers, msg.name: worker},
                     cluster=state.cluster.with_device(device))
     effects: list[Effect] = [Welcome(msg.name),
@@ -150,11 +150,13 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
     if r.name not in state.workers:
         return state, [_fence(r.name)]
     state = _touch(state, r.name, now, step=r.step)
+    tracker = state.tracker
+    calm = config.stability == "calm"
+    active = tracker.members if calm and tracker is not None and tracker.epoch == r.epoch else ()
     cluster = state.cluster.with_measurement(r.name, r.samples, r.compute_s,
-                                             overhead_s=max(0.0, r.step_s - r.compute_s - r.comm_s))
+                                             overhead_s=max(0.0, r.step_s - r.compute_s - r.comm_s), active=active)
     effects: list[Effect] = []
     changes: list[str] = []
-    tracker = state.tracker
     if tracker is not None:
         tracker, findings = steps.observe(tracker, r)
         for f in findings:
@@ -165,9 +167,12 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
                 case steps.SpeedChange(name=name, kind=kind, speed=speed, expected=expected, recent=recent):
                     changes.append(kind)
                     if kind != "calibration":  # (a calibration's measurements are the model already)
-                        cluster = cluster.with_speed_change(name, recent)
+                        cluster = cluster.with_speed_change(name, recent, active=active)
                         effects.append(Log(kind, {"worker": name, "speed": round(speed, 3),
                                                   "expected": round(expected, 3), "step": r.step}))
+                    verb = "measured" if kind == "calibration" else "now"
+                    changed = f"{name} {verb} {speed:.3g} samples/s, expected {expected:.3g} ({kind})"
+                    state = replace(state, changed=(*state.changed, changed)[-8:])
     state = replace(state, cluster=cluster, tracker=tracker)
     if r.step > state.last_step:
         done = not state.finished and r.step >= config.num_steps
@@ -179,7 +184,7 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
         effects.append(Log("step", {"step": r.step, "epoch": r.epoch, "loss": r.loss, "samples": r.global_batch,
                                     "step_s": r.step_s, "predicted_s": predicted}))
     if changes and not state.finished:
-        reason = min(changes, key=("straggler", "recovered", "calibration").index)
+        reason = min(changes, key=("straggler", "recovered", "contention", "calibration").index)
         state, more = replan(state, config, reason, abort=False, now=now)
         effects += more
     return state, effects

@@ -11,6 +11,14 @@ lands with another one waiting. It
 * keeps one leaving state holder in the new epoch with no samples when no holder would stay, so
   that it hands the state over inside the new group;
 * sends nothing when a planned re-plan gives the same assignment (no churn);
+* for a re-plan that no membership change forced (a straggler, a recovery, host contention, a
+  model calibration), takes the better plan only when it pays: its predicted gain per step must be
+  at least MIN_REL_GAIN of the step and twice the measured step-time noise of the epoch, and the
+  gain over the horizon must exceed the switch's cost (forming a group, moving state). Otherwise
+  the current plan stays and a `kept` event says why; a taken re-plan's detail says what changed
+  and what it is predicted to gain;
+* plans on the cluster as it will run: co-located workers' contention for their host's cores is
+  predicted (`Cluster.contended`), so a join or a failure on a host is not read as stragglers;
 * when nothing fits (memory) keeps the state where it is: a running plan trains on, survivors of a
   failure wait for a device that fits; only when nobody holds the state is it reported lost.
 """
@@ -19,10 +27,16 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import statistics
+
 from coordinator import steps
 from coordinator.state import Config, Effect, Log, Planned, Result, Send, State
-from plan import PlanLimits, PlanResult, make_plan, predict
+from plan import Cluster, Plan, PlanLimits, PlanResult, make_plan, predict
 from transport import PlanDelta
+
+GAIN_REASONS = ("straggler", "recovered", "contention", "calibration")  # re-plans that must pay for themselves
+MIN_REL_GAIN = 0.03  # ... by at least this fraction of the step
+NOISE_WINDOW = 32  # measured steps the epoch's step-time noise is taken over
 
 
 def replan(state: State, config: Config, reason: str, *, abort: bool, now: float) -> Result:
@@ -43,10 +57,15 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
             result = PlanResult(plan=None, status="infeasible", reason=detail)
             return replace(state, replan_wanted=None, result=result), [Planned(result, state.epoch, reason)]
         eligible = set(holders)  # aborted: they need a new epoch anyway
+    # The planner sees every eligible worker's speed as it would be with all of them training (the
+    # usual outcome); a plan that leaves a co-located worker out is predicted a little pessimistically.
+    calm = config.stability == "calm"
     cluster = state.cluster.subset(eligible)
+    cluster = cluster.contended(eligible) if calm else cluster
+    horizon = max(1, min(config.horizon_steps, config.num_steps - state.last_step))
     limits = PlanLimits(global_batch=config.global_batch, max_workers=config.max_workers,
                         time_limit_s=config.solve_time_limit_s, policy=config.planner, engine=config.solver,
-                        horizon_steps=max(1, min(config.horizon_steps, config.num_steps - state.last_step)))
+                        horizon_steps=horizon)
     result = make_plan(cluster, state.graph, state.plan, limits=limits, holders=holders)
     if result.plan is None:
         return _nothing_fits(state, result, holders, reason, abort=abort)
@@ -56,7 +75,9 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
         # No state holder stays: keep one leaving holder for one epoch with no samples, so that it
         # hands its state to the newcomers inside the new group; the next plan lets it go.
         handoff = holders[0]
-        new = predict(state.cluster, state.graph, (*new.members, handoff), (*new.shares, 0))
+        members = (*new.members, handoff)
+        new = predict(state.cluster.contended(members) if calm else state.cluster, state.graph, members,
+                      (*new.shares, 0))
         result = replace(result, plan=new, reason=f"{result.reason}; {handoff} stays one epoch to hand off")
     benched = _standby_logs(state, result)
     state = replace(state, standby=frozenset(result.standby))
@@ -66,18 +87,74 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
         if tracker is not None and tracker.epoch == state.epoch:
             tracker = replace(tracker, predicted_step_s=new.predicted_step_s)
         return replace(state, replan_wanted=None, result=result, plan=new, tracker=tracker), benched
+    if calm and not abort and reason in GAIN_REASONS and state.plan is not None:
+        verdict = _worth_it(state, new, result, horizon)
+        if isinstance(verdict, str):  # not worth a switch: the current plan stays
+            kept = _keep(state, reason, verdict)
+            return kept, [Log("kept", {"reason": reason, "detail": kept.kept}), *benched]
+        result = replace(result, reason=f"{result.reason}; {verdict[0]}")
+    if state.changed:
+        result = replace(result, reason=f"{result.reason}; changed: {'; '.join(state.changed)}")
     epoch = state.epoch + 1
     delta = PlanDelta(epoch=epoch, reason=reason, members=list(new.members), shares=list(new.shares),
                       global_batch=config.global_batch, abort=abort)
     old = set(state.plan.members) if state.plan else set()
     recipients = sorted((old | set(new.members)) & set(state.workers))
     workers = {n: replace(w, nudged_at=now) if n in recipients else w for n, w in state.workers.items()}
-    tracker = steps.start(epoch, new.members, new.predicted_step_s, {c.name: c.compute_s for c in new.costs})
+    hosts = {n: state.cluster.devices[n].host for n in new.members if n in state.cluster.devices}
+    tracker = steps.start(epoch, new.members, new.predicted_step_s, {c.name: c.compute_s for c in new.costs}, hosts,
+                          legacy=not calm)
     state = replace(state, workers=workers, delta=delta, epoch=epoch, plan=new, result=result, tracker=tracker,
-                    acked=frozenset(), reshard_bytes=0, reshard_s=0.0, running=frozenset(holders),
+                    acked=frozenset(), reshard_bytes=0, reshard_s=0.0, running=frozenset(holders), changed=(),
+                    kept=None,
                     replan_wanted=f"{handoff} handed off" if handoff else None)
     effects: list[Effect] = [Planned(result, epoch, reason), *benched]
     return state, effects + [Send(n, delta) for n in recipients]
+
+
+def _worth_it(state: State, new: Plan, result: PlanResult, horizon: int) -> tuple[str] | str:
+    """(what the switch gains,) when `new` pays for a switch from the current plan, else why not."""
+    current = state.plan
+    assert current is not None
+    if not set(current.members) <= set(state.cluster.devices) or new.predicted_step_s is None:
+        return ("the current members cannot all train on",)
+    now_cluster: Cluster = state.cluster.contended(current.members)
+    now_s = predict(now_cluster, state.graph, current.members, current.shares).predicted_step_s
+    if now_s is None or now_s <= 0:
+        return ("no prediction for the current plan",)
+    gain = now_s - new.predicted_step_s
+    noise = _noise(state)
+    need = max(MIN_REL_GAIN, 2 * noise)
+    cost = state.cluster.switch_s() + state.cluster.move_s(result.moved_bytes)
+    numbers = (f"predicted {now_s * 1e3:.1f} -> {new.predicted_step_s * 1e3:.1f} ms/step ({gain / now_s:+.1%} of "
+               f"the step; needed {need:.1%}: 3% or twice the measured noise {noise:.1%}), switch cost "
+               f"{cost * 1e3:.0f} ms against {max(gain, 0.0) * horizon * 1e3:.0f} ms gained over {horizon} steps")
+    if gain / now_s < need or gain * horizon <= cost:
+        return f"not worth a switch: {numbers}"
+    return (f"worth a switch: {numbers}",)
+
+
+def _noise(state: State) -> float:
+    """Relative spread of the current epoch's measured step times (median absolute deviation over
+    the median); 0 before a few steps are measured."""
+    t = state.tracker
+    if t is None or t.epoch != state.epoch or len(t.measured) < 4:
+        return 0.0
+    recent = t.measured[-NOISE_WINDOW:]
+    mid = statistics.median(recent)
+    return statistics.median(abs(x - mid) for x in recent) / mid if mid > 0 else 0.0
+
+
+def _keep(state: State, reason: str, why: str) -> State:
+    """Keep the current plan (a re-plan that does not pay); its prediction is refreshed."""
+    plan = state.plan
+    assert plan is not None
+    fresh = predict(state.cluster.contended(plan.members), state.graph, plan.members, plan.shares)
+    tracker = state.tracker
+    if tracker is not None and tracker.epoch == state.epoch:
+        tracker = replace(tracker, predicted_step_s=fresh.predicted_step_s)
+    changed = f"; changed: {'; '.join(state.changed)}" if state.changed else ""
+    return replace(state, replan_wanted=None, kept=f"{why}{changed}", tracker=tracker, plan=fresh)
 
 
 def _standby_logs(state: State, result: PlanResult) -> list[Effect]:

@@ -27,6 +27,7 @@ class Config:
     solve_time_limit_s: float = 0.5
     solver: str = "auto"  # the class-level engine: "auto", "search" or "milp"
     horizon_steps: int = 200  # a switch's one-off cost is spread over this many steps (or what is left)
+    stability: str = "calm"  # "calm": contention model, change points, re-plans that pay; "legacy": before (#9)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,6 +63,8 @@ class State:
     reshard_s: float = 0.0  # slowest ack of `epoch`
     replan_wanted: str | None = None  # a planned change waiting for the current one to land
     standby: frozenset[str] = frozenset()  # ready workers the latest plan left out
+    changed: tuple[str, ...] = ()  # what changed since the latest plan (speeds), said by the next re-plan
+    kept: str | None = None  # why the latest re-plan that found a better plan kept the current one
     last_step: int = 0  # highest step reported (and logged)
     finished: bool = False  # some worker ran the last step
     stopping: bool = False

@@ -9,14 +9,23 @@ Pure, like membership: `observe(tracker, report) -> (tracker, findings)`, no clo
   step, that of the replica that arrived last at the all-reduce and so waited for no one. The
   plan's predicted step time is compared with every measured step (`errors`).
 * **Speed changes.** In each epoch a member's first `SETTLE` steps are skipped (a switch moves state
-  and changes who competes for what), and the median compute time of the next `STREAK` becomes its
-  baseline. If that baseline is `THRESHOLD` off what the plan predicted for its share, the cost
+  and changes who competes for what), and the median compute time of the next `BASELINE` becomes its
+  baseline, with its noise: the relative median absolute deviation of those steps. A step counts as
+  off the baseline when it is further than the *band*: `THRESHOLD`, or `NOISE_K` times the noise
+  when that is wider (capped at `MAX_BAND`), so workers whose steps jitter by ±40% (three GPT
+  workers sharing two cores) are not flagged for their jitter, while a 3× slowdown still is. If that baseline is `THRESHOLD` off what the plan predicted for its share, the cost
   model was wrong (`SpeedChange(kind="calibration")`: the measurements already correct it; the
-  planner decides whether a new plan pays). Then `STREAK` consecutive steps whose speed (samples /
-  compute time) is at least `THRESHOLD` below the baseline make `kind="straggler"`, as many at least
-  as far above `kind="recovered"`, and the streak's median becomes the new baseline, so one change
-  is reported once. Comparing with the epoch's own measurement, not the prediction, keeps a model
-  error from passing for a straggler (and from re-planning back and forth on it).
+  planner decides whether a new plan pays). After that, a change is a *lasting* shift against the
+  baseline, a change point over a window: at least `VOTES` of the last `WINDOW` steps at least
+  `THRESHOLD` slower (or faster) than the baseline. One slow step, or a burst of up to
+  `VOTES - 1` noisy ones, moves nothing; a lasting 3× slowdown is found `VOTES` steps after
+  it starts. Then the window's median becomes the new baseline, so one change is reported once.
+  Comparing with the epoch's own measurement, not the prediction, keeps a model error from passing
+  for a straggler (and from re-planning back and forth on it).
+* **Contention, not stragglers.** When the members that share a host shift together (each with at
+  least `VOTES - 1` of its last `WINDOW` steps the same way), the host got busier or quieter (a
+  process starting beside them, a worker importing torch before it joins): one
+  `kind="contention"` change per member of that host, never a straggler.
 """
 
 from __future__ import annotations
@@ -28,7 +37,12 @@ from plan.cost import relative_error
 from transport import StepReport
 
 THRESHOLD = 0.2  # a speed 20% off the baseline is a change
-STREAK = 4  # ... when it lasts this many consecutive steps
+STREAK = 4  # legacy (before #9): steps of a baseline, and slow steps in a row that make a straggler
+BASELINE = 6  # steps whose median (and spread) is a member's baseline in an epoch
+NOISE_K = 2.5  # a step is off the baseline beyond NOISE_K × its relative spread ...
+MAX_BAND = 0.5  # ... capped here (a 3x slowdown is always off)
+WINDOW = 6  # a change is decided over this many recent steps ...
+VOTES = 5  # ... when at least this many of them are THRESHOLD off the baseline, the same way
 SETTLE = 2  # steps of a new epoch not measured against anything
 ERROR_WINDOW = 256  # measured steps kept per epoch for the prediction error
 PENDING_STEPS = 4  # a step still missing reports this far behind the newest is dropped
@@ -39,17 +53,17 @@ class Watch:
     """One member's compute time against the plan's prediction for its share."""
 
     expected_s: float  # compute seconds the plan predicted, then the measured baseline
+    band: float = THRESHOLD  # how far off (relative) a step must be to count as slower or faster
     baselined: bool = False  # expected_s is measured (after SETTLE + STREAK steps of this epoch)
     settled: int = 0  # steps seen of this epoch, up to SETTLE
-    slow: int = 0
-    fast: int = 0
-    recent: tuple[tuple[int, float], ...] = ()  # the latest STREAK (samples, compute seconds)
+    votes: tuple[int, ...] = ()  # the latest WINDOW steps: +1 slower, -1 faster than the baseline, 0 neither
+    recent: tuple[tuple[int, float], ...] = ()  # the latest WINDOW (samples, compute seconds)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SpeedChange:
     name: str
-    kind: str  # "straggler", "recovered", "calibration"
+    kind: str  # "straggler", "recovered", "calibration", "contention"
     factor: float  # measured compute time / predicted (median of the streak)
     speed: float  # measured samples/s of compute at its share
     expected: float  # samples/s the plan assumed
@@ -76,6 +90,11 @@ class Tracker:
     epoch: int
     members: tuple[str, ...]
     predicted_step_s: float | None
+    hosts: dict[str, str] = field(default_factory=dict)  # member -> host (for contention)
+    window: int = WINDOW  # the change-point window and votes (legacy: 4 of 4, a streak)
+    votes: int = VOTES
+    baseline: int = BASELINE  # steps of a baseline (legacy: STREAK)
+    noise_k: float = NOISE_K  # band = max(THRESHOLD, noise_k × spread) (legacy: 0, the band is THRESHOLD)
     watches: dict[str, Watch] = field(default_factory=dict)
     pending: dict[int, dict[str, StepReport]] = field(default_factory=dict)
     measured: tuple[float, ...] = ()  # step_s of measured steps, oldest first
@@ -83,10 +102,15 @@ class Tracker:
 
 
 def start(epoch: int, members: tuple[str, ...], predicted_step_s: float | None,
-          compute: dict[str, float]) -> Tracker:
-    """A tracker for a new epoch; `compute` maps a member to its predicted compute seconds."""
+          compute: dict[str, float], hosts: dict[str, str] | None = None, *, legacy: bool = False) -> Tracker:
+    """A tracker for a new epoch; `compute` maps a member to its predicted compute seconds, `hosts`
+    a member to its host. `legacy`: the detector before #9 (STREAK slow steps in a row, no
+    contention), kept as a baseline for benchmarks."""
     watches = {n: Watch(expected_s=c) for n, c in compute.items() if c > 0}
-    return Tracker(epoch=epoch, members=members, predicted_step_s=predicted_step_s, watches=watches)
+    window, votes, baseline, noise_k = (STREAK, STREAK, STREAK, 0.0) if legacy else (WINDOW, VOTES, BASELINE, NOISE_K)
+    return Tracker(epoch=epoch, members=members, predicted_step_s=predicted_step_s, watches=watches,
+                   hosts={} if legacy else dict(hosts or {}), window=window, votes=votes, baseline=baseline,
+                   noise_k=noise_k)
 
 
 def observe(t: Tracker, r: StepReport) -> tuple[Tracker, list[Finding]]:
@@ -96,9 +120,12 @@ def observe(t: Tracker, r: StepReport) -> tuple[Tracker, list[Finding]]:
     findings: list[Finding] = []
     watch = t.watches.get(r.name)
     if watch is not None and r.samples > 0 and r.compute_s > 0:
-        watch, change = _watch(watch, r.name, r.samples, r.compute_s)
+        watch, change = _watch(watch, r.name, r.samples, r.compute_s, t)
         t = replace(t, watches={**t.watches, r.name: watch})
-        if change is not None:
+        if change is not None and change.kind in ("straggler", "recovered"):
+            t, changes = _host_wide(t, change)
+            findings += changes
+        elif change is not None:
             findings.append(change)
     reports = {**t.pending.get(r.step, {}), r.name: r}
     pending = {s: rs for s, rs in t.pending.items() if s > r.step - PENDING_STEPS}
@@ -115,22 +142,51 @@ def observe(t: Tracker, r: StepReport) -> tuple[Tracker, list[Finding]]:
     return t, [*findings, Measured(step=r.step, step_s=step_s, comm_s=comm_s, ranks=len(t.members))]
 
 
-def _watch(w: Watch, name: str, samples: int, compute_s: float) -> tuple[Watch, SpeedChange | None]:
+def _watch(w: Watch, name: str, samples: int, compute_s: float, t: Tracker) -> tuple[Watch, SpeedChange | None]:
     if w.settled < SETTLE:
         return replace(w, settled=w.settled + 1), None
-    recent = (*w.recent, (samples, compute_s))[-STREAK:]
     if not w.baselined:
-        if len(recent) < STREAK:
+        recent = (*w.recent, (samples, compute_s))[-t.baseline:]
+        if len(recent) < t.baseline:
             return replace(w, recent=recent), None
         change = _change(w, name, "calibration", recent) if _off(_median(recent), w.expected_s) else None
-        return Watch(expected_s=_median(recent), baselined=True, settled=SETTLE), change
-    slow = w.slow + 1 if _slower(compute_s, w.expected_s) else 0
-    fast = w.fast + 1 if _faster(compute_s, w.expected_s) else 0
-    w = replace(w, slow=slow, fast=fast, recent=recent)
-    if slow >= STREAK or fast >= STREAK:
-        change = _change(w, name, "straggler" if slow >= STREAK else "recovered", recent)
-        return Watch(expected_s=_median(recent), baselined=True, settled=SETTLE), change
+        return _baseline(recent, t), change
+    recent = (*w.recent, (samples, compute_s))[-t.window:]
+    vote = 1 if _slower(compute_s, w.expected_s, w.band) else -1 if _faster(compute_s, w.expected_s, w.band) else 0
+    w = replace(w, recent=recent, votes=(*w.votes, vote)[-t.window:])
+    for direction, kind in ((1, "straggler"), (-1, "recovered")):
+        if w.votes.count(direction) >= t.votes:
+            shifted = tuple(x for x, v in zip(recent, w.votes) if v == direction)
+            change = _change(w, name, kind, shifted)
+            return _baseline(shifted, t), change
     return w, None
+
+
+def _baseline(recent: tuple[tuple[int, float], ...], t: Tracker) -> Watch:
+    """A member's new baseline from `recent` steps: their median, and a band that covers their noise."""
+    mid = _median(recent)
+    spread = statistics.median(abs(x - mid) for _, x in recent) / mid if mid > 0 else 0.0
+    band = min(MAX_BAND, max(THRESHOLD, t.noise_k * spread))
+    return Watch(expected_s=mid, band=band, baselined=True, settled=SETTLE)
+
+
+def _host_wide(t: Tracker, change: SpeedChange) -> tuple[Tracker, list[Finding]]:
+    """`change` as found, or, when every other member on its host has shifted the same way too,
+    one "contention" change per member of the host (each re-baselined)."""
+    host = t.hosts.get(change.name)
+    peers = [n for n in t.members if n != change.name and host is not None and t.hosts.get(n) == host]
+    direction = 1 if change.kind == "straggler" else -1
+    watches = {n: t.watches[n] for n in peers if n in t.watches and t.watches[n].baselined}
+    if not peers or len(watches) < len(peers) or not all(
+            w.votes.count(direction) >= t.votes - 1 for w in watches.values()):
+        return t, [change]
+    out: list[Finding] = [replace(change, kind="contention")]
+    updated = dict(t.watches)
+    for n, w in watches.items():
+        shifted = tuple(x for x, v in zip(w.recent, w.votes) if v == direction)
+        out.append(replace(_change(w, n, "contention", shifted)))
+        updated[n] = _baseline(shifted, t)
+    return replace(t, watches=updated), out
 
 
 def _median(recent: tuple[tuple[int, float], ...]) -> float:
@@ -144,14 +200,14 @@ def _change(w: Watch, name: str, kind: str, recent: tuple[tuple[int, float], ...
                        expected=samples / w.expected_s, recent=recent)
 
 
-def _slower(measured_s: float, expected_s: float) -> bool:
-    """Speed (samples / time) at least THRESHOLD below the expected."""
-    return measured_s * (1 - THRESHOLD) > expected_s
+def _slower(measured_s: float, expected_s: float, band: float = THRESHOLD) -> bool:
+    """Speed (samples / time) at least `band` below the expected."""
+    return measured_s * (1 - band) > expected_s
 
 
-def _faster(measured_s: float, expected_s: float) -> bool:
-    """Speed at least as far above: time below (1 − THRESHOLD) of the expected."""
-    return measured_s < (1 - THRESHOLD) * expected_s
+def _faster(measured_s: float, expected_s: float, band: float = THRESHOLD) -> bool:
+    """Speed at least as far above: time below (1 − band) of the expected."""
+    return measured_s < (1 - band) * expected_s
 
 
 def _off(measured_s: float, expected_s: float) -> bool:

@@ -17,6 +17,14 @@
   seconds ≈ c0 (forming the group) + c1 · bytes moved. Prior: 50 ms + 1 GB/s.
 * **Device classes** (`classes`): devices of one kind, similar speed (within `SPEED_TOLERANCE`) and
   the same memory cap, which the MILP treats as interchangeable.
+* **Contention** between workers that share a host's CPU cores: a device's compute time under a
+  set of active members is its uncontended time × `max(1, load)^γ`, where load is the threads of the
+  active members on its host over the host's cores (`Join.cores`), and γ (per host) says how much
+  compute suffers from oversubscription: learned from the device's own steps at two loads (median
+  per-sample time at each), with a prior of 1 for CPU devices (compute-bound) and 0 for GPUs.
+  Measurements are stored uncontended (divided by the factor in effect), so a join, a failure or
+  a drain on a host *predicts* the mutual slowdown or speed-up of its co-located workers instead of
+  reporting them as stragglers. `contended(active)` gives the cluster as it runs with `active`.
 
 Immutable: every change returns a new Cluster. Pure: no clock, no I/O.
 """
@@ -35,6 +43,10 @@ EWMA_WEIGHT = 0.3  # weight of the newest measurement in a device's overhead est
 COMPUTE_WINDOW = 16  # steps the compute model of a device is fitted over
 WARMUP_STEPS = 2  # a worker's first steps pay for lazy set-up (allocator, autograd): not fitted
 SPEED_TOLERANCE = 0.1  # devices within 10% of a class's slowest member share its class
+GAMMA_PRIOR = {"cpu": 1.0, "cuda": 0.0}  # contention exponent before a host's own is measured
+GAMMA_MAX = 1.5
+LOAD_WINDOW = 32  # (load, per-sample seconds) observations kept per device to learn γ
+LOAD_MIN_OBS = 3  # observations needed at each of two loads
 
 INTRA_HOST_PRIOR = (1e-4, 1e-9)
 INTER_HOST_PRIOR = (5e-4, 1e-8)
@@ -53,8 +65,11 @@ class Device:
     samples_per_s: float | None = None  # measured marginal compute speed, None until trained
     compute_fixed_s: float = 0.0  # measured compute time per step that does not grow with the share
     overhead_s: float = 0.0  # measured per-step time outside compute and the all-reduce (EWMA)
-    compute_window: tuple[tuple[int, float], ...] = ()  # recent (samples, compute seconds)
+    compute_window: tuple[tuple[int, float], ...] = ()  # recent (samples, uncontended compute seconds)
     reports: int = 0  # step reports seen (the first WARMUP_STEPS are not fitted: lazy set-up)
+    threads: int = 1  # cores it keeps busy while computing
+    host_cores: int = 0  # cores of its host (0: unknown, no contention modelled)
+    load_window: tuple[tuple[float, float], ...] = ()  # recent (host load, raw per-sample seconds)
 
     def __post_init__(self) -> None:
         if self.flops <= 0:
@@ -80,6 +95,7 @@ class Cluster:
     intra_host: TwoTermFit = field(default_factory=_fit(INTRA_HOST_PRIOR))
     inter_host: TwoTermFit = field(default_factory=_fit(INTER_HOST_PRIOR))
     migration: TwoTermFit = field(default_factory=_fit(MIGRATION_PRIOR))
+    gamma: dict[str, float] = field(default_factory=dict)  # learned contention exponent per host
 
     # --- devices ---------------------------------------------------------------------------------
 
@@ -95,35 +111,83 @@ class Cluster:
         return replace(self, devices={k: v for k, v in self.devices.items() if k in keep})
 
     def with_measurement(self, name: str, samples: int, compute_s: float,
-                         overhead_s: float | None = None) -> Cluster:
-        """Fold one step's compute time of `samples` samples (and its overhead) into the estimates."""
+                         overhead_s: float | None = None, active: Iterable[str] = ()) -> Cluster:
+        """Fold one step's compute time of `samples` samples (and its overhead), measured while the
+        devices `active` trained, into the estimates."""
         device = self.devices.get(name)
         if device is None or samples <= 0 or compute_s <= 0:
             return self
         if device.reports < WARMUP_STEPS and device.samples_per_s is None:
             return self.with_device(replace(device, reports=device.reports + 1))
-        window = (*device.compute_window, (samples, compute_s))[-COMPUTE_WINDOW:]
+        active = tuple(active)
+        load = self.load(device.host, active)
+        cluster = self
+        loads = device.load_window
+        if device.host_cores > 0 and active:
+            loads = (*loads, (load, compute_s / samples))[-LOAD_WINDOW:]
+            gamma = _learn_gamma(loads)
+            if gamma is not None:
+                cluster = replace(self, gamma={**self.gamma, device.host: gamma})
+        factor = cluster.factor(name, active)
+        window = (*device.compute_window, (samples, compute_s / factor))[-COMPUTE_WINDOW:]
         fixed, per_sample = fit_compute(window, device.compute_fixed_s)
         overhead = device.overhead_s
         if overhead_s is not None and overhead_s >= 0:
             first = device.samples_per_s is None
             overhead = overhead_s if first else (1 - EWMA_WEIGHT) * overhead + EWMA_WEIGHT * overhead_s
-        return self.with_device(replace(device, samples_per_s=1.0 / per_sample, compute_fixed_s=fixed,
-                                        overhead_s=overhead, compute_window=window, reports=device.reports + 1))
+        return cluster.with_device(replace(device, samples_per_s=1.0 / per_sample, compute_fixed_s=fixed,
+                                           overhead_s=overhead, compute_window=window, reports=device.reports + 1,
+                                           load_window=loads))
 
-    def with_speed_change(self, name: str, recent: tuple[tuple[int, float], ...]) -> Cluster:
-        """A detected change of speed, seen in `recent` (samples, seconds) steps at one share: the
-        device's compute model keeps its shape (fixed vs per-sample part) and is scaled to match
-        them; older observations are dropped (they describe the device before the change)."""
+    def with_speed_change(self, name: str, recent: tuple[tuple[int, float], ...],
+                          active: Iterable[str] = ()) -> Cluster:
+        """A detected change of speed, seen in `recent` (samples, seconds) steps at one share while
+        `active` trained: the device's compute model keeps its shape (fixed vs per-sample part) and
+        is scaled to match them; older observations are dropped (they describe the device before
+        the change)."""
         device = self.devices.get(name)
         if device is None or device.samples_per_s is None or not recent:
             return self
+        contention = self.factor(name, tuple(active))
         samples = recent[-1][0]
-        modelled = device.compute_fixed_s + samples / device.samples_per_s
+        modelled = (device.compute_fixed_s + samples / device.samples_per_s) * contention
         factor = statistics.median(t for _, t in recent) / modelled
         return self.with_device(replace(device, samples_per_s=device.samples_per_s / factor,
                                         compute_fixed_s=device.compute_fixed_s * factor,
-                                        compute_window=recent[-COMPUTE_WINDOW:]))
+                                        compute_window=tuple((n, t / contention) for n, t in recent[-COMPUTE_WINDOW:]),
+                                        load_window=()))
+
+    # --- contention between co-located workers ---------------------------------------------------
+
+    def load(self, host: str, active: Iterable[str]) -> float:
+        """Threads of the `active` devices on `host` per core of that host (0: cores unknown)."""
+        on_host = [self.devices[n] for n in active if n in self.devices and self.devices[n].host == host]
+        cores = max((d.host_cores for d in on_host), default=0)
+        return sum(d.threads for d in on_host) / cores if cores > 0 else 0.0
+
+    def host_gamma(self, host: str, kind: str) -> float:
+        return self.gamma.get(host, GAMMA_PRIOR.get(kind, 0.0))
+
+    def factor(self, name: str, active: Iterable[str]) -> float:
+        """How much slower `name` computes while `active` train than alone on its host (>= 1)."""
+        device = self.devices.get(name)
+        if device is None or device.host_cores <= 0:
+            return 1.0
+        load = self.load(device.host, active)
+        return float(max(1.0, load) ** self.host_gamma(device.host, device.device_kind))
+
+    def contended(self, active: Iterable[str]) -> Cluster:
+        """This cluster as it computes while exactly `active` train: each active device's speed
+        and fixed part scaled by its contention factor."""
+        active = tuple(active)
+        devices = dict(self.devices)
+        for n in active:
+            d = devices.get(n)
+            f = self.factor(n, active)
+            if d is not None and f != 1.0:
+                devices[n] = replace(d, samples_per_s=d.samples_per_s / f if d.samples_per_s else None,
+                                     compute_fixed_s=d.compute_fixed_s * f, flops=d.flops / f)
+        return replace(self, devices=devices)
 
     def with_speed(self, name: str, samples_per_s: float) -> Cluster:
         """Set a device's marginal speed outright (tests, simulations)."""
@@ -248,3 +312,18 @@ def fit_compute(window: tuple[tuple[int, float], ...], fixed_before: float) -> t
     fixed = min(fixed_before, min(t for _, t in window))
     per_sample = statistics.median((t - fixed) / n for n, t in window)
     return fixed, max(per_sample, 1.0 / MAX_SPEED)
+
+
+def _learn_gamma(loads: tuple[tuple[float, float], ...]) -> float | None:
+    """The contention exponent from (load, per-sample seconds) at the two most distant loads seen
+    at least LOAD_MIN_OBS times each: log(time ratio) / log(load ratio), loads floored at 1 (below
+    one thread per core nothing contends). None until two such loads exist."""
+    by_load: dict[float, list[float]] = {}
+    for load, t in loads:
+        by_load.setdefault(round(max(load, 1.0), 3), []).append(t)
+    seen = sorted(load for load, ts in by_load.items() if len(ts) >= LOAD_MIN_OBS)
+    if len(seen) < 2 or seen[-1] / seen[0] < 1.2:
+        return None
+    lo, hi = seen[0], seen[-1]
+    ratio = statistics.median(by_load[hi]) / statistics.median(by_load[lo])
+    return min(GAMMA_MAX, max(0.0, math.log(max(ratio, 1e-9)) / math.log(hi / lo)))

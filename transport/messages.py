@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-PROTOCOL_VERSION = 2  # 2: StepReport.comm_s, Slowdown
+PROTOCOL_VERSION = 3  # 2: StepReport.comm_s, Slowdown; 3: Join.cores
 
 # Error codes carried by `Error.code`.
 ERR_DECODE = "decode"  # the frame could not be decoded or failed validation
@@ -72,11 +72,12 @@ class Join:
     device: str  # "cpu", "cuda:0", ...
     flops: float  # calibrated matmul FLOP/s
     memory_bytes: int  # usable memory (after --memory-limit)
-    threads: int
+    threads: int  # torch intra-op threads: the cores this worker keeps busy
+    cores: int = 0  # CPU cores this process may run on (0: unknown); the planner models co-located contention
 
     def __post_init__(self) -> None:
         check_name(self.name)
-        _check_counts(self, "pid", "flops", "memory_bytes", "threads")
+        _check_counts(self, "pid", "flops", "memory_bytes", "threads", "cores")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

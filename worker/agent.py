@@ -175,7 +175,7 @@ class Agent:
     def _join_message(self) -> Join:
         c = self.calibration
         return Join(name=self.name, host=c.host, pid=os.getpid(), device=c.device, flops=c.flops,
-                    memory_bytes=c.memory_bytes, threads=c.threads)
+                    memory_bytes=c.memory_bytes, threads=c.threads, cores=c.cores)
 
     def _run(self) -> None:
         sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)

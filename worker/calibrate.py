@@ -38,6 +38,8 @@ class Calibration:
     """Torch device string, e.g. `cpu` or `cuda:0`."""
     threads: int
     """`torch.get_num_threads()` at calibration time."""
+    cores: int = 0
+    """CPU cores this process may run on (its affinity), shared by every worker on the host."""
 
 
 def calibrate(
@@ -66,6 +68,7 @@ def calibrate(
         host=socket.gethostname(),
         device=str(dev),
         threads=torch.get_num_threads(),
+        cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 0),
     )
 
 

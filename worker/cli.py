@@ -48,6 +48,7 @@ class WorkerConfig:
     connect_timeout_s: float
     slowdown: float
     keys: ClientKeys | None
+    trace_steps: str | None
 
 
 def parse_args(argv: list[str] | None) -> WorkerConfig:
@@ -70,6 +71,9 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
                         "none: connect without CURVE (only an --insecure coordinator accepts that)")
     p.add_argument("--digest-every", type=int, default=0, metavar="N",
                    help="hash the parameters every N steps and report it (to check replicas agree); 0: off")
+    p.add_argument("--trace-steps", metavar="FILE",
+                   help="append every step this worker reports (share, compute, communication and step time) to "
+                        "FILE as JSON lines: to study timings, or to record series the planner's tests replay")
     p.add_argument("--log-every", type=int, default=10, metavar="N", help="print progress every N steps")
     p.add_argument("--group-timeout", type=float, default=60.0, metavar="S",
                    help="torch.distributed timeout of each epoch's group (failures are detected long before)")
@@ -98,7 +102,7 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
             keys = load_client_keys(directory, ROLE_WORKER, name=name)
         except KeysError as e:
             p.error(str(e))
-    return WorkerConfig(keys=keys, join=a.join, name=name, device=a.device, threads=a.threads,
+    return WorkerConfig(keys=keys, trace_steps=a.trace_steps, join=a.join, name=name, device=a.device, threads=a.threads,
                         memory_limit_gib=a.memory_limit, digest_every=a.digest_every, log_every=a.log_every,
                         group_timeout_s=a.group_timeout, connect_timeout_s=a.connect_timeout,
                         slowdown=a.slowdown)
@@ -157,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(job, agent, cfg.join, TrainerConfig(group_timeout_s=cfg.group_timeout_s,
                                                               digest_every=cfg.digest_every,
                                                               log_every=cfg.log_every, device=cfg.device,
-                                                              keys=cfg.keys))
+                                                              keys=cfg.keys, trace_path=cfg.trace_steps))
         if preempted:  # SIGTERM while loading: we were never planned in, so just go
             agent.close()
             return 0

@@ -17,7 +17,9 @@ continue from one consistent step: no step is lost or applied twice.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +55,7 @@ class TrainerConfig:
     delta_timeout_s: float = 600.0  # how long to wait for a plan before giving up
     device: str = "cpu"
     keys: ClientKeys | None = None  # CURVE keys for the store's sockets (None: --insecure coordinator)
+    trace_path: str | None = None  # append every step report here as a JSON line (--trace-steps)
 
 
 class Trainer:
@@ -268,9 +271,12 @@ class Trainer:
         if every and (self.step % every == 0 or self.step == job.num_steps):
             digest = self.digest()
             self._log(f"digest step {self.step} {digest}")
-        self.agent.send(StepReport(name=self.name, epoch=g.epoch, step=self.step, loss=loss_value,
-                                   samples=len(ids), global_batch=G, compute_s=compute_s, comm_s=comm_s,
-                                   step_s=step_s, digest=digest))
+        report = StepReport(name=self.name, epoch=g.epoch, step=self.step, loss=loss_value, samples=len(ids),
+                            global_batch=G, compute_s=compute_s, comm_s=comm_s, step_s=step_s, digest=digest)
+        self.agent.send(report)
+        if self.config.trace_path is not None:
+            with open(self.config.trace_path, "a") as trace:
+                trace.write(json.dumps({"ts": time.time(), **dataclasses.asdict(report)}) + "\n")
         if self.config.log_every and self.step % self.config.log_every == 0:
             self._log(f"step {self.step}/{job.num_steps} loss {loss_value:.4f} ({step_s * 1e3:.0f} ms, "
                       f"epoch {g.epoch}, {len(g.members)} replicas)")

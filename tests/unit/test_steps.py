@@ -35,7 +35,7 @@ def test_reports_of_other_epochs_and_strangers_are_ignored() -> None:
     assert steps.observe(t, report("z", 1)) == (t, [])
 
 
-def test_a_straggler_is_found_after_a_streak_and_reported_once() -> None:
+def test_a_straggler_is_a_lasting_shift_found_after_votes_steps_and_reported_once() -> None:
     t = tracker()
     found = []
     for step in range(1, 14):
@@ -46,8 +46,32 @@ def test_a_straggler_is_found_after_a_streak_and_reported_once() -> None:
     change = found[0]
     assert (change.name, change.kind) == ("b", "straggler")
     assert change.speed == 20 / 0.3 and change.expected == 200.0 and change.factor == pytest.approx(3.0)
-    assert change.recent == ((20, 0.3),) * steps.STREAK
+    assert change.recent == ((20, 0.3),) * steps.VOTES
     assert t.watches["b"].expected_s == 0.3
+
+
+def test_a_burst_of_noise_is_no_straggler_but_a_slow_step_inside_a_lasting_shift_does_not_hide_it() -> None:
+    t = tracker()
+    changes = []
+    for step in range(1, 40):
+        burst = 10 <= step < 10 + steps.VOTES - 1  # four slow steps in a row, then normal again
+        lasting = step >= 25 and step != 27  # a real slowdown, with one normal-looking step inside
+        t, fs = steps.observe(t, report("b", step, compute_s=0.3 if burst or lasting else 0.1))
+        changes += [(step, f.kind) for f in fs if isinstance(f, steps.SpeedChange)]
+    assert changes == [(25 + steps.VOTES, "straggler")], "found VOTES+1 steps in (one vote was lost)"
+
+
+def test_co_located_members_that_slow_down_together_are_contention_not_stragglers() -> None:
+    t = steps.start(1, ("a", "b", "c"), 0.11, {n: 0.1 for n in "abc"}, hosts={"a": "h1", "b": "h1", "c": "h2"})
+    kinds: list[tuple[str, str]] = []
+    for step in range(1, 16):
+        busy = step >= 8  # something else started on h1
+        for n in "abc":
+            slow = busy and n in "ab"
+            t, fs = steps.observe(t, report(n, step, compute_s=0.25 if slow else 0.1))
+            kinds += [(f.name, f.kind) for f in fs if isinstance(f, steps.SpeedChange)]
+    assert sorted(kinds) == [("a", "contention"), ("b", "contention")], "c on another host is untouched"
+    assert t.watches["a"].expected_s == t.watches["b"].expected_s == 0.25
 
 
 def test_one_slow_step_is_noise_and_recovery_is_found() -> None:

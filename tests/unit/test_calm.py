@@ -1,0 +1,141 @@
+"""A calm planner: step-time series recorded from real runs on this machine, replayed through the pure
+membership core (no sockets, no clock: time comes from the recording), so what is asserted does not
+depend on how busy the machine running the tests is.
+
+The recordings (tests/data/steps-*.jsonl, written by scripts/record_steps.py on a 2-core machine):
+
+  quiet  three GPT workers sharing two cores, 150 steps, nothing happens
+  demo   the demo's schedule: SIGKILL w2 at step 60, w4 joins at 100, w3 slowed 3x at 200, 300 steps
+  slow   three paced workers (steady, independent speeds), w2 slowed 3x at step 100, 250 steps
+
+Each replay re-plans as the coordinator would (joins, failures, step reports; every plan is
+acknowledged at once) and counts the epochs. A step report is fed as if its worker trained in the
+replay's current epoch, its compute time scaled to the replay's share.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coordinator import membership as m
+from plan import Graph
+from transport import Ack, Join, StepReport
+
+DATA = Path(__file__).resolve().parent.parent / "data"
+ROOT = Path(__file__).resolve().parents[2]
+CORES = 2  # the recordings were made on a 2-core machine
+
+
+@pytest.fixture(scope="module")
+def gpt_graph() -> Graph:
+    from worker.graph import capture_graph
+    from worker.job import load_job
+
+    path = ROOT / "examples" / "gpt.py"
+    return capture_graph(load_job(path.read_text(), "job", filename=str(path)))
+
+
+@pytest.fixture(scope="module")
+def paced_graph() -> Graph:
+    from worker.graph import capture_graph
+    from worker.job import load_job
+
+    path = ROOT / "examples" / "paced.py"
+    return capture_graph(load_job(path.read_text(), "job", filename=str(path)))
+
+
+@dataclass
+class Replay:
+    config: m.Config
+    state: m.State = field(default_factory=m.State)
+    plans: list[str] = field(default_factory=list)  # reason of every new epoch
+    logs: Counter[str] = field(default_factory=Counter)
+    kept: list[str] = field(default_factory=list)
+    stragglers: list[tuple[str, int]] = field(default_factory=list)  # (worker, step found)
+    first_step_of_epoch: dict[int, int] = field(default_factory=dict)
+
+    def apply(self, event: m.Event, now: float) -> None:
+        epoch = self.state.epoch
+        self.state, effects = m.apply(self.state, event, self.config, now=now)
+        self._switch(epoch, now)
+        for e in effects:
+            if isinstance(e, m.FollowUp):
+                self.apply(e.event, now)
+            elif isinstance(e, m.Log):
+                self.logs[e.kind] += 1
+                if e.kind == "kept":
+                    self.kept.append(str(e.fields["detail"]))
+                if e.kind == "straggler":
+                    self.stragglers.append((str(e.fields["worker"]), int(e.fields["step"])))
+
+    def _switch(self, epoch: int, now: float) -> None:
+        """A new epoch was planned: count it, and every member switches to it at once."""
+        if self.state.epoch != epoch and self.state.plan is not None:
+            self.plans.append(self.state.delta.reason if self.state.delta else "?")
+            for name in self.state.plan.members:  # every member switches at once
+                self.state, _ = m.apply(self.state, m.Acked(Ack(name=name, epoch=self.state.epoch,
+                                                                 step=self.state.last_step, reshard_bytes=0,
+                                                                 reshard_s=0.01)), self.config, now=now)
+
+
+def replay(name: str, graph: Graph, *, stability: str, global_batch: int) -> Replay:
+    records = [json.loads(line) for line in (DATA / f"steps-{name}.jsonl").read_text().splitlines()]
+    r = Replay(config=m.Config(global_batch=global_batch, num_steps=10**6, lease_s=1e9, min_workers=3,
+                               stability=stability))
+    r.state = m.State(graph=graph)
+    for rec in records:
+        now = rec["ts"]
+        kind = rec["kind"]
+        if kind == "joined":
+            r.apply(m.Joined(Join(name=rec["worker"], host=rec["host"], pid=1, device="cpu", flops=5e10,
+                                  memory_bytes=8 << 30, threads=1, cores=CORES)), now)
+            r.apply(m.MadeReady(rec["worker"]), now)
+        elif kind == "failed":
+            r.apply(m.Lost(rec["worker"], "disconnect"), now)
+        elif kind == "report":
+            plan = r.state.plan
+            if plan is None or rec["name"] not in plan.members:
+                continue
+            share = plan.shares[plan.members.index(rec["name"])]
+            if share == 0 or rec["samples"] == 0:
+                continue
+            scale = share / rec["samples"]
+            r.first_step_of_epoch.setdefault(r.state.epoch, rec["step"])
+            r.apply(m.StepDone(StepReport(name=rec["name"], epoch=r.state.epoch, step=rec["step"], loss=1.0,
+                                          samples=share, global_batch=global_batch,
+                                          compute_s=rec["compute_s"] * scale, comm_s=rec["comm_s"],
+                                          step_s=rec["step_s"], digest="")), now)
+    return r
+
+
+def test_three_gpt_workers_sharing_the_cores_make_at_most_two_plans(gpt_graph: Graph) -> None:
+    calm = replay("quiet", gpt_graph, stability="calm", global_batch=16)
+    legacy = replay("quiet", gpt_graph, stability="legacy", global_batch=16)
+    assert len(calm.plans) <= 2, (calm.plans, calm.kept)
+    assert calm.logs["straggler"] == 0, "noise between co-located workers is no straggler"
+    assert len(legacy.plans) > len(calm.plans), f"the baseline churns on the same series: {legacy.plans}"
+
+
+def test_the_demo_schedule_makes_no_more_epochs_than_real_events_plus_one(gpt_graph: Graph) -> None:
+    calm = replay("demo", gpt_graph, stability="calm", global_batch=16)
+    legacy = replay("demo", gpt_graph, stability="legacy", global_batch=16)
+    real_events = 4  # the first join of three workers, the kill, the join of w4, the 3x slowdown
+    assert len(calm.plans) <= real_events + 1, (calm.plans, calm.kept)
+    assert len(legacy.plans) > len(calm.plans), legacy.plans
+
+
+def test_a_lasting_3x_slowdown_is_still_caught_within_10_steps(paced_graph: Graph) -> None:
+    calm = replay("slow", paced_graph, stability="calm", global_batch=64)
+    records = [json.loads(line) for line in (DATA / "steps-slow.jsonl").read_text().splitlines()]
+    slowed_at = next(rec for rec in records if rec["kind"] == "slowdown")
+    onset = max(rec["step"] for rec in records if rec["kind"] == "report" and rec["ts"] <= slowed_at["ts"])
+    found = [(w, s) for w, s in calm.stragglers if w == slowed_at["worker"]]
+    assert found, (calm.plans, calm.kept)
+    assert found[0][1] - onset <= 10, f"slowed at step {onset}, found at {found[0][1]}"
+    assert "straggler" in calm.plans, "and the shares move"
