@@ -2,8 +2,10 @@
 
 For the plan in force: the predicted step split per member into compute, overhead, waiting and the
 all-reduce, memory per member against its limit, why it beat the runner-up (the best plan that
-differs), the fitted constants it rests on, the placements of the model's tensors, and the
-prediction against the steps measured so far in this epoch. Reads the state only.
+differs), the fitted constants it rests on (contention per host included), the placements of the
+model's tensors, the prediction against the steps measured so far in this epoch, what changed since
+the plan was made, and why the latest better plan found since was not worth a switch (`kept`).
+Reads the state only.
 """
 
 from __future__ import annotations
@@ -55,10 +57,27 @@ def explain(state: State) -> dict[str, Any]:
         "move_s_per_byte": state.cluster.migration.coef[1],
         "migration_measurements": state.cluster.migration.measured,
         "compute_factor": state.cluster.compute_factor(g.train_flops) if g else None,
+        "contention": _contention(state),
     }
+    out["changed"] = list(state.changed)
+    out["kept"] = state.kept
     if g is not None:
         first = placements(g, Layout(dp=len(plan.members)))[g.layers[0].name]
         out["placements"] = {kind: describe(spec) for kind, spec in first.items()}
+    return out
+
+
+def _contention(state: State) -> dict[str, Any]:
+    """Per host of the plan: its load (threads per core), exponent γ and each member's slowdown factor."""
+    plan = state.plan
+    assert plan is not None
+    c = state.cluster
+    out: dict[str, Any] = {}
+    for host in sorted({c.devices[n].host for n in plan.members if n in c.devices}):
+        on = [n for n in plan.members if n in c.devices and c.devices[n].host == host]
+        kind = c.devices[on[0]].device_kind
+        out[host] = {"load": round(c.load(host, plan.members), 3), "gamma": round(c.host_gamma(host, kind), 3),
+                     "learned": host in c.gamma, "factor": {n: round(c.factor(n, plan.members), 3) for n in on}}
     return out
 
 

@@ -91,7 +91,8 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
         verdict = _worth_it(state, new, result, horizon)
         if isinstance(verdict, str):  # not worth a switch: the current plan stays
             kept = _keep(state, reason, verdict)
-            return kept, [Log("kept", {"reason": reason, "detail": kept.kept}), *benched]
+            said: list[Effect] = [Log("kept", {"reason": reason, "detail": kept.kept})] if verdict else []
+            return kept, [*said, *benched]
         result = replace(result, reason=f"{result.reason}; {verdict[0]}")
     if state.changed:
         result = replace(result, reason=f"{result.reason}; changed: {'; '.join(state.changed)}")
@@ -113,7 +114,8 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
 
 
 def _worth_it(state: State, new: Plan, result: PlanResult, horizon: int) -> tuple[str] | str:
-    """(what the switch gains,) when `new` pays for a switch from the current plan, else why not."""
+    """(what the switch gains,) when `new` pays for a switch from the current plan, else why not
+    ("" when `new` is no better at all)."""
     current = state.plan
     assert current is not None
     if not set(current.members) <= set(state.cluster.devices) or new.predicted_step_s is None:
@@ -123,6 +125,8 @@ def _worth_it(state: State, new: Plan, result: PlanResult, horizon: int) -> tupl
     if now_s is None or now_s <= 0:
         return ("no prediction for the current plan",)
     gain = now_s - new.predicted_step_s
+    if gain <= 0:
+        return ""  # nothing better than what runs (measured on the plan as it runs): nothing to say
     noise = _noise(state)
     need = max(MIN_REL_GAIN, 2 * noise)
     cost = state.cluster.switch_s() + state.cluster.move_s(result.moved_bytes)

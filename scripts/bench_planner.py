@@ -18,6 +18,9 @@ Sections (--sections, default all):
              steps) against the median measured step time of its epoch. Goal: median error <= 10%.
   straggler  three workers, then `ctl slowdown w2 3`: steps from the slowdown to the re-plan, and
              samples/s before, while slowed and after the re-plan. Goal: <= 10 steps.
+  stability  plan epochs per real event and samples/s, calm planner against the legacy one, on the
+             demo's schedule and on a quiet run of three GPT workers
+             (scripts/bench_planner_stability.py). Goals: demo <= events + 1, quiet <= 2 plans.
 
 The paced job stands for devices of steady, independent speed (see its comment); `--job` runs the
 real-worker sections on another job (e.g. examples/gpt.py:job: real compute, but three workers then
@@ -41,7 +44,7 @@ from localjob import LocalJob  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PACED = f"{Path(__file__).resolve().parent.parent / 'examples' / 'paced.py'}:long_job"
-SECTIONS = ("solve", "quality", "latency", "hetero", "cost", "straggler")
+SECTIONS = ("solve", "quality", "latency", "hetero", "cost", "straggler", "stability")
 
 
 # --- reading a run ---------------------------------------------------------------------------------
@@ -233,6 +236,13 @@ def table(r: dict[str, Any]) -> str:
         rows.append(("straggler: samples/s before / slowed / after",
                      f"{_f(s['samples_per_s_before'], '.1f')} / {_f(s['samples_per_s_slowed'], '.1f')} / "
                      f"{_f(s['samples_per_s_after'], '.1f')}, shares {s['shares_after']}", ""))
+    for key, st in sorted(r.get("stability", {}).items()):
+        schedule, mode = key.rsplit("_", 1)
+        goal = {"demo": f"<= {st['real_events'] + 1} epochs", "quiet": "<= 2 plans"}.get(schedule, "")
+        rows.append((f"stability, {schedule} ({mode})",
+                     f"{st['epochs']} epochs for {st['real_events']} real events, {st['kept']} kept, "
+                     f"{st['stragglers']} stragglers, {_f(st['samples_per_s'], '.1f')} samples/s",
+                     goal if mode == "calm" else "baseline"))
     widths = [max(len(row[i]) for row in rows + [("metric", "measured", "goal")]) for i in range(3)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(("metric", "measured", "goal"), widths)),
              "  ".join("-" * w for w in widths)]
@@ -288,6 +298,10 @@ def main(argv: list[str] | None = None) -> int:
             results["cost"] = bench_cost(a.job, workdir, per_plan=8 if a.quick else 14, min_plans=10)
         elif section == "straggler":
             results["straggler"] = bench_straggler(a.job, workdir, window=window)
+        elif section == "stability":
+            from bench_planner_stability import bench_stability
+
+            results["stability"] = bench_stability(workdir)
         print(f"   {section}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(results, indent=1, default=str))

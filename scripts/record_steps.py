@@ -37,16 +37,26 @@ ROOT = Path(__file__).resolve().parent.parent
 KEEP = ("kind", "ts", "name", "epoch", "step", "samples", "global_batch", "compute_s", "comm_s", "step_s")
 
 
-def record(schedule: str, workdir: Path) -> list[dict[str, Any]]:
-    job_ref = f"{ROOT / 'examples' / ('paced.py' if schedule == 'slow' else 'gpt.py')}:job"
-    last = {"quiet": 150, "demo": 300, "slow": 250}[schedule]
-    actions = {"demo": [(60, "kill", "w2"), (100, "join", "w4"), (200, "slowdown", "w3")],
-               "slow": [(100, "slowdown", "w2")], "quiet": []}[schedule]
-    with LocalJob(job_ref, workdir, min_workers=3) as job:
+SCHEDULES = {  # name: (job, last step, [(at step, action, worker)])
+    "quiet": ("gpt.py:job", 150, []),
+    "demo": ("gpt.py:job", 300, [(60, "kill", "w2"), (100, "join", "w4"), (200, "slowdown", "w3")]),
+    "slow": ("paced.py:job", 250, [(100, "slowdown", "w2")]),
+}
+REAL_EVENTS = {"quiet": 1, "demo": 4, "slow": 2}  # the first join of the three workers counts as one
+
+
+def run_schedule(schedule: str, workdir: Path, *, coordinator_args: list[str] | None = None,
+                 trace: bool = True) -> list[dict[str, Any]]:
+    """Run `schedule` for real; the coordinator's events (and, with `trace`, every step report)."""
+    job_name, last, plan = SCHEDULES[schedule]
+    actions = list(plan)
+    with LocalJob(f"{ROOT / 'examples' / job_name}", workdir, min_workers=3,
+                  coordinator_args=coordinator_args) as job:
         job.start()
 
         def add(name: str) -> None:
-            job.add_worker(name, "--log-every", "0", "--trace-steps", str(workdir / f"{name}.steps.jsonl"))
+            extra = ["--trace-steps", str(workdir / f"{name}.steps.jsonl")] if trace else []
+            job.add_worker(name, "--log-every", "0", *extra)
 
         for name in ("w1", "w2", "w3"):
             add(name)
@@ -72,10 +82,10 @@ def record(schedule: str, workdir: Path) -> list[dict[str, Any]]:
             except RuntimeError:
                 pass  # it finished by itself meanwhile
             job.wait_coordinator(30)
-        out = [{k: e[k] for k in e if k != "ts"} | {"ts": e["ts"]} for e in job.events() if e["kind"] != "step"]
-        for trace in workdir.glob("*.steps.jsonl"):
-            out += [{"kind": "report", **{k: r[k] for k in KEEP if k in r}} for r in read_jsonl(trace)]
-    out = [r for r in out if r["kind"] != "report" or r["step"] <= last]
+        out = job.events()
+        for path in workdir.glob("*.steps.jsonl"):
+            out += [{"kind": "report", **{k: r[k] for k in KEEP if k in r}} for r in read_jsonl(path)]
+    out = [r for r in out if r["kind"] not in ("report", "step") or r["step"] <= last]
     return sorted(out, key=lambda r: r["ts"])
 
 
@@ -85,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("schedule", choices=("quiet", "demo", "slow"))
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
-    records = record(a.schedule, Path(tempfile.mkdtemp(prefix=f"record-{a.schedule}-")))
+    records = [r for r in run_schedule(a.schedule, Path(tempfile.mkdtemp(prefix=f"record-{a.schedule}-")))
+               if r["kind"] != "step"]
     a.out.parent.mkdir(parents=True, exist_ok=True)
     with a.out.open("w") as f:
         for r in records:

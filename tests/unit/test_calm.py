@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from coordinator import membership as m
-from plan import Graph
+from plan import Cluster, Graph
 from transport import Ack, Join, StepReport
 
 DATA = Path(__file__).resolve().parent.parent / "data"
@@ -139,3 +139,41 @@ def test_a_lasting_3x_slowdown_is_still_caught_within_10_steps(paced_graph: Grap
     assert found, (calm.plans, calm.kept)
     assert found[0][1] - onset <= 10, f"slowed at step {onset}, found at {found[0][1]}"
     assert "straggler" in calm.plans, "and the shares move"
+
+
+# --- the contention model, by hand ------------------------------------------------------------------
+
+
+def _cluster(*names: str, host: str = "h", cores: int = 2) -> Cluster:
+    from plan import Device
+
+    c = Cluster()
+    for n in names:
+        c = c.with_device(Device(name=n, host=host, kind="cpu", flops=1e10, memory_bytes=1 << 30, threads=1,
+                                 host_cores=cores))
+    return c
+
+
+def test_a_join_on_the_same_host_predicts_the_neighbours_slowdown() -> None:
+    c = _cluster("a", "b", "c")
+    for step in range(12):  # a and b train alone: 1 thread per core, no contention
+        c = c.with_measurement("a", 10, 0.1, active=("a", "b"))
+    assert c.factor("a", ("a", "b")) == 1.0
+    assert c.factor("a", ("a", "b", "c")) == pytest.approx(1.5), "3 threads on 2 cores, CPU prior γ = 1"
+    alone = c.contended(("a", "b")).devices["a"].samples_per_s
+    crowded = c.contended(("a", "b", "c")).devices["a"].samples_per_s
+    assert alone == pytest.approx(100.0) and crowded == pytest.approx(100.0 / 1.5)
+
+
+def test_the_contention_exponent_is_learned_from_steps_at_two_loads() -> None:
+    paced = _cluster("a", "b", "c")
+    busy = _cluster("a", "b", "c")
+    for _ in range(6):  # sleeping workers (the paced job) do not slow each other down at all
+        paced = paced.with_measurement("a", 10, 0.1, active=("a", "b"))
+        busy = busy.with_measurement("a", 10, 0.1, active=("a", "b"))
+    for _ in range(6):
+        paced = paced.with_measurement("a", 10, 0.1, active=("a", "b", "c"))
+        busy = busy.with_measurement("a", 10, 0.15, active=("a", "b", "c"))  # compute-bound: 1.5x
+    assert paced.gamma["h"] == pytest.approx(0.0) and paced.factor("a", ("a", "b", "c")) == 1.0
+    assert busy.gamma["h"] == pytest.approx(1.0, abs=0.05)
+    assert busy.contended(("a", "b", "c")).devices["a"].samples_per_s == pytest.approx(10 / 0.15, rel=0.05)
