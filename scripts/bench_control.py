@@ -35,7 +35,7 @@ from typing import Any
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fuzzer import CONTROL_KINDS, WORKER_KINDS, plan_messages, send_messages  # noqa: E402
+from fuzzer import CONTROL_KINDS, WORKER_KINDS, dealer, plan_messages, send_messages  # noqa: E402
 from localjob import LocalJob  # noqa: E402
 
 from transport import ControlReply, ControlRequest, Join, Leave, StoreReply, StoreRequest, Welcome, decode, encode
@@ -44,17 +44,6 @@ from transport.security import ROLE_CTL, ROLE_WORKER, ClientKeys, load_client_ke
 ROOT = Path(__file__).resolve().parent.parent
 PACED = f"{ROOT / 'examples' / 'paced.py'}:long_job"
 SECTIONS = ("latency", "fuzz")
-
-
-def _dealer(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, keys: ClientKeys | None) -> zmq.Socket[bytes]:
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    if keys is not None:
-        sock.setsockopt(zmq.CURVE_SERVERKEY, keys.server_public)
-        sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
-        sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
-    sock.connect(endpoint)
-    return sock
 
 
 def _ask(sock: zmq.Socket[bytes], frame: bytes, want: type, timeout_s: float = 10.0) -> float:
@@ -82,12 +71,12 @@ def latency(workdir: Path, secure: bool, rounds: int, joins: int) -> dict[str, A
         ckeys = load_client_keys(job.keys_dir, ROLE_CTL) if job.keys_dir else None
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         try:
-            sock = _dealer(ctx, job.workers_endpoint, wkeys)
+            sock = dealer(ctx, job.workers_endpoint, wkeys)
             check = encode(StoreRequest(req_id=1, op="check", keys=["epoch0/x"], values=[], amount=0, timeout_s=1.0))
             _ask(sock, check, StoreReply)  # connect and handshake outside the measurement
             request = [_ask(sock, check, StoreReply) for _ in range(rounds)]
             sock.close()
-            csock = _dealer(ctx, job.control_endpoint, ckeys)
+            csock = dealer(ctx, job.control_endpoint, ckeys)
             status = encode(ControlRequest(command="status", args=[]))
             _ask(csock, status, ControlReply)
             control = [_ask(csock, status, ControlReply) for _ in range(rounds // 4)]
@@ -95,7 +84,7 @@ def latency(workdir: Path, secure: bool, rounds: int, joins: int) -> dict[str, A
             join_s = []
             for i in range(joins):
                 t0 = time.perf_counter()
-                s = _dealer(ctx, job.workers_endpoint, wkeys)
+                s = dealer(ctx, job.workers_endpoint, wkeys)
                 name = f"probe-{i}"
                 _ask(s, encode(Join(name=name, host="bench", pid=i + 1, device="cpu", flops=1e9,
                                     memory_bytes=1 << 30, threads=1)), Welcome)

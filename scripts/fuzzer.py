@@ -228,7 +228,9 @@ def control_input(kind: str, rng: random.Random) -> list[bytes]:
 # --- sending -------------------------------------------------------------------------------------
 
 
-def _dealer(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, keys: ClientKeys | None) -> zmq.Socket[bytes]:
+def dealer(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, keys: ClientKeys | None) -> zmq.Socket[bytes]:
+    """A DEALER connected to `endpoint`, with CURVE `keys` if given (no other hardening: it is the
+    coordinator's limits that are under test)."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, 100_000)
@@ -253,7 +255,7 @@ def send_messages(endpoint: str, keys: ClientKeys | None, inputs: list[tuple[str
     """Send every (kind, frames) over one DEALER; the refusals they should cause, by reason."""
     report = FuzzReport()
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    sock = _dealer(ctx, endpoint, keys)
+    sock = dealer(ctx, endpoint, keys)
     t0 = time.perf_counter()
     try:
         for i, (kind, frames) in enumerate(inputs):
