@@ -64,7 +64,9 @@ def _status(view: ControlView, args: list[str], now: float) -> Answer:
     plan = s.plan
     members = list(plan.members) if plan else []
     workers = []
-    speeds = s.cluster.speeds()
+    # Speeds as they are now: with the contention of the workers that share a host (the cluster
+    # stores them uncontended).
+    speeds = (s.cluster.contended(members) if members else s.cluster).speeds()
     for w in sorted(s.workers.values(), key=lambda w: (w.name not in members, members.index(w.name)
                                                        if w.name in members else 0, w.name)):
         rank = members.index(w.name) if w.name in members else None
