@@ -23,6 +23,7 @@ examples:
   coordinator keygen keys/                                     # once: the cluster's CURVE keys
   coordinator --bind tcp://0.0.0.0:5555 --job examples/gpt.py:job --keys keys/ --min-workers 2
   coordinator --bind tcp://127.0.0.1:0 --job examples/mlp.py:job --insecure   # trusted network only
+  coordinator --bind tcp://0.0.0.0:5555 --job examples/gpt.py:job --keys keys/ --metrics-port 9400
 
 Security: every socket (workers, control, the rendezvous store) uses ZeroMQ CURVE with the keys in
 --keys DIR (or $ADAPTRAIN_KEYS): only workers holding worker.key_secret and ctl holding
@@ -30,11 +31,17 @@ ctl.key_secret get in; everyone else is refused at the handshake and counted (ct
 does not cover the torch.distributed data plane between workers: run that on a private network.
 --insecure runs without keys, for trusted networks only.
 
-Once listening it prints one line:
+Once listening it prints one line (shown here in two):
   ready workers=tcp://HOST:PORT control=tcp://HOST:PORT state_dir=DIR job=REF keys=curve|none(insecure) protocol=N
-Workers join with `worker --join <workers endpoint>`; `python scripts/ctl.py --control <control
-endpoint> status` shows the job. Events go to STATE_DIR/events.jsonl, one JSON object a line.
+        metrics=http://HOST:PORT/metrics    (this field only with --metrics-port)
+Workers join with `worker --join <workers endpoint>`; `adaptrain-ctl --control <control endpoint>
+status` shows the job. Events go to STATE_DIR/events.jsonl, one JSON object a line.
 SIGTERM or SIGINT: tell the workers to stop, wait for them (up to --stop-grace), exit 0.
+
+Metrics: --metrics-port N serves Prometheus metrics (adaptrain_members, adaptrain_epoch,
+adaptrain_steps_committed_total, adaptrain_samples_per_second, adaptrain_loss, ...: see the
+README) at http://HOST:N/metrics, HOST being the --bind host; a port in use is an error at start
+(exit 2). The endpoint is plain HTTP without keys (it only reads): let only your Prometheus reach it.
 """
 
 
@@ -69,6 +76,11 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
                    help="how the class-level plan is solved: search (an exact search over ring sizes, "
                         "milliseconds at 1,024 devices), milp (the PuLP model on HiGHS, CBC if HiGHS is "
                         "missing), auto (default: search, the MILP when the search space is too large)")
+    p.add_argument("--stability", choices=("calm", "legacy"), default="calm",
+                   help="calm (default): co-located workers' contention is predicted, a straggler is a lasting "
+                        "change over a window, and a re-plan no membership change forced must pay for its "
+                        "switch (else a `kept` event says why); legacy: the planner before that, a baseline "
+                        "for benchmarks")
     p.add_argument("--horizon", type=int, default=200, metavar="STEPS",
                    help="steps over which a re-plan's one-off cost (new group, state moved) is amortised "
                         "when deciding whether a new plan pays off (default 200, or the steps left)")
@@ -80,6 +92,9 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
     p.add_argument("--max-joining", type=int, default=64, metavar="N",
                    help="at most N workers joined but not yet ready at once; more Joins are told to retry "
                         "(default 64)")
+    p.add_argument("--metrics-port", type=int, metavar="N",
+                   help="serve Prometheus metrics over HTTP at http://HOST:N/metrics, HOST being the --bind "
+                        "host (0: a free port; the ready line prints the URL). Default: no metrics endpoint")
     p.add_argument("--quiet", action="store_true", help="print only the ready line and errors")
     a = p.parse_args(argv)
     for flag, endpoint in (("--bind", a.bind), ("--control", a.control)):
@@ -95,6 +110,8 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
         p.error("--horizon must be at least 1")
     if a.max_joining < 1:
         p.error("--max-joining must be at least 1")
+    if a.metrics_port is not None and not 0 <= a.metrics_port <= 65535:
+        p.error(f"--metrics-port wants a port number from 0 (a free one) to 65535, got {a.metrics_port}")
     directory = keys_dir(a.keys)
     if a.insecure and a.keys is not None:
         p.error("--insecure and --keys contradict each other: choose one")
@@ -118,9 +135,20 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
                             max_joining=a.max_joining, min_workers=a.min_workers,
                             max_workers=a.max_workers, lease_s=a.lease, heartbeat_s=a.heartbeat,
                             stop_grace_s=a.stop_grace, quiet=a.quiet, planner=a.planner,
-                            solve_time_limit_s=a.solve_time_limit, horizon_steps=a.horizon,
-                            solver=a.solver)
+                            solve_time_limit_s=a.solve_time_limit, horizon_steps=a.horizon, stability=a.stability,
+                            solver=a.solver, metrics_port=a.metrics_port, metrics_host=metrics_host(a.bind))
     return cfg, a.job
+
+
+def metrics_host(bind: str) -> str:
+    """The address the metrics endpoint listens on: the host of `--bind` (`*` is every interface,
+    IPv6 loses its brackets; an ipc:// bind has none, so loopback)."""
+    if not bind.startswith("tcp://"):
+        return "127.0.0.1"
+    host = bind[len("tcp://"):].rsplit(":", 1)[0]
+    if host == "*":
+        return "0.0.0.0"
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
 KEYGEN_EPILOG = """\

@@ -21,6 +21,10 @@ connection it came on (zmq assigns it; a peer cannot choose a bound one), and ev
 under that name must come on that connection (coordinator.guard.check_agent_message). The binding
 ends when membership forgets the worker. With per-worker keys, the key's name must match too.
 
+Metrics (coordinator.metrics) are fed from the same effects that write the event log, plus each
+refusal, in the core task; with `metrics_port` set, prometheus_client serves them from its own
+thread, and the ready line ends with `metrics=http://HOST:PORT/metrics`.
+
 The coordinator is not on the training step's critical path: workers all-reduce among themselves
 and only report steps here.
 """
@@ -42,6 +46,7 @@ from coordinator.control import ControlView, answer_control
 from coordinator.events import EventLog
 from coordinator.guard import LEDGER_EVENTS, ConnectionLedger, Refusals, check_agent_message
 from coordinator.jobinfo import JobInfo
+from coordinator.metrics import Metrics, MetricsServer, serve_metrics
 from coordinator.store import RendezvousStore
 from plan.graph import Graph
 from transport import (
@@ -106,6 +111,9 @@ class CoordinatorConfig:
     solve_time_limit_s: float = 0.5
     solver: str = "auto"
     horizon_steps: int = 200
+    stability: str = "calm"
+    metrics_port: int | None = None  # None: no metrics endpoint; 0: a free port
+    metrics_host: str = "127.0.0.1"
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +160,7 @@ class Core:
         self.config = m.Config(global_batch=job.global_batch, num_steps=job.num_steps, lease_s=cfg.lease_s,
                                min_workers=cfg.min_workers, max_workers=cfg.max_workers, planner=cfg.planner,
                                solve_time_limit_s=cfg.solve_time_limit_s, horizon_steps=cfg.horizon_steps,
+                               stability=cfg.stability,
                                solver=cfg.solver)
         self.state = m.State()
         self.store = RendezvousStore()
@@ -162,6 +171,7 @@ class Core:
         self.done = trio.Event()
         self.finish_reason = ""
         self.started = time.monotonic()
+        self.metrics = Metrics()
 
     # --- inbox -------------------------------------------------------------------------------
 
@@ -259,6 +269,7 @@ class Core:
     def refuse(self, reason: str, text: str, *, reply_to: tuple[TrioSocket, bytes] | None = None,
                reply_text: str | None = None) -> None:
         """Count and (at a bounded rate) log one refused input; answer the peer where it can be told."""
+        self.metrics.refused(reason)
         for line in self.refusals.refuse(reason, text, now=time.monotonic()):
             self.say(line, err=True)
         if reply_to is not None:
@@ -297,6 +308,7 @@ class Core:
                     want_graph=self.graph is None))
             case m.Log(kind, fields):
                 self.log.write(kind, **fields)
+                self.metrics.observe(kind, fields)
                 self._echo(kind, fields)
             case m.Planned(result, epoch, reason):
                 plan = result.plan
@@ -312,6 +324,7 @@ class Core:
                                    "predicted_step_s": runner.plan.predicted_step_s} if runner else None),
                 }
                 self.log.write("plan", **planned)
+                self.metrics.observe("plan", planned)
                 self._echo("plan", planned)
             case m.Finished(reason):
                 self.finish_reason = reason
@@ -443,9 +456,12 @@ async def serve(cfg: CoordinatorConfig, job: JobInfo, *,
     harden_server(workers.socket, max_bytes=MAX_FRAME_BYTES + 4096, domain=DOMAIN_WORKERS, keys=cfg.keys)
     control = TrioSocket.create(zmq.ROUTER)
     harden_server(control.socket, max_bytes=MAX_CONTROL_BYTES + 4096, domain=DOMAIN_CONTROL, keys=cfg.keys)
+    metrics_server: MetricsServer | None = None
     try:
         endpoints = Endpoints(workers=_bind(workers, cfg.bind), control=_bind(control, cfg.control))
         core = Core(cfg, job, workers, control, log, run_id=f"{int(time.time())}")
+        if cfg.metrics_port is not None:
+            metrics_server = serve_metrics(core.metrics, cfg.metrics_host, cfg.metrics_port)
         send, receive = trio.open_memory_channel[Inbox](math.inf)  # frames are bounded by `in_flight`
         in_flight = trio.Semaphore(FRAMES_IN_FLIGHT)
         async with trio.open_nursery() as nursery:
@@ -457,8 +473,10 @@ async def serve(cfg: CoordinatorConfig, job: JobInfo, *,
             nursery.start_soon(_signals, send, core, cfg.stop_grace_s)
             task_status.started(endpoints)
             security = "keys=curve" if cfg.keys is not None else "keys=none(insecure)"
+            metrics = f" metrics={metrics_server.url}" if metrics_server is not None else ""
             print(f"ready workers={endpoints.workers} control={endpoints.control} "
-                  f"state_dir={cfg.state_dir} job={job.ref} {security} protocol={PROTOCOL_VERSION}", flush=True)
+                  f"state_dir={cfg.state_dir} job={job.ref} {security} protocol={PROTOCOL_VERSION}{metrics}",
+                  flush=True)
             if cfg.keys is None:
                 core.say("WARNING: --insecure: no CURVE keys; anyone who can reach these ports can join, "
                          "read events and stop the job. Use only on a trusted network.", err=True)
@@ -480,3 +498,5 @@ async def serve(cfg: CoordinatorConfig, job: JobInfo, *,
             workers.close(linger_s=0.5)
             control.close(linger_s=0.5)
             gatekeeper.stop()
+            if metrics_server is not None:
+                metrics_server.close()

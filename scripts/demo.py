@@ -4,11 +4,14 @@ Starts a coordinator and three workers training the character-level GPT of examp
 prints progress as it goes, SIGKILLs one worker mid-run, starts a new one later, slows another
 down three times (`ctl slowdown`: the planner finds the straggler from its step times and moves
 its share to the others), and at the end prints a summary: steps, final loss, and what each change
-cost. Exits 0 and leaves no
-process behind (every process is killed and reaped, also on Ctrl-C or an error).
+cost, and draws the run (samples/s, loss and members over steps, every join, failure, straggler,
+plan and reshard marked; coordinator/report.py, as `adaptrain-ctl report --plot` draws it) into
+STATE_DIR/report.png with --state-dir, else ./adaptrain-demo.png (the temporary state directory is
+deleted at the end). Exits 0 and leaves no process behind (every process is killed and reaped,
+also on Ctrl-C or an error).
 
-    python scripts/demo.py                 # about a minute on 2 cores
-    python scripts/demo.py --steps 120     # shorter
+    python scripts/demo.py                          # about a minute on 2 cores
+    python scripts/demo.py --state-dir runs/demo    # keep logs, events.jsonl and report.png
 """
 
 from __future__ import annotations
@@ -21,10 +24,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))  # coordinator.report, when adaptrain is not installed
 from localjob import LocalJob  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+from coordinator import report  # noqa: E402
 
 
 def main() -> int:
@@ -34,16 +40,19 @@ def main() -> int:
     p.add_argument("--join-at", type=int, default=100, metavar="STEP", help="start worker w4 at this step")
     p.add_argument("--slow-at", type=int, default=200, metavar="STEP",
                    help="slow worker w3 down 3x at this step (ctl slowdown; 0: never)")
-    p.add_argument("--state-dir", type=Path, help="keep logs and events.jsonl here (default: a temp dir)")
+    p.add_argument("--state-dir", type=Path,
+                   help="keep logs, events.jsonl and report.png here (default: a temp dir, deleted at the end; "
+                        "the plot then goes to ./adaptrain-demo.png)")
     args = p.parse_args()
     if args.join_at <= args.kill_at:
         p.error("--join-at must come after --kill-at")
 
     state_dir = args.state_dir or Path(tempfile.mkdtemp(prefix="adaptrain-demo-"))
+    plot_path = (args.state_dir / "report.png") if args.state_dir else Path("adaptrain-demo.png").resolve()
     print(f"adaptrain demo: coordinator + 3 workers on loopback; logs in {state_dir}\n")
     with LocalJob(args.job, state_dir, min_workers=3) as job:
         try:
-            return run(job, args.kill_at, args.join_at, args.slow_at)
+            return run(job, args.kill_at, args.join_at, args.slow_at, plot_path)
         except KeyboardInterrupt:
             print("\ninterrupted: stopping every process")
             return 130
@@ -55,7 +64,7 @@ def main() -> int:
                 shutil.rmtree(state_dir, ignore_errors=True)
 
 
-def run(job: LocalJob, kill_at: int, join_at: int, slow_at: int) -> int:
+def run(job: LocalJob, kill_at: int, join_at: int, slow_at: int, plot_path: Path) -> int:
     job.start()
     print(f"coordinator ready: workers={job.workers_endpoint} control={job.control_endpoint}")
     print(f"CURVE keys in {job.keys_dir} (`coordinator keygen`): the coordinator, every worker and ctl use them; "
@@ -98,6 +107,7 @@ def run(job: LocalJob, kill_at: int, join_at: int, slow_at: int) -> int:
     code = job.wait_coordinator(10)
     exits = job.wait_workers(30)
     summary(job, marks)
+    draw(job.state_dir / "events.jsonl", plot_path)
     bad = {n: c for n, c in exits.items() if c not in (0, -9)}
     if code != 0 or bad:
         print(f"\nunexpected exit codes: coordinator={code} workers={bad}", file=sys.stderr)
@@ -175,6 +185,22 @@ def summary(job: LocalJob, marks: dict[str, float]) -> None:
     width = max(len(r[0]) for r in rows) if rows else 10
     for what, cost in rows:
         print(f"  {what:<{width}} : {cost}")
+
+
+def draw(events_path: Path, plot_path: Path) -> None:
+    """The run as a picture (what `adaptrain-ctl report --events ... --plot ...` draws)."""
+    try:
+        read = report.read_events(events_path)
+        series = report.build_series(read.events)
+        if not series.steps:
+            print("\nno committed step: nothing to plot", file=sys.stderr)
+            return
+        report.plot(series, plot_path, title="adaptrain demo")
+    except (OSError, ValueError) as e:
+        print(f"\ncould not draw the run into {plot_path}: {e}", file=sys.stderr)
+        return
+    print(f"\nplot of the run (samples/s, loss, members; every join, failure, straggler, plan, reshard): "
+          f"{plot_path}")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ errors: use it as a context manager), so nothing is left behind.
 
 Keys are on, as in production: `start()` writes a fresh key set into STATE_DIR/keys (or uses
 `keys=`), and every process it starts (coordinator, workers, ctl) gets it through $ADAPTRAIN_KEYS.
-`insecure=True` runs the coordinator with --insecure and gives nobody keys.
+`insecure=True` runs the coordinator with --insecure and gives nobody keys. `metrics=True` adds
+`--metrics-port 0`; the URL of the ready line's `metrics=` is then `job.metrics_url`.
 """
 
 from __future__ import annotations
@@ -23,14 +24,15 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
-READY = re.compile(r"^ready workers=(\S+) control=(\S+)")
+READY = re.compile(r"^ready workers=(\S+) control=(\S+)(?:.* metrics=(\S+))?")
 DIGEST = re.compile(r"digest step (\d+) ([0-9a-f]+)")
 
 
 class LocalJob:
     def __init__(self, job_ref: str, state_dir: Path, *, min_workers: int = 1, lease_s: float = 1.0,
                  heartbeat_s: float = 0.2, coordinator_args: list[str] | None = None,
-                 threads: int = 1, insecure: bool = False, keys: Path | None = None) -> None:
+                 threads: int = 1, insecure: bool = False, keys: Path | None = None,
+                 metrics: bool = False) -> None:
         self.job_ref = job_ref
         self.state_dir = Path(state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -40,11 +42,13 @@ class LocalJob:
         self.coordinator_args = coordinator_args or []
         self.threads = threads
         self.insecure = insecure
+        self.metrics = metrics
         self.keys_dir: Path | None = None if insecure else (keys or self.state_dir / "keys")
         self.coordinator: subprocess.Popen[str] | None = None
         self.workers: dict[str, subprocess.Popen[bytes]] = {}
         self.workers_endpoint = ""
         self.control_endpoint = ""
+        self.metrics_url = ""  # http://HOST:PORT/metrics with metrics=True
 
     # --- processes -------------------------------------------------------------------------------
 
@@ -64,7 +68,8 @@ class LocalJob:
         cmd = [sys.executable, "-m", "coordinator", "--bind", "tcp://127.0.0.1:0", "--job", self.job_ref,
                "--state-dir", str(self.state_dir), "--min-workers", str(self.min_workers),
                "--lease", str(self.lease_s), "--heartbeat", str(self.heartbeat_s),
-               *(["--insecure"] if self.insecure else []), *self.coordinator_args]
+               *(["--insecure"] if self.insecure else []), *(["--metrics-port", "0"] if self.metrics else []),
+               *self.coordinator_args]
         with (self.state_dir / "coordinator.log").open("w") as log:  # the child keeps its own copy
             self.coordinator = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
                                                 start_new_session=True, env=self.env())
@@ -77,6 +82,7 @@ class LocalJob:
             m = READY.match(line)
             if m:
                 self.workers_endpoint, self.control_endpoint = m.group(1), m.group(2)
+                self.metrics_url = m.group(3) or ""
                 break
         else:
             raise TimeoutError("coordinator did not print its ready line")

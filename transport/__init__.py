@@ -1,7 +1,13 @@
 """adaptrain's control-plane transport: the wire schema, its msgpack codec, zmq sockets under trio.
 
-Imports msgpack, zmq and trio only (never torch): the coordinator and ctl depend on it.
+Imports msgpack, zmq and trio only (never torch): the coordinator and ctl depend on it. The trio
+adapter (`TrioSocket`, `SocketMonitor`, ...) is loaded on first use (PEP 562), so ctl, which only
+encodes and decodes messages over a plain zmq socket, never imports trio and starts fast.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from .codec import MAX_FRAME_BYTES, CodecError, decode, encode
 from .messages import (
@@ -36,7 +42,19 @@ from .messages import (
     Welcome,
     check_name,
 )
-from .trio_zmq import MonitorEvent, Received, SocketMonitor, TrioSocket
+
+if TYPE_CHECKING:
+    from .trio_zmq import MonitorEvent, Received, SocketMonitor, TrioSocket
+
+_LAZY = {"MonitorEvent", "Received", "SocketMonitor", "TrioSocket"}  # from .trio_zmq, on first use
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from . import trio_zmq
+
+        return getattr(trio_zmq, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "CONTROL_COMMANDS",
