@@ -301,9 +301,17 @@ def format_explain(d: dict[str, Any]) -> str:
                   f"measured all-reduces); epoch switch {_ms(c.get('switch_s'))} "
                   f"({c.get('migration_measurements', 0)} measured)"
                   + (f"; compute {factor:.2f}x FLOPs / calibrated FLOP/s" if isinstance(factor, (int, float)) else "")]
+    for host, h in (c.get("contention") or {}).items():
+        factors = ", ".join(f"{n} x{f:.2f}" for n, f in (h.get("factor") or {}).items())
+        lines.append(f"contention on {host}: load {h.get('load')} threads/core, gamma {h.get('gamma')} "
+                     f"({'learned' if h.get('learned') else 'not measured yet'}): {factors}")
     placements = e.get("placements")
     if placements:
         lines.append("placements: " + ", ".join(f"{k} {v}" for k, v in placements.items()))
+    if e.get("changed"):
+        lines += ["", "changed since this plan: " + "; ".join(e["changed"])]
+    if e.get("kept"):
+        lines += ["", f"a better plan was found but kept out: {e['kept']}"]
     return "\n".join(lines)
 
 

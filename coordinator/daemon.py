@@ -32,6 +32,7 @@ and only report steps here.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 import sys
 import time
 from dataclasses import dataclass
@@ -71,6 +72,7 @@ from transport import (
     Ready,
     StepReport,
     StoreRequest,
+    Received,
     TrioSocket,
     Welcome,
     decode,
@@ -356,46 +358,44 @@ class Core:
 # --- tasks ---------------------------------------------------------------------------------------
 
 
+def _admit(core: Core, sock: TrioSocket, received: Received, *, socket_name: str, allowed: Callable[[str], bool],
+           max_bytes: int) -> Message | None:
+    """The message in `received`, or None after refusing it (frames, key role, decoding)."""
+    reply_to = (sock, received.frames[0])
+    if len(received.frames) != 2 or received.dropped:
+        n = len(received.frames) + received.dropped
+        core.refuse("frames", f"a message of {n} frames on the {socket_name} socket (one is expected after "
+                              "the routing id)", reply_to=reply_to)
+        return None
+    if not allowed(received.user_id):
+        core.refuse("role", f"a {received.user_id!r} key on the {socket_name} socket")
+        return None
+    try:
+        return decode(received.frames[1], max_bytes=max_bytes)
+    except CodecError as e:
+        core.refuse("version" if e.code == ERR_PROTOCOL else "decode", f"{socket_name}: {e}", reply_to=reply_to)
+        return None
+
+
 async def _pump_workers(sock: TrioSocket, inbox: trio.MemorySendChannel[Inbox], core: Core,
                         in_flight: trio.Semaphore) -> None:
     while True:
         received = await sock.receive_from()
-        identity = received.frames[0]
-        reply_to = (sock, identity)
-        if len(received.frames) != 2 or received.dropped:
-            n = len(received.frames) + received.dropped
-            core.refuse("frames", f"a message of {n} frames (one is expected after the routing id)", reply_to=reply_to)
-            continue
-        if not may_work(received.user_id):
-            core.refuse("role", f"a {received.user_id!r} key on the workers socket")
-            continue
-        try:
-            msg = decode(received.frames[1])
-        except CodecError as e:
-            core.refuse("version" if e.code == ERR_PROTOCOL else "decode", str(e), reply_to=reply_to)
+        msg = _admit(core, sock, received, socket_name="workers", allowed=may_work, max_bytes=MAX_FRAME_BYTES)
+        if msg is None:
             continue
         await in_flight.acquire()  # released by the core once handled
-        await inbox.send(_FromWorker(identity, msg, received.fd, received.user_id))
+        await inbox.send(_FromWorker(received.frames[0], msg, received.fd, received.user_id))
 
 
 async def _pump_control(sock: TrioSocket, inbox: trio.MemorySendChannel[Inbox], core: Core,
                         in_flight: trio.Semaphore) -> None:
     while True:
         received = await sock.receive_from()
+        msg = _admit(core, sock, received, socket_name="control", allowed=may_control, max_bytes=MAX_CONTROL_BYTES)
+        if msg is None:
+            continue
         identity = received.frames[0]
-        reply_to = (sock, identity)
-        if len(received.frames) != 2 or received.dropped:
-            n = len(received.frames) + received.dropped
-            core.refuse("frames", f"a control message of {n} frames", reply_to=reply_to)
-            continue
-        if not may_control(received.user_id):
-            core.refuse("role", f"a {received.user_id!r} key on the control socket")
-            continue
-        try:
-            msg = decode(received.frames[1], max_bytes=MAX_CONTROL_BYTES)
-        except CodecError as e:
-            core.refuse("version" if e.code == ERR_PROTOCOL else "decode", f"control: {e}", reply_to=reply_to)
-            continue
         if not isinstance(msg, ControlRequest):
             core.refuse("role", f"control socket got {type(msg).__name__}")
             sock.send([identity, encode(ControlReply(ok=False, data={},

@@ -183,6 +183,17 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
         predicted = state.plan.predicted_step_s if state.plan is not None and r.epoch == state.epoch else None
         effects.append(Log("step", {"step": r.step, "epoch": r.epoch, "loss": r.loss, "samples": r.global_batch,
                                     "step_s": r.step_s, "predicted_s": predicted}))
+    host = state.workers[r.name].host
+    if calm and changes and any(w.host == host and not w.ready for w in state.workers.values()):
+        # A worker on this host is still loading (importing torch, building the job): it loads the
+        # cores for a few seconds and then joins, which re-plans and re-measures anyway. What its
+        # neighbours' steps show meanwhile is that, not a change of theirs.
+        changes = []
+    if calm and changes == ["calibration"] * len(changes) and not state.calibrating:
+        # Every member was measured when this plan was made: a baseline off the prediction is the
+        # model's noise (already folded into the estimates), not news worth a re-plan. A lasting
+        # change (straggler, recovered, contention) still re-plans.
+        changes = []
     if changes and not state.finished:
         reason = min(changes, key=("straggler", "recovered", "contention", "calibration").index)
         state, more = replan(state, config, reason, abort=False, now=now)

@@ -11,6 +11,8 @@ lands with another one waiting. It
 * keeps one leaving state holder in the new epoch with no samples when no holder would stay, so
   that it hands the state over inside the new group;
 * sends nothing when a planned re-plan gives the same assignment (no churn);
+* re-plans on a calibration (an epoch's measured baseline off the prediction) only while the plan
+  rests on a guess for some member (one not measured yet: a newcomer, or the first plan);
 * for a re-plan that no membership change forced (a straggler, a recovery, host contention, a
   model calibration), takes the better plan only when it pays: its predicted gain per step must be
   at least MIN_REL_GAIN of the step and twice the measured step-time noise of the epoch, and the
@@ -103,11 +105,12 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
     recipients = sorted((old | set(new.members)) & set(state.workers))
     workers = {n: replace(w, nudged_at=now) if n in recipients else w for n, w in state.workers.items()}
     hosts = {n: state.cluster.devices[n].host for n in new.members if n in state.cluster.devices}
+    guessed = any(state.cluster.devices[n].samples_per_s is None for n in new.members if n in state.cluster.devices)
     tracker = steps.start(epoch, new.members, new.predicted_step_s, {c.name: c.compute_s for c in new.costs}, hosts,
                           legacy=not calm)
     state = replace(state, workers=workers, delta=delta, epoch=epoch, plan=new, result=result, tracker=tracker,
                     acked=frozenset(), reshard_bytes=0, reshard_s=0.0, running=frozenset(holders), changed=(),
-                    kept=None,
+                    kept=None, calibrating=guessed,
                     replan_wanted=f"{handoff} handed off" if handoff else None)
     effects: list[Effect] = [Planned(result, epoch, reason), *benched]
     return state, effects + [Send(n, delta) for n in recipients]
@@ -128,10 +131,13 @@ def _worth_it(state: State, new: Plan, result: PlanResult, horizon: int) -> tupl
     if gain <= 0:
         return ""  # nothing better than what runs (measured on the plan as it runs): nothing to say
     noise = _noise(state)
-    need = max(MIN_REL_GAIN, 2 * noise)
+    # A plan that rests on a guess (a member not measured yet) is replaced by a measured one as soon
+    # as that is 3% better; a measured plan only by one that beats the noise too.
+    need = MIN_REL_GAIN if state.calibrating else max(MIN_REL_GAIN, 2 * noise)
     cost = state.cluster.switch_s() + state.cluster.move_s(result.moved_bytes)
+    rule = "3%: the plan rests on a guess" if state.calibrating else f"3% or twice the measured noise {noise:.1%}"
     numbers = (f"predicted {now_s * 1e3:.1f} -> {new.predicted_step_s * 1e3:.1f} ms/step ({gain / now_s:+.1%} of "
-               f"the step; needed {need:.1%}: 3% or twice the measured noise {noise:.1%}), switch cost "
+               f"the step; needed {need:.1%}: {rule}), switch cost "
                f"{cost * 1e3:.0f} ms against {max(gain, 0.0) * horizon * 1e3:.0f} ms gained over {horizon} steps")
     if gain / now_s < need or gain * horizon <= cost:
         return f"not worth a switch: {numbers}"

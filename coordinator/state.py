@@ -65,6 +65,7 @@ class State:
     standby: frozenset[str] = frozenset()  # ready workers the latest plan left out
     changed: tuple[str, ...] = ()  # what changed since the latest plan (speeds), said by the next re-plan
     kept: str | None = None  # why the latest re-plan that found a better plan kept the current one
+    calibrating: bool = True  # the latest plan rests on a guess for some member (not measured yet)
     last_step: int = 0  # highest step reported (and logged)
     finished: bool = False  # some worker ran the last step
     stopping: bool = False

@@ -21,7 +21,7 @@
   set of active members is its uncontended time × `max(1, load)^γ`, where load is the threads of the
   active members on its host over the host's cores (`Join.cores`), and γ (per host) says how much
   compute suffers from oversubscription: learned from the device's own steps at two loads (median
-  per-sample time at each), with a prior of 1 for CPU devices (compute-bound) and 0 for GPUs.
+  per-sample time at each); until then 0 (no contention assumed: see GAMMA_PRIOR).
   Measurements are stored uncontended (divided by the factor in effect), so a join, a failure or
   a drain on a host *predicts* the mutual slowdown or speed-up of its co-located workers instead of
   reporting them as stragglers. `contended(active)` gives the cluster as it runs with `active`.
@@ -43,7 +43,11 @@ EWMA_WEIGHT = 0.3  # weight of the newest measurement in a device's overhead est
 COMPUTE_WINDOW = 16  # steps the compute model of a device is fitted over
 WARMUP_STEPS = 2  # a worker's first steps pay for lazy set-up (allocator, autograd): not fitted
 SPEED_TOLERANCE = 0.1  # devices within 10% of a class's slowest member share its class
-GAMMA_PRIOR = {"cpu": 1.0, "cuda": 0.0}  # contention exponent before a host's own is measured
+# Contention exponent before a host's own is measured: none. A compute-bound prior (1 for CPUs) was
+# tried and measured to do harm: for workers that do not contend (the paced job) it predicted that
+# planning a co-located worker out would speed the others up 1.5x, so the planner benched one, and
+# the next steps disproved it (three calibration re-plans in a row).
+GAMMA_PRIOR: dict[str, float] = {}
 GAMMA_MAX = 1.5
 LOAD_WINDOW = 32  # (load, per-sample seconds) observations kept per device to learn γ
 LOAD_MIN_OBS = 3  # observations needed at each of two loads
