@@ -158,15 +158,16 @@ def summary(job: LocalJob, marks: dict[str, float]) -> None:
             rows.append(("kill w2 -> next committed step", f"{first['ts'] - marks['kill']:.3f} s (step {first['step']})"))
     joined = next((e for e in events if e["kind"] == "joined" and e["worker"] == "w4"), None)
     if joined and "join" in marks:
-        plan = next((e for e in events if e["kind"] == "plan" and e["layout"] and "w4" in e["layout"]["members"]), None)
+        w4_plan = next((e for e in events if e["kind"] == "plan" and e["layout"] and "w4" in e["layout"]["members"]),
+                       None)
         rows.append(("start w4 -> joined (import torch, calibrate)", f"{joined['ts'] - marks['join']:.3f} s"))
-        if plan:
-            reshard = next((e for e in events if e["kind"] == "reshard" and e["epoch"] == plan["epoch"]), None)
-            first = next((e for e in events if e["kind"] == "step" and e["epoch"] == plan["epoch"]), None)
+        if w4_plan:
+            reshard = next((e for e in events if e["kind"] == "reshard" and e["epoch"] == w4_plan["epoch"]), None)
+            first = next((e for e in events if e["kind"] == "step" and e["epoch"] == w4_plan["epoch"]), None)
             rows.append(("w4 ready -> in the group with state", f"{reshard['seconds']:.3f} s, {reshard['bytes'] / 1e6:.1f} MB"
                          if reshard else "-"))
             if first:
-                rows.append(("w4 planned in -> its first committed step", f"{first['ts'] - plan['ts']:.3f} s"))
+                rows.append(("w4 planned in -> its first committed step", f"{first['ts'] - w4_plan['ts']:.3f} s"))
     straggler = next((e for e in events if e["kind"] == "straggler" and e["worker"] == "w3"
                       and e["step"] >= marks.get("slow", 0)), None)
     if straggler and "slow" in marks:

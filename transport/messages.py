@@ -10,7 +10,7 @@ Sockets and who talks on them:
 * workers endpoint (coordinator ROUTER, ``--bind``): each worker's control agent (DEALER whose
   routing id is the worker's NAME) and each worker thread's rendezvous-store client (DEALER with a
   random routing id).
-* control endpoint (coordinator ROUTER, ``--control``): ``scripts/ctl.py`` (DEALER).
+* control endpoint (coordinator ROUTER, ``--control``): ctl (``adaptrain-ctl``, ``coordinator/ctl.py``; DEALER).
 
 Field types are limited to what the codec validates: ``int``, ``float``, ``str``, ``bytes``,
 ``bool``, ``X | None``, ``list[X]`` and ``dict[str, Any]`` (free-form, only in control replies).

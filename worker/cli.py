@@ -122,6 +122,22 @@ def upload_graph(agent: Any, name: str, job: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a worker; the process ends here with its exit status (see `_exit`)."""
+    _exit(_main(argv))
+    return 0  # not reached
+
+
+def _exit(code: int) -> None:
+    """End the process now. An epoch abandoned mid-collective leaves gloo threads with an op that will
+    never complete; at a normal interpreter exit their C++ destructors call std::terminate (seen:
+    exit -6, "terminate called without an active exception", after `ctl stop`). Everything worth
+    keeping is written and flushed by then, so the process ends without running those destructors."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _main(argv: list[str] | None) -> int:
     cfg = parse_args(argv)
     import torch  # after argument parsing: --help stays fast
     import torch._dynamo  # noqa: F401  (part of torch's import cost: the first optimizer pulls it in)
