@@ -80,6 +80,7 @@ def _status(view: ControlView, args: list[str], now: float) -> Answer:
     return {"job": view.job_ref, "epoch": s.epoch, "step": s.last_step, "num_steps": view.num_steps,
             "global_batch": view.global_batch, "pending": s.pending, "finished": s.finished,
             "stopping": s.stopping, "uptime_s": round(view.uptime_s, 1), "workers": workers,
+            "lr": s.last_lr, "grad_norm": s.last_grad_norm,
             "secure": view.secure, "refused": dict(view.refused), "refused_total": sum(view.refused.values())}, []
 
 

@@ -232,6 +232,8 @@ def format_status(d: dict[str, Any]) -> str:
     head = (f"job {d.get('job', '?')}  epoch {d.get('epoch', '?')}  step {d.get('step', '?')}/"
             f"{d.get('num_steps', '?')}  global batch {d.get('global_batch', '?')}  up {d.get('uptime_s', '?')} s\n"
             f"state: {state}  (pending {_yes(d.get('pending'))}, finished {_yes(d.get('finished'))})")
+    if d.get("lr") is not None:
+        head += f"\nlast step: lr {_num(d.get('lr'))}, gradient norm {_num(d.get('grad_norm'))} (before clipping)"
     refused = d.get("refused") or {}
     by = ", ".join(f"{k} {v}" for k, v in refused.items())
     head += (f"\nsecurity: {'CURVE keys' if d.get('secure', True) else 'none (--insecure)'}  "

@@ -181,8 +181,10 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
             members = set(state.plan.members) if state.plan else set()
             effects += [Send(n, Stop(reason="the job is over")) for n in state.workers if n not in members]
         predicted = state.plan.predicted_step_s if state.plan is not None and r.epoch == state.epoch else None
+        state = replace(state, last_lr=r.lr, last_grad_norm=r.grad_norm)
         effects.append(Log("step", {"step": r.step, "epoch": r.epoch, "loss": r.loss, "samples": r.global_batch,
-                                    "step_s": r.step_s, "predicted_s": predicted}))
+                                    "step_s": r.step_s, "predicted_s": predicted, "lr": r.lr,
+                                    "grad_norm": r.grad_norm}))
     host = state.workers[r.name].host
     if calm and changes and any(w.host == host and not w.ready for w in state.workers.values()):
         # A worker on this host is still loading (importing torch, building the job): it loads the

@@ -67,6 +67,8 @@ class State:
     kept: str | None = None  # why the latest re-plan that found a better plan kept the current one
     calibrating: bool = True  # the latest plan rests on a guess for some member (not measured yet)
     last_step: int = 0  # highest step reported (and logged)
+    last_lr: float | None = None  # learning rate and gradient norm (before clipping) of that step
+    last_grad_norm: float | None = None
     finished: bool = False  # some worker ran the last step
     stopping: bool = False
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -155,9 +155,23 @@ def sequence_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return total / targets.shape[-1]
 
 
+def warmup_cosine(warmup: int, total: int, floor: float = 0.1) -> Callable[[int], float]:
+    """The usual recipe: the learning rate rises linearly over `warmup` steps, then follows a cosine
+    from the full rate down to `floor` of it at step `total`. A pure function of the step, so every
+    worker (a joiner, a survivor) uses the rate an undisturbed run uses."""
+
+    def multiplier(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return multiplier
+
+
 def _make_job(
     *, n_layer: int, d_model: int, n_head: int, block: int, global_batch: int, num_steps: int,
-    lr: float, description: str,
+    lr: float, description: str, warmup: int = 30, grad_clip: float = 1.0,
 ) -> Job:
     vocab, tokens = load_corpus()
 
@@ -176,6 +190,8 @@ def _make_job(
         num_steps=num_steps,
         seed=0,
         description=description,
+        lr_schedule=warmup_cosine(warmup, num_steps),
+        grad_clip=grad_clip,
     )
 
 
@@ -184,6 +200,15 @@ def job() -> Job:
     return _make_job(
         n_layer=4, d_model=128, n_head=4, block=64, global_batch=16, num_steps=300, lr=1e-3,
         description="char GPT, 4 layers x 128, on the Python stdlib source",
+    )
+
+
+def job_short() -> Job:
+    """The small GPT's first 40 steps, warmup over 20 of them and clipping biting throughout: what
+    the tests run under churn against a single-process run of the same recipe."""
+    return _make_job(
+        n_layer=4, d_model=128, n_head=4, block=64, global_batch=16, num_steps=40, lr=1e-3, warmup=20,
+        description="char GPT, 4 layers x 128, 40 steps (tests)",
     )
 
 

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-PROTOCOL_VERSION = 3  # 2: StepReport.comm_s, Slowdown; 3: Join.cores
+PROTOCOL_VERSION = 4  # 2: StepReport.comm_s, Slowdown; 3: Join.cores; 4: StepReport.lr, grad_norm
 
 # Error codes carried by `Error.code`.
 ERR_DECODE = "decode"  # the frame could not be decoded or failed validation
@@ -132,7 +132,8 @@ class StepReport:
     these: compute speed, pure communication (the smallest `comm_s` of a step) and the overhead
     `step_s − compute_s − comm_s` (copying gradients, the optimizer step).
     `digest` is a hash of the parameters after the step when the worker runs with
-    `--digest-every`, else "".
+    `--digest-every`, else "". `lr` is the first parameter group's learning rate the step used
+    (after `Job.lr_schedule`) and `grad_norm` the global gradient's L2 norm before clipping.
     """
 
     name: str
@@ -145,6 +146,8 @@ class StepReport:
     comm_s: float
     step_s: float
     digest: str
+    lr: float = 0.0
+    grad_norm: float = 0.0  # may be inf or nan when training diverges: reported, not refused
 
     def __post_init__(self) -> None:
         check_name(self.name)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import itertools
+import math
 import sys
 import types
 from dataclasses import dataclass
@@ -72,6 +73,17 @@ class Job:
     description: str = ""
     """One line for humans: shown by `ctl status` and in the event log."""
 
+    lr_schedule: Callable[[int], float] | None = None
+    """`step -> multiplier` of every parameter group's base learning rate for the update of step
+    `step` (0-based), like `torch.optim.lr_scheduler.LambdaLR`'s lambda. A pure function of the step:
+    exact under churn (a joiner, a survivor and a resumed job use the learning rate an undisturbed
+    run uses at that step), with no scheduler state to move. Checked when the job loads (at a few
+    steps) and at every step: it must return a finite number >= 0."""
+
+    grad_clip: float | None = None
+    """Maximum L2 norm of the global gradient (the full global batch's, summed across workers, over
+    every parameter), as `torch.nn.utils.clip_grad_norm_` would clip it in one process."""
+
     def __post_init__(self) -> None:
         for name in ("model", "optimizer", "loss"):
             value = getattr(self, name)
@@ -93,6 +105,34 @@ class Job:
             )
         if not isinstance(self.description, str):
             raise JobError(f"Job.description must be a str, got {type(self.description).__name__}")
+        if self.grad_clip is not None and not (isinstance(self.grad_clip, (int, float)) and not isinstance(
+                self.grad_clip, bool) and math.isfinite(self.grad_clip) and self.grad_clip > 0):
+            raise JobError(f"Job.grad_clip must be a positive, finite number (a maximum gradient norm), "
+                           f"got {self.grad_clip!r:.80}")
+        if self.lr_schedule is not None:
+            if not callable(self.lr_schedule):
+                raise JobError(f"Job.lr_schedule must be a function of the step, got {type(self.lr_schedule).__name__}")
+            for step in sorted({0, 1, self.num_steps // 2, self.num_steps - 1}):
+                lr_multiplier(self, step)
+
+    def lr_multiplier(self, step: int) -> float:
+        """The schedule's multiplier for the update of `step` (1.0 without a schedule); JobError
+        when the schedule raises or returns something that is not a finite number >= 0."""
+        return lr_multiplier(self, step)
+
+
+def lr_multiplier(job: Job, step: int) -> float:
+    if job.lr_schedule is None:
+        return 1.0
+    try:
+        value = job.lr_schedule(step)
+        number = float(value)
+    except Exception as e:  # noqa: BLE001 (the user's code: say where it failed)
+        raise JobError(f"Job.lr_schedule raised at step {step}: {type(e).__name__}: {e}") from None
+    if not math.isfinite(number) or number < 0:
+        raise JobError(f"Job.lr_schedule returned {value!r:.40} at step {step}: it must be a finite number >= 0 "
+                       "(a multiplier of the optimizer's base learning rate)")
+    return number
 
 
 @dataclass(frozen=True, slots=True)

@@ -79,6 +79,9 @@ class Trainer:
         torch.manual_seed(self.job.seed)
         self.model = self.job.model().to(self.device)
         self.optimizer = self.job.optimizer(self.model.parameters())
+        # The schedule multiplies these; a state received from a peer carries the lr it last used,
+        # so each step sets every group's lr from its base again (exact under churn).
+        self.base_lrs = [float(group["lr"]) for group in self.optimizer.param_groups]
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.step = 0  # optimizer steps applied
 
@@ -256,11 +259,19 @@ class Trainer:
         self._wait(g, g.pg.allreduce([buf]), buf)
         comm_s = time.perf_counter() - t_comm
 
+        grads = buf[:self.numel]
+        grad_norm = float(torch.linalg.vector_norm(grads, dtype=torch.float64))  # the global gradient, every parameter
+        if job.grad_clip is not None:  # as torch.nn.utils.clip_grad_norm_ does in one process
+            grads.mul_(min(1.0, job.grad_clip / (grad_norm + 1e-6)))
         offset = 0
         for p in self.params:
             n = p.numel()
             p.grad = buf[offset:offset + n].view_as(p)
             offset += n
+        multiplier = job.lr_multiplier(self.step)
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+            group["lr"] = base * multiplier
+        lr = self.base_lrs[0] * multiplier if self.base_lrs else 0.0
         self.optimizer.step()
         self.step += 1
         self.agent.step = self.step
@@ -272,7 +283,8 @@ class Trainer:
             digest = self.digest()
             self._log(f"digest step {self.step} {digest}")
         report = StepReport(name=self.name, epoch=g.epoch, step=self.step, loss=loss_value, samples=len(ids),
-                            global_batch=G, compute_s=compute_s, comm_s=comm_s, step_s=step_s, digest=digest)
+                            global_batch=G, compute_s=compute_s, comm_s=comm_s, step_s=step_s, digest=digest,
+                            lr=lr, grad_norm=grad_norm)
         self.agent.send(report)
         if self.config.trace_path is not None:
             with open(self.config.trace_path, "a") as trace:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import json
 import subprocess
 import sys
@@ -278,3 +280,39 @@ def test_inspect_job_refuses_a_missing_file_without_a_traceback() -> None:
     info = json.loads(proc.stdout.strip())
     assert info["ok"] is False and "no such file" in info["error"]
     assert "Traceback" not in proc.stderr
+
+
+# --- the training recipe (issue 10): learning-rate schedules and gradient clipping ---------------
+
+
+def _recipe_job(**kw: object) -> Job:
+    import torch as _torch
+    from torch.utils.data import TensorDataset
+
+    data = TensorDataset(_torch.zeros(8, 2), _torch.zeros(8, 1))
+    return Job(model=lambda: _torch.nn.Linear(2, 1), optimizer=lambda p: _torch.optim.SGD(p, lr=0.1),
+               dataset=data, loss=lambda o, t: ((o - t) ** 2).sum(), global_batch=4, num_steps=100,
+               **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("schedule, needle", [
+    (lambda step: 1 / (50 - step), "raised at step 50: ZeroDivisionError"),
+    (lambda step: -0.5, "returned -0.5 at step 0"),
+    (lambda step: float("nan") if step == 99 else 1.0, "returned nan at step 99"),
+    (lambda step: "fast", "raised at step 0: ValueError"),
+])
+def test_a_bad_schedule_is_refused_when_the_job_loads_with_the_step(schedule: object, needle: str) -> None:
+    with pytest.raises(JobError, match=re.escape(needle)):
+        _recipe_job(lr_schedule=schedule)
+
+
+@pytest.mark.parametrize("clip", [0.0, -1.0, float("inf"), float("nan"), True, "1"])
+def test_a_clip_that_is_not_a_positive_number_is_refused(clip: object) -> None:
+    with pytest.raises(JobError, match="grad_clip"):
+        _recipe_job(grad_clip=clip)
+
+
+def test_the_multiplier_is_the_schedule_at_that_step_and_1_without_one() -> None:
+    assert _recipe_job().lr_multiplier(7) == 1.0
+    assert _recipe_job(lr_schedule=lambda step: step / 10).lr_multiplier(7) == 0.7
+    assert _recipe_job(grad_clip=2).grad_clip == 2
