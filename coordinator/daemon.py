@@ -70,6 +70,7 @@ from transport import (
     Leave,
     Message,
     Ready,
+    Saved,
     StepReport,
     StoreRequest,
     Received,
@@ -88,7 +89,7 @@ from transport.security import (
     may_work,
 )
 
-AGENT_MESSAGES = (Join, Ready, GraphUpload, Heartbeat, StepReport, Ack, Leave)
+AGENT_MESSAGES = (Join, Ready, GraphUpload, Heartbeat, StepReport, Ack, Leave, Saved)
 FRAMES_IN_FLIGHT = 1024  # decoded frames waiting for the core, at most
 MAX_CONTROL_BYTES = 64 * 1024  # a control request is a command and a few words
 _ERROR_CODES = {"name": ERR_NAME_TAKEN, "stale": ERR_STALE_EPOCH, "busy": ERR_BUSY, "version": ERR_PROTOCOL,
@@ -240,6 +241,8 @@ class Core:
                 self.apply(m.Acked(msg))
             case Leave(name=name, reason=reason):
                 self.apply(m.Left(name, reason))
+            case Saved():
+                self.apply(m.ModelSaved(msg))
 
     @property
     def graph(self) -> Graph | None:
@@ -307,7 +310,7 @@ class Core:
                 self._send(to, Welcome(
                     name=to, run_id=self.run_id, job_ref=job.ref, job_name=job.name, job_source=job.source,
                     job_sha256=job.sha256, heartbeat_s=self.cfg.heartbeat_s, lease_s=self.cfg.lease_s,
-                    want_graph=self.graph is None))
+                    want_graph=self.graph is None, final_dir=str((self.cfg.state_dir / "final").resolve())))
             case m.Log(kind, fields):
                 self.log.write(kind, **fields)
                 self.metrics.observe(kind, fields)

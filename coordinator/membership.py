@@ -38,6 +38,7 @@ from coordinator.state import (
     Log,
     Lost,
     MadeReady,
+    ModelSaved,
     Planned,
     ReplanDue,
     Result,
@@ -55,7 +56,7 @@ from plan import Device
 from transport import ERR_NAME_TAKEN, ERR_STALE_EPOCH, Abort, Ack, Error, Join, Slowdown, StepReport, Stop
 
 __all__ = ["Acked", "Config", "DrainRequested", "Effect", "Event", "Finished", "FollowUp", "GraphReceived", "Joined",
-           "Left", "Log", "Lost", "MadeReady", "Planned", "ReplanDue", "Result", "Seen", "Send", "SlowdownRequested",
+           "Left", "Log", "Lost", "MadeReady", "ModelSaved", "Planned", "ReplanDue", "Result", "Seen", "Send", "SlowdownRequested",
            "State", "StepDone", "StopRequested", "Tick", "Welcome", "Worker", "apply", "replan"]
 
 
@@ -104,6 +105,12 @@ def apply(state: State, event: Event, config: Config, *, now: float) -> Result:
             if name not in state.workers:
                 return state, []
             return state, [Send(name, Slowdown(factor=factor)), Log("slowdown", {"worker": name, "factor": factor})]
+        case ModelSaved(msg):
+            if msg.error:
+                return state, [Log("save_failed", {"worker": msg.name, "step": msg.step, "path": msg.path,
+                                                   "error": msg.error})]
+            return state, [Log("finished", {"step": msg.step, "path": msg.path, "bytes": msg.bytes,
+                                            "worker": msg.name})]
         case ReplanDue(reason, abort):
             return replan(state, config, reason, abort=abort, now=now)
         case StopRequested(reason):

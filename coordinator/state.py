@@ -11,7 +11,7 @@ from typing import Any
 
 from coordinator.steps import Tracker
 from plan import Cluster, Graph, Plan, PlanResult
-from transport import Ack, Join, Message, PlanDelta, StepReport
+from transport import Ack, Join, Message, PlanDelta, Saved, StepReport
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -130,6 +130,13 @@ class Acked:
 
 
 @dataclass(frozen=True, slots=True)
+class ModelSaved:
+    """A worker wrote (or failed to write) the trained model."""
+
+    msg: Saved
+
+
+@dataclass(frozen=True, slots=True)
 class Left:
     name: str
     reason: str
@@ -171,7 +178,7 @@ class ReplanDue:
 
 
 Event = (Joined | MadeReady | GraphReceived | Seen | StepDone | Acked | Left | Lost | Tick | DrainRequested
-         | SlowdownRequested | StopRequested | ReplanDue)
+         | SlowdownRequested | StopRequested | ReplanDue | ModelSaved)
 
 
 # --- effects ---------------------------------------------------------------------------------

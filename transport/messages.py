@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-PROTOCOL_VERSION = 4  # 2: StepReport.comm_s, Slowdown; 3: Join.cores; 4: StepReport.lr, grad_norm
+PROTOCOL_VERSION = 5  # 2: StepReport.comm_s, Slowdown; 3: Join.cores; 4: StepReport.lr, grad_norm; 5: Saved, Welcome.final_dir
 
 # Error codes carried by `Error.code`.
 ERR_DECODE = "decode"  # the frame could not be decoded or failed validation
@@ -174,6 +174,23 @@ class Ack:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Saved:
+    """Worker -> coordinator: the model and optimizer state after `step` were written to `path`
+    (`model.pt` and `optimizer.pt`, plain `state_dict`s, each written to a temporary name and
+    renamed), `bytes` in all; or, when `error` is not empty, why they could not be."""
+
+    name: str
+    step: int
+    path: str
+    bytes: int
+    error: str
+
+    def __post_init__(self) -> None:
+        check_name(self.name)
+        _check_counts(self, "step", "bytes")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Leave:
     """Worker -> coordinator: the worker leaves on purpose.
 
@@ -208,6 +225,7 @@ class Welcome:
     heartbeat_s: float
     lease_s: float
     want_graph: bool  # the coordinator has no graph of the model yet: capture and upload it
+    final_dir: str = ""  # where the trained model goes when the job finishes ("": nowhere)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -331,6 +349,7 @@ class ControlReply:
 
 
 MESSAGE_TYPES: tuple[type, ...] = (
+    Saved,
     Join,
     Ready,
     GraphUpload,
@@ -351,7 +370,8 @@ MESSAGE_TYPES: tuple[type, ...] = (
 )
 
 Message = (
-    Join
+    Saved
+    | Join
     | Ready
     | GraphUpload
     | Heartbeat

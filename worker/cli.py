@@ -177,7 +177,8 @@ def _main(argv: list[str] | None) -> int:
         trainer = Trainer(job, agent, cfg.join, TrainerConfig(group_timeout_s=cfg.group_timeout_s,
                                                               digest_every=cfg.digest_every,
                                                               log_every=cfg.log_every, device=cfg.device,
-                                                              keys=cfg.keys, trace_path=cfg.trace_steps))
+                                                              keys=cfg.keys, trace_path=cfg.trace_steps,
+                                                              final_dir=welcome.final_dir))
         if preempted:  # SIGTERM while loading: we were never planned in, so just go
             agent.close()
             return 0

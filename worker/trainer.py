@@ -22,16 +22,18 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from transport import Ack, Leave, PlanDelta, StepReport
+from transport import Ack, Leave, PlanDelta, Saved, StepReport
 from worker import comm, state
 from worker.agent import Agent
 from worker.comm import Superseded
 from worker.job import Job, sample_ids, share_slice
 from transport.security import ClientKeys
+from worker.save import save_model
 from worker.store import CoordinatorStore
 
 RETRY_S = 0.5  # pause before forming an epoch's group again after a failed rendezvous
@@ -56,6 +58,7 @@ class TrainerConfig:
     device: str = "cpu"
     keys: ClientKeys | None = None  # CURVE keys for the store's sockets (None: --insecure coordinator)
     trace_path: str | None = None  # append every step report here as a JSON line (--trace-steps)
+    final_dir: str = ""  # where rank 0 of the last step writes the trained model ("": nowhere)
 
 
 class Trainer:
@@ -73,6 +76,7 @@ class Trainer:
         agent.on_interrupt = self.waiter.interrupt
         self.leave_reason: str | None = None  # set on SIGTERM
         self.epoch_tried = 0  # the newest epoch this worker entered or tried to enter
+        self.final_writer = False  # rank 0 of the group that committed the last step: it writes the model
 
     def _build(self) -> None:
         """The model and optimizer as at step 0, identical on every worker (seeded)."""
@@ -95,6 +99,8 @@ class Trainer:
                 self._log("fenced: dropping local state, will take the survivors'")
                 group, self.stale = None, True
             if self.step >= self.job.num_steps:
+                if self.final_writer:
+                    self._save_final()
                 return self._leave("finished")
             stop = self.agent.stop_reason()
             if stop is not None:  # "drained" comes once the plan without us is in place
@@ -120,6 +126,20 @@ class Trainer:
             else:
                 self._standby(delta)
                 group = None
+
+    def _save_final(self) -> None:
+        """Write the trained model where the coordinator said (replicas are identical: one writes)."""
+        if not self.config.final_dir:
+            return
+        path = Path(self.config.final_dir)
+        try:
+            size = save_model(self.model, self.optimizer, path)
+        except OSError as e:
+            self._log(f"could not write the trained model to {path}: {e}")
+            self.agent.send(Saved(name=self.name, step=self.step, path=str(path), bytes=0, error=str(e)[:500]))
+            return
+        self._log(f"wrote the trained model to {path} ({size / 1e6:.1f} MB)")
+        self.agent.send(Saved(name=self.name, step=self.step, path=str(path), bytes=size, error=""))
 
     def _standby(self, delta: PlanDelta) -> None:
         """Planned out without asking to leave (drained, or more workers than the plan uses):
@@ -274,6 +294,7 @@ class Trainer:
         lr = self.base_lrs[0] * multiplier if self.base_lrs else 0.0
         self.optimizer.step()
         self.step += 1
+        self.final_writer = self.step == job.num_steps and g.rank == 0
         self.agent.step = self.step
         loss_value = float(buf[self.numel]) / G
         step_s = time.perf_counter() - t0

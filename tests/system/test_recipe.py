@@ -9,7 +9,11 @@ group): the schedule is a pure function of the step and the norm is the full glo
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,8 +28,9 @@ NUM_STEPS = 40
 FIELDS = ("loss", "lr", "grad_norm")
 
 
-def single_process() -> dict[int, dict[str, float]]:
-    """The recipe in one process, step by step (1-based, like the `step` events)."""
+def single_process(keep: dict[str, Any] | None = None) -> dict[int, dict[str, float]]:
+    """The recipe in one process, step by step (1-based, like the `step` events); `keep` receives
+    the trained model."""
     job = load_job(GPT.read_text(), "job_short", filename=str(GPT))
     torch.manual_seed(job.seed)
     model = job.model()
@@ -47,6 +52,8 @@ def single_process() -> dict[int, dict[str, float]]:
             group["lr"] = b * job.lr_multiplier(k)
         opt.step()
         out[k + 1] = {"loss": loss.item() / job.global_batch, "lr": opt.param_groups[0]["lr"], "grad_norm": norm}
+    if keep is not None:
+        keep.update(model=model, job=job)
     return out
 
 
@@ -57,7 +64,8 @@ def _gap(run: dict[int, dict[str, float]], ref: dict[int, dict[str, float]]) -> 
 
 @pytest.mark.timeout(400)
 def test_schedule_and_clipping_are_exact_under_a_kill_and_a_join_in_warmup(tmp_path: Path) -> None:
-    reference = single_process()
+    trained: dict[str, Any] = {}
+    reference = single_process(trained)
     assert sum(r["grad_norm"] > 1.0 for r in reference.values()) >= 20, "the clip must bite"
     assert reference[1]["lr"] < reference[20]["lr"] > reference[40]["lr"], "warmup, then decay"
 
@@ -67,6 +75,9 @@ def test_schedule_and_clipping_are_exact_under_a_kill_and_a_join_in_warmup(tmp_p
             job.add_worker(name)
         assert job.wait_coordinator(240) == 0, job.tail("coordinator.out")
         undisturbed = job.steps()
+        finished = [e for e in job.events() if e["kind"] == "finished"]
+        printed = (tmp_path / "quiet" / "coordinator.out").read_text()
+    _check_the_trained_model(tmp_path / "quiet", finished, printed, trained)
 
     # --slowdown stretches compute (never the mathematics), so warmup lasts long enough for a new
     # worker to import torch and join inside it.
@@ -92,3 +103,46 @@ def test_schedule_and_clipping_are_exact_under_a_kill_and_a_join_in_warmup(tmp_p
         assert all(g <= 1e-4 for g in gaps.values()), f"{name} against one process: {gaps}"
     gaps = _gap(churned, undisturbed)
     assert all(g <= 1e-4 for g in gaps.values()), f"churned against undisturbed: {gaps}"
+
+
+# The subprocess builds the GPT from examples/gpt.py with a stand-in for `worker.job` (the file's
+# only adaptrain import, for its Job type), so nothing of adaptrain's worker is imported.
+LOAD_AND_EVALUATE = """
+import json, sys, types, importlib.util
+import torch
+sys.modules["worker"] = types.ModuleType("worker")
+sys.modules["worker.job"] = stub = types.ModuleType("worker.job")
+stub.Job = object
+spec = importlib.util.spec_from_file_location("gpt_example", sys.argv[1])
+gpt = importlib.util.module_from_spec(spec); spec.loader.exec_module(gpt)
+vocab, tokens = gpt.load_corpus()
+model = gpt.GPT(len(vocab), 64, 4, 128, 4)
+model.load_state_dict(torch.load(sys.argv[2] + "/model.pt"))
+optimizer_state = torch.load(sys.argv[2] + "/optimizer.pt")
+x, y = gpt.CharDataset(tokens, 64)[torch.tensor(json.loads(sys.argv[3]))]
+with torch.no_grad():
+    loss = gpt.sequence_loss(model(x), y).item() / len(x)
+print(json.dumps({"loss": loss, "adaptrain_worker_loaded": any(m.startswith("worker.") and m != "worker.job"
+                                                               for m in sys.modules),
+                  "optimizer_steps": [int(s["step"]) for s in optimizer_state["state"].values()][:1]}))
+"""
+
+
+def _check_the_trained_model(state_dir: Path, finished: list[dict[str, Any]], printed: str,
+                             trained: dict[str, Any]) -> None:
+    """The job's end wrote the model where the event says, atomically, loadable without adaptrain,
+    and it is the trained model: on the last step's batch it gives the single-process model's loss."""
+    final = (state_dir / "final").resolve()
+    assert [(e["step"], e["path"]) for e in finished] == [(NUM_STEPS, str(final))], finished
+    assert str(final) in printed, "the coordinator prints where the model is"
+    assert sorted(p.name for p in final.iterdir()) == ["model.pt", "optimizer.pt"], "no temporary file left"
+    job, model = trained["job"], trained["model"]
+    ids = sample_ids(job.seed, NUM_STEPS - 1, len(job.dataset), job.global_batch)
+    out = subprocess.run([sys.executable, "-c", LOAD_AND_EVALUATE, str(GPT), str(final), json.dumps(ids.tolist())],
+                         capture_output=True, text=True, timeout=120, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not got["adaptrain_worker_loaded"] and got["optimizer_steps"] == [NUM_STEPS]
+    x, y = job.dataset[ids]
+    with torch.no_grad():
+        expected = job.loss(model(x), y).item() / job.global_batch
+    assert abs(got["loss"] - expected) / expected <= 1e-4, (got["loss"], expected)
