@@ -36,6 +36,9 @@ class ControlView:
     events: Sequence[dict[str, Any]] = ()  # the event log so far, oldest first
     refused: dict[str, int] = field(default_factory=dict)  # refusal counts by reason (coordinator.guard)
     secure: bool = True  # CURVE keys on (False: --insecure)
+    # `ctl save PATH`: the absolute path to write, or ValueError saying why it cannot be written
+    # (the daemon passes a check of the filesystem; the default takes the path as it is)
+    writable: Callable[[str], str] = str
 
 
 Answer = tuple[dict[str, Any], list[m.Event]]
@@ -151,11 +154,23 @@ def _slowdown(view: ControlView, args: list[str], now: float) -> Answer:
     return {"worker": name, "factor": factor}, [m.SlowdownRequested(name, factor)]
 
 
+def _save(view: ControlView, args: list[str], now: float) -> Answer:
+    if len(args) != 1 or not args[0]:
+        raise ValueError("save takes one PATH: the directory to write model.pt and optimizer.pt into")
+    if view.state.plan is None or view.state.finished:
+        raise ValueError("nothing is training now: there is no model to save (the job writes STATE_DIR/final "
+                         "when it finishes)")
+    path = view.writable(args[0])
+    return {"saving": path, "worker": view.state.plan.members[0], "at": "the next step boundary"}, \
+        [m.SaveRequested(path)]
+
+
 def _stop(view: ControlView, args: list[str], now: float) -> Answer:
     if args:
         raise ValueError(f"stop takes no argument, got {args}")
     return {"stopping": True, "workers": sorted(view.state.workers)}, [m.StopRequested("stopped by ctl")]
 
 
-_HANDLERS: dict[str, Callable[[ControlView, list[str], float], Answer]] = {"status": _status, "plan": _plan, "graph": _graph, "events": _events, "drain": _drain,
+_HANDLERS: dict[str, Callable[[ControlView, list[str], float], Answer]] = {
+    "save": _save,"status": _status, "plan": _plan, "graph": _graph, "events": _events, "drain": _drain,
              "slowdown": _slowdown, "stop": _stop}

@@ -56,6 +56,7 @@ examples:
   adaptrain-ctl --control tcp://127.0.0.1:5556 status
   adaptrain-ctl --control tcp://127.0.0.1:5556 plan --json
   adaptrain-ctl --control tcp://127.0.0.1:5556 plan --explain
+  adaptrain-ctl --control tcp://127.0.0.1:5556 save runs/gpt/step-1000
   adaptrain-ctl --control tcp://127.0.0.1:5556 graph
   adaptrain-ctl --control tcp://127.0.0.1:5556 events --follow
   adaptrain-ctl --control tcp://127.0.0.1:5556 events --since 100 --json
@@ -381,6 +382,37 @@ def cmd_simple(client: Client, a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_save(client: Client, a: argparse.Namespace) -> int:
+    """Ask for the save, then follow the events until the worker says it was written (or not)."""
+    start = int(client.request("events", str(0)).get("next", 0))
+    while True:  # the newest index: the `saved` event comes after it
+        page = client.request("events", str(start))
+        if not page.get("events"):
+            break
+        start = int(page["next"])
+    data = client.request("save", a.path)
+    path = data.get("saving")
+    if not a.json:
+        print(f"saving to {path} at the next step boundary ({data.get('worker')} writes it)")
+    deadline = time.monotonic() + a.wait
+    while time.monotonic() < deadline:
+        page = client.request("events", str(start))
+        start = int(page.get("next", start))
+        for e in page.get("events", []):
+            if e.get("kind") in ("saved", "save_failed") and e.get("path") == path:
+                if a.json:
+                    _print_json(e)
+                elif e["kind"] == "saved":
+                    print(f"saved the model after step {e['step']} to {path} ({_num(e.get('bytes'))}B)")
+                if e["kind"] == "save_failed":
+                    raise Refused(f"{e.get('worker')} could not write {path}: {e.get('error')}")
+                return 0
+        time.sleep(FOLLOW_POLL_S)
+    if a.wait > 0:
+        raise NoAnswer(f"asked for the save to {path}, but no worker reported it within {a.wait:g} s")
+    return 0
+
+
 def _pages(client: Client, since: int) -> Iterator[tuple[list[dict[str, Any]], int]]:
     """Every page of events from index `since` up to now."""
     while True:
@@ -513,6 +545,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sd = add("slowdown", "test knob: stretch a worker's compute by FACTOR (1 = full speed) from its next step")
     sd.add_argument("name", metavar="NAME", help="the worker's name, as `status` shows it")
     sd.add_argument("factor", metavar="FACTOR", help="1 (full speed) to 1000")
+    sv = add("save", "write the model and optimizer state (model.pt, optimizer.pt: plain state_dicts) to "
+                     "PATH at the next step boundary, and wait until it is written")
+    sv.add_argument("path", metavar="PATH", help="a directory the workers can write (created if missing)")
+    sv.add_argument("--wait", type=float, default=120.0, metavar="S",
+                    help="how long to wait for the write (default 120 s; 0: do not wait)")
     add("stop", "stop every worker now (a step in flight is abandoned), then the coordinator exits")
     rp = add("report", "the job's progress over steps: samples/s, loss and members, with every join, leave, "
                        "failure, straggler, recovery, contention, plan (epoch), kept re-plan and reshard; a "
@@ -571,6 +608,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_events(client, a)
         if a.command == "report":
             return cmd_report(client, a)
+        if a.command == "save":
+            return cmd_save(client, a)
         return cmd_simple(client, a)
     except zmq.ZMQError as e:
         _die(f"cannot talk to {a.control}: {e}", 2)

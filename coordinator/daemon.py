@@ -32,6 +32,7 @@ and only report steps here.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 import sys
 import time
@@ -186,7 +187,7 @@ class Core:
                 view = ControlView(state=self.state, job_ref=self.job.ref, num_steps=self.job.num_steps,
                                    global_batch=self.job.global_batch, uptime_s=time.monotonic() - self.started,
                                    events=self.log.events, refused=self.refusals.snapshot(),
-                                   secure=self.cfg.keys is not None)
+                                   secure=self.cfg.keys is not None, writable=writable_dir)
                 reply, events = answer_control(view, request, now=time.monotonic())
                 if not reply.ok:
                     self.refuse("request", f"control {request.command[:40]!r}: {reply.error}")
@@ -359,6 +360,21 @@ class Core:
 
 
 # --- tasks ---------------------------------------------------------------------------------------
+
+
+def writable_dir(path: str) -> str:
+    """`path` made absolute, when the coordinator's user could create or write that directory (the
+    workers run on loopback or see the same filesystem at the same path); ValueError naming the
+    path otherwise. Workers report their own failure too (`save_failed`)."""
+    target = Path(path).expanduser().resolve()
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"cannot save to {target}: it exists and is not a directory")
+    existing = next(p for p in (target, *target.parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"cannot save to {target}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"cannot save to {target}: {existing} is not writable")
+    return str(target)
 
 
 def _admit(core: Core, sock: TrioSocket, received: Received, *, socket_name: str, allowed: Callable[[str], bool],

@@ -40,6 +40,7 @@ from coordinator.state import (
     MadeReady,
     ModelSaved,
     Planned,
+    SaveRequested,
     ReplanDue,
     Result,
     Seen,
@@ -53,10 +54,10 @@ from coordinator.state import (
     Worker,
 )
 from plan import Device
-from transport import ERR_NAME_TAKEN, ERR_STALE_EPOCH, Abort, Ack, Error, Join, Slowdown, StepReport, Stop
+from transport import ERR_NAME_TAKEN, ERR_STALE_EPOCH, Abort, Ack, Error, Join, SaveModel, Slowdown, StepReport, Stop
 
 __all__ = ["Acked", "Config", "DrainRequested", "Effect", "Event", "Finished", "FollowUp", "GraphReceived", "Joined",
-           "Left", "Log", "Lost", "MadeReady", "ModelSaved", "Planned", "ReplanDue", "Result", "Seen", "Send", "SlowdownRequested",
+           "Left", "Log", "Lost", "MadeReady", "ModelSaved", "Planned", "SaveRequested", "ReplanDue", "Result", "Seen", "Send", "SlowdownRequested",
            "State", "StepDone", "StopRequested", "Tick", "Welcome", "Worker", "apply", "replan"]
 
 
@@ -109,8 +110,13 @@ def apply(state: State, event: Event, config: Config, *, now: float) -> Result:
             if msg.error:
                 return state, [Log("save_failed", {"worker": msg.name, "step": msg.step, "path": msg.path,
                                                    "error": msg.error})]
-            return state, [Log("finished", {"step": msg.step, "path": msg.path, "bytes": msg.bytes,
-                                            "worker": msg.name})]
+            return state, [Log("finished" if msg.final else "saved", {"step": msg.step, "path": msg.path,
+                                                                      "bytes": msg.bytes, "worker": msg.name})]
+        case SaveRequested(path):
+            if state.plan is None or not state.plan.members:
+                return state, []
+            writer = state.plan.members[0]  # replicas are identical: the first member writes
+            return state, [Send(writer, SaveModel(path=path)), Log("save_requested", {"path": path, "worker": writer})]
         case ReplanDue(reason, abort):
             return replan(state, config, reason, abort=abort, now=now)
         case StopRequested(reason):

@@ -130,6 +130,13 @@ class Acked:
 
 
 @dataclass(frozen=True, slots=True)
+class SaveRequested:
+    """`ctl save PATH` (the daemon checked that PATH can be written)."""
+
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSaved:
     """A worker wrote (or failed to write) the trained model."""
 
@@ -178,7 +185,7 @@ class ReplanDue:
 
 
 Event = (Joined | MadeReady | GraphReceived | Seen | StepDone | Acked | Left | Lost | Tick | DrainRequested
-         | SlowdownRequested | StopRequested | ReplanDue | ModelSaved)
+         | SlowdownRequested | StopRequested | ReplanDue | ModelSaved | SaveRequested)
 
 
 # --- effects ---------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-PROTOCOL_VERSION = 5  # 2: StepReport.comm_s, Slowdown; 3: Join.cores; 4: StepReport.lr, grad_norm; 5: Saved, Welcome.final_dir
+PROTOCOL_VERSION = 6  # 2: StepReport.comm_s, Slowdown; 3: Join.cores; 4: StepReport.lr, grad_norm; 5: Saved, Welcome.final_dir; 6: SaveModel, Saved.final
 
 # Error codes carried by `Error.code`.
 ERR_DECODE = "decode"  # the frame could not be decoded or failed validation
@@ -184,6 +184,7 @@ class Saved:
     path: str
     bytes: int
     error: str
+    final: bool = True  # the job's end (False: a `ctl save` request)
 
     def __post_init__(self) -> None:
         check_name(self.name)
@@ -269,6 +270,14 @@ class Slowdown:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class SaveModel:
+    """Coordinator -> one member (`ctl save PATH`): write the model and optimizer state to `path`
+    at the next step boundary (as at the job's end), then answer with `Saved(final=False)`."""
+
+    path: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Stop:
     """Coordinator -> worker: stop now and exit (``ctl stop``, SIGTERM of the coordinator, the
     answer to a `Leave`, or the job already over when a worker joins). A step in flight is
@@ -324,7 +333,7 @@ class StoreReply:
 
 # --- control (ctl <-> coordinator) -----------------------------------------------------------
 
-CONTROL_COMMANDS = ("status", "plan", "graph", "events", "drain", "slowdown", "stop")
+CONTROL_COMMANDS = ("status", "plan", "graph", "events", "drain", "slowdown", "save", "stop")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -332,7 +341,7 @@ class ControlRequest:
     """ctl -> coordinator control endpoint.
 
     command: "status", "plan" (args: [] or ["explain"]), "graph", "events" (args: [after_index]),
-    "drain" (args: [NAME]), "slowdown" (args: [NAME, FACTOR]), "stop".
+    "drain" (args: [NAME]), "slowdown" (args: [NAME, FACTOR]), "save" (args: [PATH]), "stop".
     """
 
     command: str
@@ -361,6 +370,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
     PlanDelta,
     Abort,
     Slowdown,
+    SaveModel,
     Stop,
     Error,
     StoreRequest,
@@ -382,6 +392,7 @@ Message = (
     | PlanDelta
     | Abort
     | Slowdown
+    | SaveModel
     | Stop
     | Error
     | StoreRequest

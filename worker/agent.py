@@ -42,6 +42,7 @@ from transport import (
     Message,
     PlanDelta,
     Ready,
+    SaveModel,
     Slowdown,
     Stop,
     Welcome,
@@ -71,6 +72,7 @@ class _Mailbox:
     fatal: str | None = None
     joined_at: float = 0.0  # monotonic time of the last Join sent
     retry_join_at: float | None = None  # the coordinator was busy: send the Join again then
+    saves: list[str] = field(default_factory=list)  # `ctl save` paths to write at the next step boundary
 
 
 class Agent:
@@ -151,6 +153,11 @@ class Agent:
                 if self._box.stop is not None or self._box.fenced or left <= 0:
                     return None
                 self._cond.wait(min(left, 0.1))
+
+    def take_save(self) -> str | None:
+        """The oldest `ctl save` path waiting for a step boundary, if any (taken)."""
+        with self._cond:
+            return self._box.saves.pop(0) if self._box.saves else None
 
     def stop_reason(self) -> str | None:
         return self._box.stop
@@ -262,6 +269,8 @@ class Agent:
                     self.slowdown = factor
                 case Stop(reason=reason):
                     box.stop = reason
+                case SaveModel(path=path):
+                    box.saves.append(path)
                 case Error(code=code, message=text) if code == ERR_STALE_EPOCH:
                     # Answers to heartbeats sent before our new Join landed are not news.
                     if self._gone:

@@ -99,8 +99,8 @@ class Trainer:
                 self._log("fenced: dropping local state, will take the survivors'")
                 group, self.stale = None, True
             if self.step >= self.job.num_steps:
-                if self.final_writer:
-                    self._save_final()
+                if self.final_writer and self.config.final_dir:
+                    self._save(self.config.final_dir, final=True)
                 return self._leave("finished")
             stop = self.agent.stop_reason()
             if stop is not None:  # "drained" comes once the plan without us is in place
@@ -127,19 +127,19 @@ class Trainer:
                 self._standby(delta)
                 group = None
 
-    def _save_final(self) -> None:
-        """Write the trained model where the coordinator said (replicas are identical: one writes)."""
-        if not self.config.final_dir:
-            return
-        path = Path(self.config.final_dir)
+    def _save(self, directory: str, *, final: bool) -> None:
+        """Write the model and optimizer state to `directory` at this step boundary (replicas are
+        identical: one member writes) and tell the coordinator how it went."""
+        path = Path(directory)
         try:
             size = save_model(self.model, self.optimizer, path)
         except OSError as e:
-            self._log(f"could not write the trained model to {path}: {e}")
-            self.agent.send(Saved(name=self.name, step=self.step, path=str(path), bytes=0, error=str(e)[:500]))
+            self._log(f"could not write the model to {path}: {e}")
+            self.agent.send(Saved(name=self.name, step=self.step, path=str(path), bytes=0, error=str(e)[:500],
+                                  final=final))
             return
-        self._log(f"wrote the trained model to {path} ({size / 1e6:.1f} MB)")
-        self.agent.send(Saved(name=self.name, step=self.step, path=str(path), bytes=size, error=""))
+        self._log(f"wrote the model after step {self.step} to {path} ({size / 1e6:.1f} MB)")
+        self.agent.send(Saved(name=self.name, step=self.step, path=str(path), bytes=size, error="", final=final))
 
     def _standby(self, delta: PlanDelta) -> None:
         """Planned out without asking to leave (drained, or more workers than the plan uses):
@@ -313,6 +313,9 @@ class Trainer:
         if self.config.log_every and self.step % self.config.log_every == 0:
             self._log(f"step {self.step}/{job.num_steps} loss {loss_value:.4f} ({step_s * 1e3:.0f} ms, "
                       f"epoch {g.epoch}, {len(g.members)} replicas)")
+        requested = self.agent.take_save()
+        if requested is not None:  # `ctl save PATH`: at this step boundary
+            self._save(requested, final=False)
         agreed = round(float(buf[self.numel + 1])) == len(g.members)
         return pending if agreed and pending is not None else None
 

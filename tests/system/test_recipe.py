@@ -146,3 +146,38 @@ def _check_the_trained_model(state_dir: Path, finished: list[dict[str, Any]], pr
     with torch.no_grad():
         expected = job.loss(model(x), y).item() / job.global_batch
     assert abs(got["loss"] - expected) / expected <= 1e-4, (got["loss"], expected)
+
+
+@pytest.mark.timeout(240)
+def test_ctl_save_writes_the_model_at_a_step_boundary_and_refuses_an_unwritable_path(tmp_path: Path) -> None:
+    paced = f"{ROOT / 'examples' / 'paced.py'}:long_job"
+    with LocalJob(paced, tmp_path / "job", min_workers=2) as job:
+        job.start()
+        job.add_worker("w1")
+        job.add_worker("w2")
+        job.wait_step(5, 120)
+
+        def ctl(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([sys.executable, str(ROOT / "scripts" / "ctl.py"), "--control", job.control_endpoint,
+                                   *args], capture_output=True, text=True, timeout=120, env=job.env())
+
+        target = tmp_path / "snapshots" / "now"
+        out = ctl("save", str(target))
+        assert out.returncode == 0, out.stderr
+        saved = [e for e in job.events() if e["kind"] == "saved"]
+        assert len(saved) == 1 and saved[0]["path"] == str(target.resolve()), saved
+        assert f"after step {saved[0]['step']}" in out.stdout
+        assert sorted(p.name for p in target.iterdir()) == ["model.pt", "optimizer.pt"]
+        state = torch.load(target / "optimizer.pt")
+        assert {int(s["step"]) for s in state["state"].values()} == {saved[0]["step"]}, "the state after that step"
+        assert set(torch.load(target / "model.pt")) == {"net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias",
+                                                        "net.4.weight", "net.4.bias"}
+
+        before = max(job.steps())
+        blocked = tmp_path / "blocked"
+        blocked.write_text("a file, not a directory")
+        refused = ctl("save", str(blocked / "inside"))
+        assert refused.returncode == 1 and str(blocked) in refused.stderr, refused.stderr
+        job.wait_step(before + 10, 60)  # training goes on
+        job.ctl("stop")
+        assert job.wait_coordinator(60) == 0
