@@ -84,6 +84,8 @@ def _status(view: ControlView, args: list[str], now: float) -> Answer:
             "global_batch": view.global_batch, "pending": s.pending, "finished": s.finished,
             "stopping": s.stopping, "uptime_s": round(view.uptime_s, 1), "workers": workers,
             "lr": s.last_lr, "grad_norm": s.last_grad_norm,
+            "eval": ({"step": s.last_eval[0], "loss": s.last_eval[1], "samples": s.last_eval[2]}
+                     if s.last_eval else None),
             "secure": view.secure, "refused": dict(view.refused), "refused_total": sum(view.refused.values())}, []
 
 

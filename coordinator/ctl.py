@@ -235,6 +235,9 @@ def format_status(d: dict[str, Any]) -> str:
             f"state: {state}  (pending {_yes(d.get('pending'))}, finished {_yes(d.get('finished'))})")
     if d.get("lr") is not None:
         head += f"\nlast step: lr {_num(d.get('lr'))}, gradient norm {_num(d.get('grad_norm'))} (before clipping)"
+    ev = d.get("eval")
+    if ev:
+        head += f"\nlast evaluation: loss {ev.get('loss'):.4f} after step {ev.get('step')} ({ev.get('samples')} held-out samples)"
     refused = d.get("refused") or {}
     by = ", ".join(f"{k} {v}" for k, v in refused.items())
     head += (f"\nsecurity: {'CURVE keys' if d.get('secure', True) else 'none (--insecure)'}  "

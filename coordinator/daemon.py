@@ -65,6 +65,7 @@ from transport import (
     ControlReply,
     ControlRequest,
     Error,
+    EvalReport,
     GraphUpload,
     Heartbeat,
     Join,
@@ -90,7 +91,7 @@ from transport.security import (
     may_work,
 )
 
-AGENT_MESSAGES = (Join, Ready, GraphUpload, Heartbeat, StepReport, Ack, Leave, Saved)
+AGENT_MESSAGES = (Join, Ready, GraphUpload, Heartbeat, StepReport, Ack, Leave, Saved, EvalReport)
 FRAMES_IN_FLIGHT = 1024  # decoded frames waiting for the core, at most
 MAX_CONTROL_BYTES = 64 * 1024  # a control request is a command and a few words
 _ERROR_CODES = {"name": ERR_NAME_TAKEN, "stale": ERR_STALE_EPOCH, "busy": ERR_BUSY, "version": ERR_PROTOCOL,
@@ -244,6 +245,8 @@ class Core:
                 self.apply(m.Left(name, reason))
             case Saved():
                 self.apply(m.ModelSaved(msg))
+            case EvalReport():
+                self.apply(m.Evaluated(msg))
 
     @property
     def graph(self) -> Graph | None:

@@ -39,6 +39,7 @@ from coordinator.state import (
     Lost,
     MadeReady,
     ModelSaved,
+    Evaluated,
     Planned,
     SaveRequested,
     ReplanDue,
@@ -57,7 +58,7 @@ from plan import Device
 from transport import ERR_NAME_TAKEN, ERR_STALE_EPOCH, Abort, Ack, Error, Join, SaveModel, Slowdown, StepReport, Stop
 
 __all__ = ["Acked", "Config", "DrainRequested", "Effect", "Event", "Finished", "FollowUp", "GraphReceived", "Joined",
-           "Left", "Log", "Lost", "MadeReady", "ModelSaved", "Planned", "SaveRequested", "ReplanDue", "Result", "Seen", "Send", "SlowdownRequested",
+           "Left", "Log", "Lost", "MadeReady", "ModelSaved", "Evaluated", "Planned", "SaveRequested", "ReplanDue", "Result", "Seen", "Send", "SlowdownRequested",
            "State", "StepDone", "StopRequested", "Tick", "Welcome", "Worker", "apply", "replan"]
 
 
@@ -112,6 +113,14 @@ def apply(state: State, event: Event, config: Config, *, now: float) -> Result:
                                                    "error": msg.error})]
             return state, [Log("finished" if msg.final else "saved", {"step": msg.step, "path": msg.path,
                                                                       "bytes": msg.bytes, "worker": msg.name})]
+        case Evaluated(msg):
+            if msg.skipped:
+                if msg.step == state.eval_skipped or (state.last_eval and state.last_eval[0] == msg.step):
+                    return state, []  # said already (every member that saw the failure says it)
+                return replace(state, eval_skipped=msg.step), [Log("eval_skipped", {"step": msg.step,
+                                                                                  "reason": msg.skipped})]
+            state = replace(state, last_eval=(msg.step, msg.loss, msg.samples))
+            return state, [Log("eval", {"step": msg.step, "loss": msg.loss, "samples": msg.samples})]
         case SaveRequested(path):
             if state.plan is None or not state.plan.members:
                 return state, []

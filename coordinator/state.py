@@ -11,7 +11,7 @@ from typing import Any
 
 from coordinator.steps import Tracker
 from plan import Cluster, Graph, Plan, PlanResult
-from transport import Ack, Join, Message, PlanDelta, Saved, StepReport
+from transport import Ack, EvalReport, Join, Message, PlanDelta, Saved, StepReport
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -69,6 +69,8 @@ class State:
     last_step: int = 0  # highest step reported (and logged)
     last_lr: float | None = None  # learning rate and gradient norm (before clipping) of that step
     last_grad_norm: float | None = None
+    last_eval: tuple[int, float, int] | None = None  # (step, loss, samples) of the latest evaluation
+    eval_skipped: int = -1  # the latest step whose evaluation was reported skipped (said once)
     finished: bool = False  # some worker ran the last step
     stopping: bool = False
 
@@ -130,6 +132,13 @@ class Acked:
 
 
 @dataclass(frozen=True, slots=True)
+class Evaluated:
+    """An evaluation on the held-out set, done (rank 0) or skipped (any member)."""
+
+    msg: EvalReport
+
+
+@dataclass(frozen=True, slots=True)
 class SaveRequested:
     """`ctl save PATH` (the daemon checked that PATH can be written)."""
 
@@ -185,7 +194,7 @@ class ReplanDue:
 
 
 Event = (Joined | MadeReady | GraphReceived | Seen | StepDone | Acked | Left | Lost | Tick | DrainRequested
-         | SlowdownRequested | StopRequested | ReplanDue | ModelSaved | SaveRequested)
+         | SlowdownRequested | StopRequested | ReplanDue | ModelSaved | SaveRequested | Evaluated)
 
 
 # --- effects ---------------------------------------------------------------------------------

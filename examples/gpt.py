@@ -155,6 +155,21 @@ def sequence_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return total / targets.shape[-1]
 
 
+class HeldOut(CharDataset):
+    """`count` windows spread evenly over `tokens` (text the model never trains on): a fixed,
+    small held-out set, so an evaluation every few dozen steps stays cheap."""
+
+    def __init__(self, tokens: torch.Tensor, block: int, count: int) -> None:
+        super().__init__(tokens, block)
+        self._starts = torch.linspace(0, len(tokens) - block - 1, count).long()
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def __getitem__(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return super().__getitem__(self._starts[torch.as_tensor(ids)])
+
+
 def warmup_cosine(warmup: int, total: int, floor: float = 0.1) -> Callable[[int], float]:
     """The usual recipe: the learning rate rises linearly over `warmup` steps, then follows a cosine
     from the full rate down to `floor` of it at step `total`. A pure function of the step, so every
@@ -171,9 +186,11 @@ def warmup_cosine(warmup: int, total: int, floor: float = 0.1) -> Callable[[int]
 
 def _make_job(
     *, n_layer: int, d_model: int, n_head: int, block: int, global_batch: int, num_steps: int,
-    lr: float, description: str, warmup: int = 30, grad_clip: float = 1.0,
+    lr: float, description: str, warmup: int = 30, grad_clip: float = 1.0, eval_every: int | None = 50,
 ) -> Job:
     vocab, tokens = load_corpus()
+    split = int(len(tokens) * 0.95)  # the last 5% of the text is held out
+    train, held_out = tokens[:split], tokens[split:]
 
     def model() -> nn.Module:
         return GPT(len(vocab), block, n_layer, d_model, n_head)
@@ -184,7 +201,7 @@ def _make_job(
     return Job(
         model=model,
         optimizer=optimizer,
-        dataset=CharDataset(tokens, block),
+        dataset=CharDataset(train, block),
         loss=sequence_loss,
         global_batch=global_batch,
         num_steps=num_steps,
@@ -192,6 +209,8 @@ def _make_job(
         description=description,
         lr_schedule=warmup_cosine(warmup, num_steps),
         grad_clip=grad_clip,
+        eval_dataset=HeldOut(held_out, block, 256) if eval_every else None,
+        eval_every=eval_every,
     )
 
 
@@ -208,7 +227,7 @@ def job_short() -> Job:
     the tests run under churn against a single-process run of the same recipe."""
     return _make_job(
         n_layer=4, d_model=128, n_head=4, block=64, global_batch=16, num_steps=40, lr=1e-3, warmup=20,
-        description="char GPT, 4 layers x 128, 40 steps (tests)",
+        eval_every=None, description="char GPT, 4 layers x 128, 40 steps (tests)",
     )
 
 

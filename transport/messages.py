@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-PROTOCOL_VERSION = 6  # 2: StepReport.comm_s, Slowdown; 3: Join.cores; 4: StepReport.lr, grad_norm; 5: Saved, Welcome.final_dir; 6: SaveModel, Saved.final
+PROTOCOL_VERSION = 7  # 2: StepReport.comm_s, Slowdown; 3: Join.cores; 4: StepReport.lr, grad_norm; 5: Saved, Welcome.final_dir; 6: SaveModel, Saved.final; 7: EvalReport
 
 # Error codes carried by `Error.code`.
 ERR_DECODE = "decode"  # the frame could not be decoded or failed validation
@@ -171,6 +171,24 @@ class Ack:
     def __post_init__(self) -> None:
         check_name(self.name)
         _check_counts(self, "epoch", "step", "reshard_bytes", "reshard_s")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EvalReport:
+    """Worker -> coordinator: the evaluation after `step` on the whole held-out set (`loss` the mean
+    over `samples`), sent by rank 0 once the members' sums are all-reduced; or, when `skipped` is
+    not empty, why it was not finished (a failure interrupted it: it is never reported from part
+    of the set)."""
+
+    name: str
+    step: int
+    loss: float
+    samples: int
+    skipped: str
+
+    def __post_init__(self) -> None:
+        check_name(self.name)
+        _check_counts(self, "step", "samples")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -358,6 +376,7 @@ class ControlReply:
 
 
 MESSAGE_TYPES: tuple[type, ...] = (
+    EvalReport,
     Saved,
     Join,
     Ready,
@@ -380,7 +399,8 @@ MESSAGE_TYPES: tuple[type, ...] = (
 )
 
 Message = (
-    Saved
+    EvalReport
+    | Saved
     | Join
     | Ready
     | GraphUpload

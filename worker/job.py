@@ -84,6 +84,14 @@ class Job:
     """Maximum L2 norm of the global gradient (the full global batch's, summed across workers, over
     every parameter), as `torch.nn.utils.clip_grad_norm_` would clip it in one process."""
 
+    eval_dataset: Any = None
+    """Held-out data, the same interface as `dataset`. Every `eval_every` steps (and after the last
+    one) the members split it between them, sum `loss` over it in eval mode without gradients, and
+    the coordinator logs one `eval` event with the mean: never from part of the set."""
+
+    eval_every: int | None = None
+    """Evaluate after every this many steps (needs `eval_dataset`)."""
+
     def __post_init__(self) -> None:
         for name in ("model", "optimizer", "loss"):
             value = getattr(self, name)
@@ -109,6 +117,15 @@ class Job:
                 self.grad_clip, bool) and math.isfinite(self.grad_clip) and self.grad_clip > 0):
             raise JobError(f"Job.grad_clip must be a positive, finite number (a maximum gradient norm), "
                            f"got {self.grad_clip!r:.80}")
+        if self.eval_dataset is not None or self.eval_every is not None:
+            if self.eval_dataset is None or self.eval_every is None:
+                raise JobError("Job.eval_dataset and Job.eval_every go together: give both, or neither")
+            if not isinstance(self.eval_every, int) or isinstance(self.eval_every, bool) or self.eval_every <= 0:
+                raise JobError(f"Job.eval_every must be a positive int, got {self.eval_every!r:.80}")
+            if not hasattr(self.eval_dataset, "__len__") or not hasattr(self.eval_dataset, "__getitem__"):
+                raise JobError("Job.eval_dataset must have __len__ and __getitem__(ids), like Job.dataset")
+            if len(self.eval_dataset) == 0:
+                raise JobError("Job.eval_dataset is empty")
         if self.lr_schedule is not None:
             if not callable(self.lr_schedule):
                 raise JobError(f"Job.lr_schedule must be a function of the step, got {type(self.lr_schedule).__name__}")

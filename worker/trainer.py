@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from transport import Ack, Leave, PlanDelta, Saved, StepReport
+from plan.shares import split_shares
+from transport import Ack, EvalReport, Leave, PlanDelta, Saved, StepReport
 from worker import comm, state
 from worker.agent import Agent
 from worker.comm import Superseded
@@ -37,6 +38,7 @@ from worker.save import save_model
 from worker.store import CoordinatorStore
 
 RETRY_S = 0.5  # pause before forming an epoch's group again after a failed rendezvous
+EVAL_CHUNK = 256  # held-out samples evaluated at once (bounds the memory of an evaluation)
 
 
 @dataclass(slots=True)
@@ -313,11 +315,48 @@ class Trainer:
         if self.config.log_every and self.step % self.config.log_every == 0:
             self._log(f"step {self.step}/{job.num_steps} loss {loss_value:.4f} ({step_s * 1e3:.0f} ms, "
                       f"epoch {g.epoch}, {len(g.members)} replicas)")
+        if job.eval_every and (self.step % job.eval_every == 0 or self.step == job.num_steps):
+            self._evaluate(g)
         requested = self.agent.take_save()
         if requested is not None:  # `ctl save PATH`: at this step boundary
             self._save(requested, final=False)
         agreed = round(float(buf[self.numel + 1])) == len(g.members)
         return pending if agreed and pending is not None else None
+
+    def _evaluate(self, g: Group) -> None:
+        """Every member sums the loss over its contiguous part of the held-out set (split like the
+        batch, by the epoch's shares), the sums are all-reduced, and rank 0 reports the mean. A
+        failure in between abandons it: every member that saw it says it was skipped."""
+        job = self.job
+        total = len(job.eval_dataset)
+        busy = [r for r, s in enumerate(g.shares) if s > 0] or [0]  # members with samples split it
+        counts = [0] * len(g.shares)
+        for r, n in zip(busy, split_shares(total, [float(max(g.shares[r], 1)) for r in busy])):
+            counts[r] = n
+        part = share_slice(counts, g.rank)
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if part.stop > part.start:
+            self.model.eval()
+            try:
+                with torch.no_grad():
+                    for start in range(part.start, part.stop, EVAL_CHUNK):
+                        ids = torch.arange(start, min(start + EVAL_CHUNK, part.stop))
+                        inputs, targets = job.eval_dataset[ids]
+                        outputs = self.model(inputs.to(self.device))
+                        sums[0] += job.loss(outputs, targets.to(self.device)).double()
+                        sums[1] += len(ids)
+            finally:
+                self.model.train()
+        try:
+            self._wait(g, g.pg.allreduce([sums]), sums)
+        except Superseded:
+            self.agent.send(EvalReport(name=self.name, step=self.step, loss=0.0, samples=0,
+                                       skipped=f"a failure interrupted it (epoch {g.epoch} abandoned)"))
+            raise
+        if g.rank == 0:
+            loss, samples = float(sums[0] / sums[1]), int(sums[1])
+            self.agent.send(EvalReport(name=self.name, step=self.step, loss=loss, samples=samples, skipped=""))
+            self._log(f"eval after step {self.step}: loss {loss:.4f} over {samples} held-out samples")
 
     def digest(self) -> str:
         h = hashlib.sha256()

@@ -181,3 +181,80 @@ def test_ctl_save_writes_the_model_at_a_step_boundary_and_refuses_an_unwritable_
         job.wait_step(before + 10, 60)  # training goes on
         job.ctl("stop")
         assert job.wait_coordinator(60) == 0
+
+
+EVAL_JOB = '''\
+import time
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from worker.job import Job
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 24), nn.GELU(), nn.Linear(24, 2))
+
+    def forward(self, x):
+        if x.device.type != "meta":
+            time.sleep(0.002 * x.shape[0])  # pacing only: time for a worker to join, never the maths
+        return self.body(x)
+
+
+def data(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 6, generator=g)
+    return TensorDataset(x, torch.tanh(x[:, :2] * 2) + 0.05 * torch.randn(n, 2, generator=g))
+
+
+def job():
+    return Job(model=Net, optimizer=lambda p: torch.optim.SGD(p, lr=0.02), dataset=data(512, 1),
+               loss=lambda out, y: nn.functional.mse_loss(out, y, reduction="sum"), global_batch=31,
+               num_steps=15, seed=4, eval_dataset=data(101, 2), eval_every=5)
+'''
+
+
+def _single_process_evals(path: Path) -> dict[int, float]:
+    """The held-out mean loss after each evaluated step, in one process (in eval mode, no gradients)."""
+    job = load_job(path.read_text(), "job", filename=str(path))
+    torch.manual_seed(job.seed)
+    model, out = job.model(), {}
+    opt = job.optimizer(model.parameters())
+    for k in range(job.num_steps):
+        x, y = job.dataset[sample_ids(job.seed, k, len(job.dataset), job.global_batch)]
+        opt.zero_grad()
+        (job.loss(model(x), y) / job.global_batch).backward()
+        opt.step()
+        if (k + 1) % job.eval_every == 0 or k + 1 == job.num_steps:
+            model.eval()
+            with torch.no_grad():
+                xe, ye = job.eval_dataset[torch.arange(len(job.eval_dataset))]
+                out[k + 1] = job.loss(model(xe), ye).item() / len(job.eval_dataset)
+            model.train()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_evaluation_is_the_whole_held_out_set_with_1_2_and_3_members(tmp_path: Path) -> None:
+    path = tmp_path / "eval_job.py"
+    path.write_text(EVAL_JOB)
+    reference = _single_process_evals(path)
+    assert sorted(reference) == [5, 10, 15]
+    for members in (1, 2, 3):
+        with LocalJob(f"{path}:job", tmp_path / f"m{members}", min_workers=members) as job:
+            job.start()
+            for i in range(members):
+                job.add_worker(f"w{i + 1}")
+            assert job.wait_coordinator(180) == 0, job.tail("coordinator.out")
+            events = job.events()
+        shares = next(e for e in events if e["kind"] == "plan")["layout"]["shares"]
+        assert len(shares) == members and (members == 1 or len(set(shares)) > 1 or 101 % members), shares
+        evals = {e["step"]: e for e in events if e["kind"] == "eval"}
+        assert sorted(evals) == [5, 10, 15], f"{members} members: {sorted(evals)}"
+        for step, e in evals.items():
+            assert e["samples"] == 101, "never from part of the set"
+            gap = abs(e["loss"] - reference[step]) / reference[step]
+            assert gap <= 1e-5, f"{members} members, step {step}: {e['loss']} against {reference[step]}"

@@ -21,6 +21,7 @@ SAMPLES: list[t.Message] = [
     t.Ready(name="w1"),
     t.Saved(name="w1", step=300, path="/runs/gpt/final", bytes=9_938_561, error=""),
     t.SaveModel(path="/runs/gpt/step-120"),
+    t.EvalReport(name="w1", step=100, loss=1.25, samples=512, skipped=""),
     t.GraphUpload(name="w1", graph={"layers": [{"name": "0", "kind": "Linear", "forward_flops": 64.0,
                                                 "param_bytes": 132}]}),
     t.Ack(name="w1", epoch=4, step=121, reshard_bytes=126_000_000, reshard_s=0.15),
