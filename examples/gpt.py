@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -220,6 +221,14 @@ def job() -> Job:
         n_layer=4, d_model=128, n_head=4, block=64, global_batch=16, num_steps=300, lr=1e-3,
         description="char GPT, 4 layers x 128, on the Python stdlib source",
     )
+
+
+def job_long_plain() -> Job:
+    """`job_long` without the recipe (constant learning rate, no clipping, no evaluation): the
+    baseline that scripts/bench_recipe.py measures the recipe's cost against."""
+    job = job_long()
+    return dataclasses.replace(job, lr_schedule=None, grad_clip=None, eval_dataset=None, eval_every=None,
+                               description="char GPT, 4 layers x 128, long run, no schedule/clipping/evaluation")
 
 
 def job_short() -> Job:

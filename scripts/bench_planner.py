@@ -18,6 +18,9 @@ Sections (--sections, default all):
              steps) against the median measured step time of its epoch. Goal: median error <= 10%.
   straggler  three workers, then `ctl slowdown w2 3`: steps from the slowdown to the re-plan, and
              samples/s before, while slowed and after the re-plan. Goal: <= 10 steps.
+  recipe     the GPT on two workers, plain against the training recipe (schedule, clipping, an
+             evaluation every 50 steps): median step time and wall time per step
+             (scripts/bench_recipe.py). Goal: schedule + clipping <= 2% of a step.
   stability  plan epochs per real event and samples/s, calm planner against the legacy one, on the
              demo's schedule and on a quiet run of three GPT workers
              (scripts/bench_planner_stability.py). Goals: demo <= events + 1, quiet <= 2 plans.
@@ -44,7 +47,7 @@ from localjob import LocalJob  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PACED = f"{Path(__file__).resolve().parent.parent / 'examples' / 'paced.py'}:long_job"
-SECTIONS = ("solve", "quality", "latency", "hetero", "cost", "straggler", "stability")
+SECTIONS = ("solve", "quality", "latency", "hetero", "cost", "straggler", "stability", "recipe")
 
 
 # --- reading a run ---------------------------------------------------------------------------------
@@ -236,6 +239,14 @@ def table(r: dict[str, Any]) -> str:
         rows.append(("straggler: samples/s before / slowed / after",
                      f"{_f(s['samples_per_s_before'], '.1f')} / {_f(s['samples_per_s_slowed'], '.1f')} / "
                      f"{_f(s['samples_per_s_after'], '.1f')}, shares {s['shares_after']}", ""))
+    if "recipe" in r:
+        rc = r["recipe"]
+        rows.append(("recipe: median step, plain / schedule + clipping",
+                     f"{rc['plain']['median_step_s'] * 1e3:.1f} / {rc['recipe']['median_step_s'] * 1e3:.1f} ms "
+                     f"({rc['step_overhead']:+.1%})", "<= 2%"))
+        rows.append(("recipe: wall per step, plain / with evals every 50",
+                     f"{rc['plain']['wall_per_step_s'] * 1e3:.1f} / {rc['recipe']['wall_per_step_s'] * 1e3:.1f} ms "
+                     f"({rc['wall_overhead']:+.1%}, {rc['recipe']['evals']} evals)", ""))
     for key, st in sorted(r.get("stability", {}).items()):
         schedule, mode = key.rsplit("_", 1)
         goal = {"demo": f"<= {st['real_events'] + 1} epochs", "quiet": "<= 2 plans"}.get(schedule, "")
@@ -298,6 +309,10 @@ def main(argv: list[str] | None = None) -> int:
             results["cost"] = bench_cost(a.job, workdir, per_plan=8 if a.quick else 14, min_plans=10)
         elif section == "straggler":
             results["straggler"] = bench_straggler(a.job, workdir, window=window)
+        elif section == "recipe":
+            from bench_recipe import bench_recipe
+
+            results["recipe"] = bench_recipe(workdir)
         elif section == "stability":
             from bench_planner_stability import bench_stability
 
