@@ -258,3 +258,27 @@ def test_evaluation_is_the_whole_held_out_set_with_1_2_and_3_members(tmp_path: P
             assert e["samples"] == 101, "never from part of the set"
             gap = abs(e["loss"] - reference[step]) / reference[step]
             assert gap <= 1e-5, f"{members} members, step {step}: {e['loss']} against {reference[step]}"
+
+
+@pytest.mark.timeout(300)
+def test_an_evaluation_a_failure_interrupts_is_skipped_and_said_so_never_partial(tmp_path: Path) -> None:
+    # The held-out pass is slow here (0.04 s a sample in eval mode), so a SIGKILL lands inside it.
+    path = tmp_path / "slow_eval_job.py"
+    path.write_text(EVAL_JOB.replace("        return self.body(x)",
+                                     "        if not self.training and x.device.type != 'meta':\n"
+                                     "            time.sleep(0.04 * x.shape[0])\n"
+                                     "        return self.body(x)"))
+    with LocalJob(f"{path}:job", tmp_path / "job", min_workers=3) as job:
+        job.start()
+        for name in ("w1", "w2", "w3"):
+            job.add_worker(name)
+        job.wait_step(5, 180)  # the evaluation after step 5 starts now and takes about 1.3 s
+        job.kill("w2")
+        assert job.wait_coordinator(180) == 0, job.tail("coordinator.out")
+        events = job.events()
+    skipped = [e for e in events if e["kind"] == "eval_skipped"]
+    evals = {e["step"]: e for e in events if e["kind"] == "eval"}
+    assert [e["step"] for e in skipped] == [5] and "failure" in skipped[0]["reason"], skipped
+    assert 5 not in evals, "never reported from part of the set"
+    assert sorted(evals) == [10, 15] and all(e["samples"] == 101 for e in evals.values())
+    assert sorted(e["step"] for e in events if e["kind"] == "step") == list(range(1, 16)), "training went on"

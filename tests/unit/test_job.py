@@ -316,3 +316,18 @@ def test_the_multiplier_is_the_schedule_at_that_step_and_1_without_one() -> None
     assert _recipe_job().lr_multiplier(7) == 1.0
     assert _recipe_job(lr_schedule=lambda step: step / 10).lr_multiplier(7) == 0.7
     assert _recipe_job(grad_clip=2).grad_clip == 2
+
+
+def test_the_coordinator_refuses_a_job_whose_schedule_fails_with_the_step_and_reason(tmp_path: Path) -> None:
+    from coordinator.jobinfo import JobRefused, inspect_job
+
+    bad = tmp_path / "bad_schedule.py"
+    bad.write_text(
+        "import torch\nfrom torch.utils.data import TensorDataset\nfrom worker.job import Job\n"
+        "def job():\n"
+        "    return Job(model=lambda: torch.nn.Linear(2, 1), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),\n"
+        "               dataset=TensorDataset(torch.zeros(8, 2), torch.zeros(8, 1)),\n"
+        "               loss=lambda o, t: ((o - t) ** 2).sum(), global_batch=4, num_steps=100,\n"
+        "               lr_schedule=lambda step: 1.0 - step / 60)\n")
+    with pytest.raises(JobRefused, match=r"lr_schedule returned -0\.6499\d* at step 99: it must be a finite number"):
+        inspect_job(f"{bad}:job")
