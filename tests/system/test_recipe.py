@@ -81,7 +81,7 @@ def test_schedule_and_clipping_are_exact_under_a_kill_and_a_join_in_warmup(tmp_p
 
     # --slowdown stretches compute (never the mathematics), so warmup lasts long enough for a new
     # worker to import torch and join inside it.
-    slow = ("--slowdown", "6", "--digest-every", str(NUM_STEPS))
+    slow = ("--slowdown", "8", "--digest-every", str(NUM_STEPS))
     with LocalJob(JOB, tmp_path / "churn", min_workers=3) as job:
         job.start()
         for name in ("w1", "w2", "w3"):
