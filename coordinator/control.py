@@ -174,5 +174,5 @@ def _stop(view: ControlView, args: list[str], now: float) -> Answer:
 
 
 _HANDLERS: dict[str, Callable[[ControlView, list[str], float], Answer]] = {
-    "save": _save,"status": _status, "plan": _plan, "graph": _graph, "events": _events, "drain": _drain,
-             "slowdown": _slowdown, "stop": _stop}
+    "status": _status, "plan": _plan, "graph": _graph, "events": _events, "drain": _drain, "slowdown": _slowdown,
+    "save": _save, "stop": _stop}

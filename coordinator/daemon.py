@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -297,8 +297,9 @@ class Core:
         self.state = state
         for effect in effects:
             self._execute(effect, elapsed)
-        for name in [n for n in self.bindings if n not in self.state.workers]:
-            del self.bindings[name]  # forgotten by membership: the name is free again
+        if len(self.bindings) > len(self.state.workers):  # every worker is bound: one was forgotten
+            for name in [n for n in self.bindings if n not in self.state.workers]:
+                del self.bindings[name]  # the name is free again
 
     def _send(self, to: str, msg: Message) -> bool:
         identity = self.bindings.get(to)

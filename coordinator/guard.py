@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from coordinator.state import State
-from transport import Ack, Heartbeat, Join, Message, StepReport
+from transport import Join, Message, StepReport
 from transport.security import bound_name
 
 REASONS = ("handshake", "auth", "frames", "decode", "version", "role", "name", "stale", "epoch", "busy", "store",
@@ -130,8 +130,7 @@ class Refuse:
     text: str
 
 
-def check_agent_message(state: State, bindings: dict[str, bytes], identity: bytes, user_id: str,
-                        msg: Join | Heartbeat | StepReport | Ack | Message, *,
+def check_agent_message(state: State, bindings: dict[str, bytes], identity: bytes, user_id: str, msg: Message, *,
                         max_joining: int) -> Refuse | None:
     """Whether a worker-agent message may reach membership. `bindings` maps each live worker's
     name to the connection (ROUTER routing id) it joined on."""

@@ -29,6 +29,7 @@ from coordinator.state import (
     Config,
     DrainRequested,
     Effect,
+    Evaluated,
     Event,
     Finished,
     FollowUp,
@@ -39,11 +40,10 @@ from coordinator.state import (
     Lost,
     MadeReady,
     ModelSaved,
-    Evaluated,
     Planned,
-    SaveRequested,
     ReplanDue,
     Result,
+    SaveRequested,
     Seen,
     Send,
     SlowdownRequested,
@@ -55,11 +55,13 @@ from coordinator.state import (
     Worker,
 )
 from plan import Device
-from transport import ERR_NAME_TAKEN, ERR_STALE_EPOCH, Abort, Ack, Error, Join, SaveModel, Slowdown, StepReport, Stop
+from transport import (ERR_NAME_TAKEN, ERR_STALE_EPOCH, Abort, Ack, Error, Join, SaveModel, Slowdown, StepReport,
+                       Stop)
 
-__all__ = ["Acked", "Config", "DrainRequested", "Effect", "Event", "Finished", "FollowUp", "GraphReceived", "Joined",
-           "Left", "Log", "Lost", "MadeReady", "ModelSaved", "Evaluated", "Planned", "SaveRequested", "ReplanDue", "Result", "Seen", "Send", "SlowdownRequested",
-           "State", "StepDone", "StopRequested", "Tick", "Welcome", "Worker", "apply", "replan"]
+__all__ = ["Acked", "Config", "DrainRequested", "Effect", "Evaluated", "Event", "Finished", "FollowUp",
+           "GraphReceived", "Joined", "Left", "Log", "Lost", "MadeReady", "ModelSaved", "Planned", "ReplanDue",
+           "Result", "SaveRequested", "Seen", "Send", "SlowdownRequested", "State", "StepDone", "StopRequested",
+           "Tick", "Welcome", "Worker", "apply", "replan"]
 
 
 # --- transitions -----------------------------------------------------------------------------
@@ -125,7 +127,8 @@ def apply(state: State, event: Event, config: Config, *, now: float) -> Result:
             if state.plan is None or not state.plan.members:
                 return state, []
             writer = state.plan.members[0]  # replicas are identical: the first member writes
-            return state, [Send(writer, SaveModel(path=path)), Log("save_requested", {"path": path, "worker": writer})]
+            return state, [Send(writer, SaveModel(path=path)),
+                           Log("save_requested", {"path": path, "worker": writer})]
         case ReplanDue(reason, abort):
             return replan(state, config, reason, abort=abort, now=now)
         case StopRequested(reason):
@@ -174,9 +177,10 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
     state = _touch(state, r.name, now, step=r.step)
     tracker = state.tracker
     calm = config.stability == "calm"
-    active = tracker.members if calm and tracker is not None and tracker.epoch == r.epoch else ()
+    host = state.workers[r.name].host
+    load = tracker.loads.get(host, 0.0) if calm and tracker is not None and tracker.epoch == r.epoch else 0.0
     cluster = state.cluster.with_measurement(r.name, r.samples, r.compute_s,
-                                             overhead_s=max(0.0, r.step_s - r.compute_s - r.comm_s), active=active)
+                                             overhead_s=max(0.0, r.step_s - r.compute_s - r.comm_s), load=load)
     effects: list[Effect] = []
     changes: list[str] = []
     if tracker is not None:
@@ -189,7 +193,7 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
                 case steps.SpeedChange(name=name, kind=kind, speed=speed, expected=expected, recent=recent):
                     changes.append(kind)
                     if kind != "calibration":  # (a calibration's measurements are the model already)
-                        cluster = cluster.with_speed_change(name, recent, active=active)
+                        cluster = cluster.with_speed_change(name, recent, load=load)
                         effects.append(Log(kind, {"worker": name, "speed": round(speed, 3),
                                                   "expected": round(expected, 3), "step": r.step}))
                     verb = "measured" if kind == "calibration" else "now"
@@ -207,7 +211,6 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
         effects.append(Log("step", {"step": r.step, "epoch": r.epoch, "loss": r.loss, "samples": r.global_batch,
                                     "step_s": r.step_s, "predicted_s": predicted, "lr": r.lr,
                                     "grad_norm": r.grad_norm}))
-    host = state.workers[r.name].host
     if calm and changes and any(w.host == host and not w.ready for w in state.workers.values()):
         # A worker on this host is still loading (importing torch, building the job): it loads the
         # cores for a few seconds and then joins, which re-plans and re-measures anyway. What its

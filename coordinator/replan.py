@@ -27,13 +27,13 @@ lands with another one waiting. It
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import statistics
+from dataclasses import replace
+from typing import NamedTuple
 
 from coordinator import steps
 from coordinator.state import Config, Effect, Log, Planned, Result, Send, State
-from plan import Cluster, Plan, PlanLimits, PlanResult, make_plan, predict
+from plan import Plan, PlanLimits, PlanResult, make_plan, predict
 from transport import PlanDelta
 
 GAIN_REASONS = ("straggler", "recovered", "contention", "calibration")  # re-plans that must pay for themselves
@@ -91,11 +91,11 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
         return replace(state, replan_wanted=None, result=result, plan=new, tracker=tracker), benched
     if calm and not abort and reason in GAIN_REASONS and state.plan is not None:
         verdict = _worth_it(state, new, result, horizon)
-        if isinstance(verdict, str):  # not worth a switch: the current plan stays
-            kept = _keep(state, reason, verdict)
-            said: list[Effect] = [Log("kept", {"reason": reason, "detail": kept.kept})] if verdict else []
+        if not verdict.switch:  # the current plan stays
+            kept = _keep(state, verdict.detail)
+            said: list[Effect] = [Log("kept", {"reason": reason, "detail": kept.kept})] if verdict.detail else []
             return kept, [*said, *benched]
-        result = replace(result, reason=f"{result.reason}; {verdict[0]}")
+        result = replace(result, reason=f"{result.reason}; {verdict.detail}")
     if state.changed:
         result = replace(result, reason=f"{result.reason}; changed: {'; '.join(state.changed)}")
     epoch = state.epoch + 1
@@ -105,9 +105,10 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
     recipients = sorted((old | set(new.members)) & set(state.workers))
     workers = {n: replace(w, nudged_at=now) if n in recipients else w for n, w in state.workers.items()}
     hosts = {n: state.cluster.devices[n].host for n in new.members if n in state.cluster.devices}
+    loads = {h: state.cluster.load(h, new.members) for h in set(hosts.values())}
     guessed = any(state.cluster.devices[n].samples_per_s is None for n in new.members if n in state.cluster.devices)
     tracker = steps.start(epoch, new.members, new.predicted_step_s, {c.name: c.compute_s for c in new.costs}, hosts,
-                          legacy=not calm)
+                          loads=loads, legacy=not calm)
     state = replace(state, workers=workers, delta=delta, epoch=epoch, plan=new, result=result, tracker=tracker,
                     acked=frozenset(), reshard_bytes=0, reshard_s=0.0, running=frozenset(holders), changed=(),
                     kept=None, calibrating=guessed,
@@ -116,20 +117,24 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
     return state, effects + [Send(n, delta) for n in recipients]
 
 
-def _worth_it(state: State, new: Plan, result: PlanResult, horizon: int) -> tuple[str] | str:
-    """(what the switch gains,) when `new` pays for a switch from the current plan, else why not
-    ("" when `new` is no better at all)."""
+class Verdict(NamedTuple):
+    switch: bool
+    detail: str  # what the switch gains, or why it is not worth one ("": the new plan is no better)
+
+
+def _worth_it(state: State, new: Plan, result: PlanResult, horizon: int) -> Verdict:
+    """Whether `new` pays for a switch from the current plan."""
     current = state.plan
     assert current is not None
     if not set(current.members) <= set(state.cluster.devices) or new.predicted_step_s is None:
-        return ("the current members cannot all train on",)
-    now_cluster: Cluster = state.cluster.contended(current.members)
-    now_s = predict(now_cluster, state.graph, current.members, current.shares).predicted_step_s
+        return Verdict(True, "the current members cannot all train on")
+    now_s = predict(state.cluster.contended(current.members), state.graph, current.members,
+                    current.shares).predicted_step_s
     if now_s is None or now_s <= 0:
-        return ("no prediction for the current plan",)
+        return Verdict(True, "no prediction for the current plan")
     gain = now_s - new.predicted_step_s
     if gain <= 0:
-        return ""  # nothing better than what runs (measured on the plan as it runs): nothing to say
+        return Verdict(False, "")  # nothing better than what runs: nothing to say
     noise = _noise(state)
     # A plan that rests on a guess (a member not measured yet) is replaced by a measured one as soon
     # as that is 3% better; a measured plan only by one that beats the noise too.
@@ -140,8 +145,8 @@ def _worth_it(state: State, new: Plan, result: PlanResult, horizon: int) -> tupl
                f"the step; needed {need:.1%}: {rule}), switch cost "
                f"{cost * 1e3:.0f} ms against {max(gain, 0.0) * horizon * 1e3:.0f} ms gained over {horizon} steps")
     if gain / now_s < need or gain * horizon <= cost:
-        return f"not worth a switch: {numbers}"
-    return (f"worth a switch: {numbers}",)
+        return Verdict(False, f"not worth a switch: {numbers}")
+    return Verdict(True, f"worth a switch: {numbers}")
 
 
 def _noise(state: State) -> float:
@@ -155,7 +160,7 @@ def _noise(state: State) -> float:
     return statistics.median(abs(x - mid) for x in recent) / mid if mid > 0 else 0.0
 
 
-def _keep(state: State, reason: str, why: str) -> State:
+def _keep(state: State, why: str) -> State:
     """Keep the current plan (a re-plan that does not pay); its prediction is refreshed."""
     plan = state.plan
     assert plan is not None

@@ -13,11 +13,11 @@ Pure, like membership: `observe(tracker, report) -> (tracker, findings)`, no clo
   baseline, with its noise: the relative median absolute deviation of those steps. A step counts as
   off the baseline when it is further than the *band*: `THRESHOLD`, or `NOISE_K` times the noise
   when that is wider (capped at `MAX_BAND`), so workers whose steps jitter by ±40% (three GPT
-  workers sharing two cores) are not flagged for their jitter, while a 3× slowdown still is. If that baseline is `THRESHOLD` off what the plan predicted for its share, the cost
-  model was wrong (`SpeedChange(kind="calibration")`: the measurements already correct it; the
+  workers sharing two cores) are not flagged for their jitter, while a 3× slowdown still is. If
+  that baseline is `THRESHOLD` off what the plan predicted for its share, the cost model was wrong (`SpeedChange(kind="calibration")`: the measurements already correct it; the
   planner decides whether a new plan pays). After that, a change is a *lasting* shift against the
-  baseline, a change point over a window: at least `VOTES` of the last `WINDOW` steps at least
-  `THRESHOLD` slower (or faster) than the baseline. One slow step, or a burst of up to
+  baseline, a change point over a window: at least `VOTES` of the last `WINDOW` steps beyond the
+  band, slower (or faster) than the baseline. One slow step, or a burst of up to
   `VOTES - 1` noisy ones, moves nothing; a lasting 3× slowdown is found `VOTES` steps after
   it starts. Then the window's median becomes the new baseline, so one change is reported once.
   Comparing with the epoch's own measurement, not the prediction, keeps a model error from passing
@@ -91,6 +91,7 @@ class Tracker:
     members: tuple[str, ...]
     predicted_step_s: float | None
     hosts: dict[str, str] = field(default_factory=dict)  # member -> host (for contention)
+    loads: dict[str, float] = field(default_factory=dict)  # host -> threads per core of this epoch's members
     window: int = WINDOW  # the change-point window and votes (legacy: 4 of 4, a streak)
     votes: int = VOTES
     baseline: int = BASELINE  # steps of a baseline (legacy: STREAK)
@@ -102,15 +103,17 @@ class Tracker:
 
 
 def start(epoch: int, members: tuple[str, ...], predicted_step_s: float | None,
-          compute: dict[str, float], hosts: dict[str, str] | None = None, *, legacy: bool = False) -> Tracker:
+          compute: dict[str, float], hosts: dict[str, str] | None = None, *,
+          loads: dict[str, float] | None = None, legacy: bool = False) -> Tracker:
     """A tracker for a new epoch; `compute` maps a member to its predicted compute seconds, `hosts`
-    a member to its host. `legacy`: the detector before #9 (STREAK slow steps in a row, no
+    a member to its host, `loads` a host to its load in this epoch (what its members' measurements
+    are taken under). `legacy`: the detector before #9 (STREAK slow steps in a row, no
     contention), kept as a baseline for benchmarks."""
     watches = {n: Watch(expected_s=c) for n, c in compute.items() if c > 0}
     window, votes, baseline, noise_k = (STREAK, STREAK, STREAK, 0.0) if legacy else (WINDOW, VOTES, BASELINE, NOISE_K)
     return Tracker(epoch=epoch, members=members, predicted_step_s=predicted_step_s, watches=watches,
-                   hosts={} if legacy else dict(hosts or {}), window=window, votes=votes, baseline=baseline,
-                   noise_k=noise_k)
+                   hosts={} if legacy else dict(hosts or {}), loads={} if legacy else dict(loads or {}),
+                   window=window, votes=votes, baseline=baseline, noise_k=noise_k)
 
 
 def observe(t: Tracker, r: StepReport) -> tuple[Tracker, list[Finding]]:

@@ -115,24 +115,22 @@ class Cluster:
         return replace(self, devices={k: v for k, v in self.devices.items() if k in keep})
 
     def with_measurement(self, name: str, samples: int, compute_s: float,
-                         overhead_s: float | None = None, active: Iterable[str] = ()) -> Cluster:
-        """Fold one step's compute time of `samples` samples (and its overhead), measured while the
-        devices `active` trained, into the estimates."""
+                         overhead_s: float | None = None, load: float = 0.0) -> Cluster:
+        """Fold one step's compute time of `samples` samples (and its overhead), measured while its
+        host carried `load` (threads per core: `load`; 0 when unknown), into the estimates."""
         device = self.devices.get(name)
         if device is None or samples <= 0 or compute_s <= 0:
             return self
         if device.reports < WARMUP_STEPS and device.samples_per_s is None:
             return self.with_device(replace(device, reports=device.reports + 1))
-        active = tuple(active)
-        load = self.load(device.host, active)
         cluster = self
         loads = device.load_window
-        if device.host_cores > 0 and active:
+        if device.host_cores > 0 and load > 0:
             loads = (*loads, (load, compute_s / samples))[-LOAD_WINDOW:]
             gamma = _learn_gamma(loads)
             if gamma is not None:
                 cluster = replace(self, gamma={**self.gamma, device.host: gamma})
-        factor = cluster.factor(name, active)
+        factor = cluster.factor_at(device, load)
         window = (*device.compute_window, (samples, compute_s / factor))[-COMPUTE_WINDOW:]
         fixed, per_sample = fit_compute(window, device.compute_fixed_s)
         overhead = device.overhead_s
@@ -143,16 +141,15 @@ class Cluster:
                                            overhead_s=overhead, compute_window=window, reports=device.reports + 1,
                                            load_window=loads))
 
-    def with_speed_change(self, name: str, recent: tuple[tuple[int, float], ...],
-                          active: Iterable[str] = ()) -> Cluster:
+    def with_speed_change(self, name: str, recent: tuple[tuple[int, float], ...], load: float = 0.0) -> Cluster:
         """A detected change of speed, seen in `recent` (samples, seconds) steps at one share while
-        `active` trained: the device's compute model keeps its shape (fixed vs per-sample part) and
-        is scaled to match them; older observations are dropped (they describe the device before
-        the change)."""
+        its host carried `load`: the device's compute model keeps its shape (fixed vs per-sample
+        part) and is scaled to match them; older observations are dropped (they describe the device
+        before the change)."""
         device = self.devices.get(name)
         if device is None or device.samples_per_s is None or not recent:
             return self
-        contention = self.factor(name, tuple(active))
+        contention = self.factor_at(device, load)
         samples = recent[-1][0]
         modelled = (device.compute_fixed_s + samples / device.samples_per_s) * contention
         factor = statistics.median(t for _, t in recent) / modelled
@@ -177,7 +174,12 @@ class Cluster:
         device = self.devices.get(name)
         if device is None or device.host_cores <= 0:
             return 1.0
-        load = self.load(device.host, active)
+        return self.factor_at(device, self.load(device.host, active))
+
+    def factor_at(self, device: Device, load: float) -> float:
+        """How much slower `device` computes while its host carries `load` threads per core."""
+        if device.host_cores <= 0:
+            return 1.0
         return float(max(1.0, load) ** self.host_gamma(device.host, device.device_kind))
 
     def contended(self, active: Iterable[str]) -> Cluster:

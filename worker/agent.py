@@ -251,9 +251,7 @@ class Agent:
         try:
             msg = decode(frame)
         except CodecError as e:
-            self._ignored += 1
-            if self._ignored <= 5 or self._ignored % 1000 == 0:  # bounded: a flood must not flood the log
-                self._log(f"ignoring an undecodable frame from the coordinator ({self._ignored} so far): {e}")
+            self._ignore(f"an undecodable frame from the coordinator: {e}")
             return
         with self._cond:
             box = self._box
@@ -292,13 +290,17 @@ class Agent:
                     else:
                         self._log(f"coordinator error {code}: {text}")
                 case _:
-                    self._ignored += 1
-                    if self._ignored <= 5 or self._ignored % 1000 == 0:
-                        self._log(f"ignoring unexpected {type(msg).__name__} from the coordinator "
-                                  f"({self._ignored} so far)")
+                    self._ignore(f"an unexpected {type(msg).__name__} from the coordinator")
             self._cond.notify_all()
         if self.on_interrupt is not None and isinstance(msg, (PlanDelta, Abort, Stop, Error)):
             self.on_interrupt()
+
+    def _ignore(self, what: str) -> None:
+        """Drop an unusable frame, logging the first few and then one in a thousand (a flood must
+        not flood the log)."""
+        self._ignored += 1
+        if self._ignored <= 5 or self._ignored % 1000 == 0:
+            self._log(f"ignoring {what} ({self._ignored} so far)")
 
     def _log(self, text: str) -> None:
         print(f"[{self.name}] {text}", flush=True)

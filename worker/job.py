@@ -130,26 +130,22 @@ class Job:
             if not callable(self.lr_schedule):
                 raise JobError(f"Job.lr_schedule must be a function of the step, got {type(self.lr_schedule).__name__}")
             for step in sorted({0, 1, self.num_steps // 2, self.num_steps - 1}):
-                lr_multiplier(self, step)
+                self.lr_multiplier(step)
 
     def lr_multiplier(self, step: int) -> float:
         """The schedule's multiplier for the update of `step` (1.0 without a schedule); JobError
         when the schedule raises or returns something that is not a finite number >= 0."""
-        return lr_multiplier(self, step)
-
-
-def lr_multiplier(job: Job, step: int) -> float:
-    if job.lr_schedule is None:
-        return 1.0
-    try:
-        value = job.lr_schedule(step)
-        number = float(value)
-    except Exception as e:  # noqa: BLE001 (the user's code: say where it failed)
-        raise JobError(f"Job.lr_schedule raised at step {step}: {type(e).__name__}: {e}") from None
-    if not math.isfinite(number) or number < 0:
-        raise JobError(f"Job.lr_schedule returned {value!r:.40} at step {step}: it must be a finite number >= 0 "
-                       "(a multiplier of the optimizer's base learning rate)")
-    return number
+        if self.lr_schedule is None:
+            return 1.0
+        try:
+            value = self.lr_schedule(step)
+            number = float(value)
+        except Exception as e:  # noqa: BLE001 (the user's code: say where it failed)
+            raise JobError(f"Job.lr_schedule raised at step {step}: {type(e).__name__}: {e}") from None
+        if not math.isfinite(number) or number < 0:
+            raise JobError(f"Job.lr_schedule returned {value!r:.40} at step {step}: it must be a finite number >= 0 "
+                           "(a multiplier of the optimizer's base learning rate)")
+        return number
 
 
 @dataclass(frozen=True, slots=True)

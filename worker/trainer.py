@@ -29,11 +29,11 @@ import torch
 
 from plan.shares import split_shares
 from transport import Ack, EvalReport, Leave, PlanDelta, Saved, StepReport
+from transport.security import ClientKeys
 from worker import comm, state
 from worker.agent import Agent
 from worker.comm import Superseded
 from worker.job import Job, sample_ids, share_slice
-from transport.security import ClientKeys
 from worker.save import save_model
 from worker.store import CoordinatorStore
 

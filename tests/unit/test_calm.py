@@ -170,9 +170,9 @@ def test_once_measured_a_join_on_the_same_host_predicts_the_neighbours_slowdown(
     c = _cluster("a", "b", "c", "d")
     assert c.factor("a", ("a", "b", "c")) == 1.0, "no contention is assumed before it is measured"
     for _ in range(8):  # a and b alone: one thread per core
-        c = c.with_measurement("a", 10, 0.1, active=("a", "b"))
+        c = c.with_measurement("a", 10, 0.1, load=c.load("h", ("a", "b")))
     for _ in range(8):  # c joined: 3 threads on 2 cores, and a computes 1.5x slower
-        c = c.with_measurement("a", 10, 0.15, active=("a", "b", "c"))
+        c = c.with_measurement("a", 10, 0.15, load=c.load("h", ("a", "b", "c")))
     assert c.factor("a", ("a", "b", "c", "d")) == pytest.approx(2.0, rel=0.05), "d joining: 4 threads on 2 cores"
     alone = c.contended(("a", "b")).devices["a"].samples_per_s
     crowded = c.contended(("a", "b", "c", "d")).devices["a"].samples_per_s
@@ -182,12 +182,13 @@ def test_once_measured_a_join_on_the_same_host_predicts_the_neighbours_slowdown(
 def test_the_contention_exponent_is_learned_from_steps_at_two_loads() -> None:
     paced = _cluster("a", "b", "c")
     busy = _cluster("a", "b", "c")
+    assert busy.load("h", ("a", "b")) == 1.0 and busy.load("h", ("a", "b", "c")) == 1.5  # 1 thread each, 2 cores
     for _ in range(6):  # sleeping workers (the paced job) do not slow each other down at all
-        paced = paced.with_measurement("a", 10, 0.1, active=("a", "b"))
-        busy = busy.with_measurement("a", 10, 0.1, active=("a", "b"))
+        paced = paced.with_measurement("a", 10, 0.1, load=1.0)
+        busy = busy.with_measurement("a", 10, 0.1, load=1.0)
     for _ in range(6):
-        paced = paced.with_measurement("a", 10, 0.1, active=("a", "b", "c"))
-        busy = busy.with_measurement("a", 10, 0.15, active=("a", "b", "c"))  # compute-bound: 1.5x
+        paced = paced.with_measurement("a", 10, 0.1, load=1.5)
+        busy = busy.with_measurement("a", 10, 0.15, load=1.5)  # compute-bound: 1.5x
     assert paced.gamma["h"] == pytest.approx(0.0) and paced.factor("a", ("a", "b", "c")) == 1.0
     assert busy.gamma["h"] == pytest.approx(1.0, abs=0.05)
     assert busy.contended(("a", "b", "c")).devices["a"].samples_per_s == pytest.approx(10 / 0.15, rel=0.05)
