@@ -162,7 +162,10 @@ class Client:
 
     def request(self, command: str, *args: str) -> dict[str, Any]:
         sock = self._connect()
-        sock.send(encode(ControlRequest(command=command, args=list(args))))
+        try:  # never block: a connection refused at the handshake leaves no pipe, and the monitor says why
+            sock.send(encode(ControlRequest(command=command, args=list(args))), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
         self._wait()
         frames = sock.recv_multipart()
         try:

@@ -15,6 +15,12 @@ binds the worker's name to this connection at Join, so the agent keeps one socke
 The agent watches its socket's handshakes: a coordinator that refuses its key, wants keys it does
 not have, or runs without keys it was given is a `FatalError` with a sentence saying which. An
 `ERR_BUSY` answer to a Join (too many workers joining at once) is retried after JOIN_RETRY_S.
+
+Every send is non-blocking, with what zmq cannot take yet kept in order for the next turn of the loop:
+a DEALER whose only connection was refused at the handshake (a protocol error: zmq does not
+reconnect) has no pipe, and a blocking send waits forever. Seen on a loaded machine: the refusal
+landed before the first Join was sent, the thread blocked in `send`, and the refusal it was there
+to report went unread.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import os
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -94,7 +101,9 @@ class Agent:
         self._box = _Mailbox()
         self._cond = threading.Condition()
         self._outbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
+        self._unsent: deque[bytes] = deque()  # encoded, in order: zmq could not take them yet (agent thread only)
         self._closing = threading.Event()
+        self._close_by = 0.0  # monotonic: stop trying to flush the unsent after this (set by close)
         self._thread = threading.Thread(target=self._run, name="adaptrain-agent", daemon=True)
 
     # --- trainer-facing API (thread-safe) ----------------------------------------------------
@@ -170,6 +179,7 @@ class Agent:
 
     def close(self, linger_s: float = 1.0) -> None:
         """Flush what is queued (up to `linger_s`) and stop the thread."""
+        self._close_by = time.monotonic() + linger_s
         self._closing.set()
         self._thread.join(timeout=linger_s + 1.0)
 
@@ -218,9 +228,24 @@ class Agent:
                 self._box.fatal = why
                 self._cond.notify_all()
 
+    def _send(self, sock: zmq.Socket[bytes], msg: Message) -> None:
+        """Send `msg` after anything still unsent, never blocking (see the module comment)."""
+        self._unsent.append(encode(msg))
+        self._flush(sock)
+
+    def _flush(self, sock: zmq.Socket[bytes]) -> bool:
+        """Hand zmq what it takes of the unsent messages, in order; True when none is left."""
+        while self._unsent:
+            try:
+                sock.send(self._unsent[0], zmq.NOBLOCK)
+            except zmq.Again:
+                return False
+            self._unsent.popleft()
+        return True
+
     def _loop(self, sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:
         self._box.joined_at = time.monotonic()
-        sock.send(encode(self._join_message()))
+        self._send(sock, self._join_message())
         next_beat = time.monotonic()
         while True:
             self._watch_handshakes(monitor)
@@ -230,18 +255,23 @@ class Agent:
             if retry is not None and time.monotonic() >= retry:
                 self._box.retry_join_at = None
                 self._box.joined_at = time.monotonic()
-                sock.send(encode(self._join_message()))
+                self._send(sock, self._join_message())
             closing = self._closing.is_set()
             while True:
                 try:
-                    sock.send(encode(self._outbox.get_nowait()))
+                    self._unsent.append(encode(self._outbox.get_nowait()))
                 except queue.Empty:
                     break
+            flushed = self._flush(sock)
             if closing:
-                return
+                if flushed or time.monotonic() >= self._close_by:
+                    return
+                sock.poll(int(POLL_S * 1000), zmq.POLLOUT)  # a final Leave still waits for zmq
+                continue
             welcome = self._box.welcome
-            if welcome is not None and not self._gone and time.monotonic() >= next_beat:
-                sock.send(encode(Heartbeat(name=self.name, epoch=self.epoch, step=self.step)))
+            if welcome is not None and not self._gone and flushed and time.monotonic() >= next_beat:
+                # No heartbeat queues behind a backlog: a stale one says nothing the next will not.
+                self._send(sock, Heartbeat(name=self.name, epoch=self.epoch, step=self.step))
                 next_beat = time.monotonic() + welcome.heartbeat_s
             if sock.poll(int(POLL_S * 1000)):
                 while int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # drain: the FD is edge-triggered
@@ -278,9 +308,9 @@ class Agent:
                         box.fenced = True
                         box.deltas = []  # plans for the old membership; new ones follow the re-join
                         box.joined_at = time.monotonic()
-                        sock.send(encode(self._join_message()))
+                        self._send(sock, self._join_message())
                         if self._ready:
-                            sock.send(encode(Ready(name=self.name)))
+                            self._send(sock, Ready(name=self.name))
                 case Error(code=code, message=text) if code == ERR_BUSY and box.welcome is None:
                     self._log(f"the coordinator is busy ({text}); joining again in {JOIN_RETRY_S:g} s")
                     box.retry_join_at = time.monotonic() + JOIN_RETRY_S

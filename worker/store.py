@@ -105,9 +105,15 @@ class CoordinatorStore(dist.Store):  # type: ignore[misc,name-defined]
         req = StoreRequest(req_id=next(self._ids), op=op, keys=keys, values=values or [],
                            amount=amount, timeout_s=timeout_s)
         sock = self._socket()
-        sock.send(encode(req))
         deadline = time.monotonic() + timeout_s + 1.0
+        unsent: bytes | None = encode(req)
         while True:
+            if unsent is not None:  # never block in send: zmq may hold no pipe while it reconnects
+                try:
+                    sock.send(unsent, zmq.NOBLOCK)
+                    unsent = None
+                except zmq.Again:
+                    pass
             if self._is_aborted():
                 self._discard_socket()
                 raise StoreAborted(f"store {op} {keys}: the epoch was superseded")

@@ -32,12 +32,15 @@ def _port(endpoint: str) -> int:
     return int(endpoint.rsplit(":", 1)[1])
 
 
-def _wait_exit(proc: subprocess.Popen[bytes], timeout_s: float) -> int:
+def _refused_with(job: LocalJob, name: str, words: str, timeout_s: float = 60) -> None:
+    """Worker `name` must exit 2 within `timeout_s`, its log saying `words`."""
     try:
-        return proc.wait(timeout=timeout_s)
+        code = job.workers[name].wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        raise AssertionError("the process did not exit") from None
+        job.workers[name].kill()
+        code = None
+    log = job.tail(name)
+    assert code == 2 and words in log, f"{name} exited {code}; its log:\n{log}"
 
 
 def _refused(job: LocalJob) -> dict[str, int]:
@@ -101,26 +104,26 @@ def test_without_the_right_keys_nobody_gets_in(tmp_path: Path) -> None:
         job.wait_step(3, 120)
         no_keys = {k: v for k, v in job.env().items() if k != "ADAPTRAIN_KEYS"}
 
-        stranger = job.add_worker("stranger", env=no_keys)
+        job.add_worker("stranger", env=no_keys)
         other = tmp_path / "other-keys"  # another cluster's keys: the wrong server key too
         generate_keys(other)
-        lost = job.add_worker("lost", "--keys", str(other))
+        job.add_worker("lost", "--keys", str(other))
         forged = tmp_path / "forged"  # the right server key, a worker key the coordinator never made
         forged.mkdir()
         shutil.copy(keys / "server.key", forged / "server.key")
         shutil.copy(other / "worker.key_secret", forged / "worker.key_secret")
-        forger = job.add_worker("forger", "--keys", str(forged))
-        assert _wait_exit(stranger, 60) == 2 and "requires CURVE keys" in job.tail("stranger")
-        assert _wait_exit(lost, 60) == 2 and "is server.key the coordinator's?" in job.tail("lost")
-        assert _wait_exit(forger, 60) == 2 and "refused this worker's key" in job.tail("forger")
+        job.add_worker("forger", "--keys", str(forged))
+        _refused_with(job, "stranger", "requires CURVE keys")
+        _refused_with(job, "lost", "is server.key the coordinator's?")
+        _refused_with(job, "forger", "refused this worker's key")
 
         # Alice's own key, used under another name: the key is bound to "alice".
         stolen = tmp_path / "stolen"
         stolen.mkdir()
         shutil.copy(keys / "server.key", stolen / "server.key")
         shutil.copy(keys / "workers" / "alice.key_secret", stolen / "worker.key_secret")
-        mallory = job.add_worker("mallory", "--keys", str(stolen))
-        assert _wait_exit(mallory, 60) == 2 and "alice" in job.tail("mallory")
+        job.add_worker("mallory", "--keys", str(stolen))
+        _refused_with(job, "mallory", "alice")
         twin = subprocess.Popen([sys.executable, "-m", "worker", "--join", job.workers_endpoint, "--name", "w1"],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=job.env())
         try:  # a second w1 while the first one lives
@@ -160,8 +163,8 @@ def test_insecure_runs_without_keys_and_a_keyed_worker_is_told_to_drop_them(tmp_
         assert job.ctl("status")["secure"] is False
         keys = tmp_path / "keys"
         generate_keys(keys)
-        keyed = job.add_worker("keyed", "--keys", str(keys))
-        assert _wait_exit(keyed, 60) == 2 and "without keys" in job.tail("keyed")
+        job.add_worker("keyed", "--keys", str(keys))
+        _refused_with(job, "keyed", "without keys")
         job.ctl("stop")
         assert job.wait_coordinator(60) == 0
     out = subprocess.run([sys.executable, "-m", "coordinator", "--bind", "tcp://127.0.0.1:0", "--job", LONG_JOB],
