@@ -256,12 +256,19 @@ def format_status(d: dict[str, Any]) -> str:
     return head + "\n\n" + _table(headers, rows)
 
 
+_DEGREES = ("dp_replicate", "dp_shard", "pp", "tp")
+
+
 def format_plan(d: dict[str, Any]) -> str:
     if d.get("plan", True) is None or "members" not in d:
         detail = d.get("detail") or "waiting for enough ready workers"
         return f"no plan (epoch {d.get('epoch', 0)}, status {d.get('status') or '-'}): {detail}"
     layout = d.get("layout") or {}
-    lay = " ".join(f"{k}={v}" for k, v in layout.items()) or "-"
+    lay = " x ".join(f"{k}={v}" for k, v in layout.items() if k in _DEGREES and v != 1) or "1 member"
+    if layout and all(layout.get(k, 1) == 1 for k in _DEGREES[1:]):
+        lay = f"replicated (dp_replicate={layout.get('dp_replicate', 1)})"
+    elif layout and layout.get("dp_shard", 1) > 1:
+        lay = f"sharded ({lay})"
     predicted = d.get("predicted_step_s")
     head = (f"epoch {d.get('epoch')}  mode {d.get('mode', '?')}  layout {lay}  global batch {d.get('global_batch')}"
             f"  predicted step {f'{predicted:.4g} s' if isinstance(predicted, (int, float)) else '-'}")

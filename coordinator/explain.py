@@ -15,8 +15,8 @@ from typing import Any
 
 from coordinator import steps
 from coordinator.state import State
-from plan import Alternative, Layout, PlanResult
-from plan.graph import describe, placements
+from plan import Alternative, PlanResult
+from plan.layout import describe, placements
 
 
 def explain(state: State) -> dict[str, Any]:
@@ -62,7 +62,7 @@ def explain(state: State) -> dict[str, Any]:
     out["changed"] = list(state.changed)
     out["kept"] = state.kept
     if g is not None:
-        first = placements(g, Layout(dp=len(plan.members)))[g.layers[0].name]
+        first = placements(g, plan.layout)[g.layers[0].name]
         out["placements"] = {kind: describe(spec) for kind, spec in first.items()}
     return out
 

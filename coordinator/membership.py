@@ -163,7 +163,7 @@ def _join(state: State, msg: Join, config: Config, now: float) -> Result:
     device = Device(name=msg.name, host=msg.host, kind=msg.device, flops=max(msg.flops, 1.0),
                     memory_bytes=msg.memory_bytes, threads=max(msg.threads, 1), host_cores=msg.cores)
     state = replace(state, workers={**state.workers, msg.name: worker},
-                    cluster=state.cluster.with_device(device))
+                    cluster=state.cluster.with_device(device).with_peer_calibration(msg.name))
     effects: list[Effect] = [Welcome(msg.name),
                              Log("joined", {"worker": msg.name, "host": msg.host, "device": msg.device})]
     if state.finished or state.stopping:

@@ -12,11 +12,13 @@ lands with another one waiting. It
   that it hands the state over inside the new group;
 * sends nothing when a planned re-plan gives the same assignment (no churn);
 * re-plans on a calibration (an epoch's measured baseline off the prediction) only while the plan
-  rests on a guess for some member (one not measured yet: a newcomer, or the first plan);
+  rests on a guess for some member (`Cluster.is_guess`: not measured yet, and no measured twin on
+  its host: the first plan, or a newcomer on new hardware);
 * for a re-plan that no membership change forced (a straggler, a recovery, host contention, a
   model calibration), takes the better plan only when it pays: its predicted gain per step must be
   at least MIN_REL_GAIN of the step and twice the measured step-time noise of the epoch, and the
-  gain over the horizon must exceed the switch's cost (forming a group, moving state). Otherwise
+  gain over the horizon must exceed the switch's cost (forming a group, moving state), and the
+  job must have steps enough left to settle and measure the new epoch. Otherwise
   the current plan stays and a `kept` event says why; a taken re-plan's detail says what changed
   and what it is predicted to gain;
 * plans on the cluster as it will run: co-located workers' contention for their host's cores is
@@ -34,7 +36,7 @@ from typing import NamedTuple
 from coordinator import steps
 from coordinator.state import Config, Effect, Log, Planned, Result, Send, State
 from plan import Plan, PlanLimits, PlanResult, make_plan, predict
-from transport import PlanDelta
+from transport import MeshLayout, PlanDelta
 
 GAIN_REASONS = ("straggler", "recovered", "contention", "calibration")  # re-plans that must pay for themselves
 MIN_REL_GAIN = 0.03  # ... by at least this fraction of the step
@@ -99,14 +101,14 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
     if state.changed:
         result = replace(result, reason=f"{result.reason}; changed: {'; '.join(state.changed)}")
     epoch = state.epoch + 1
-    delta = PlanDelta(epoch=epoch, reason=reason, members=list(new.members), shares=list(new.shares),
+    delta = PlanDelta(epoch=epoch, reason=reason, layout=MeshLayout(**new.layout.to_dict()),
                       global_batch=config.global_batch, abort=abort)
     old = set(state.plan.members) if state.plan else set()
     recipients = sorted((old | set(new.members)) & set(state.workers))
     workers = {n: replace(w, nudged_at=now) if n in recipients else w for n, w in state.workers.items()}
     hosts = {n: state.cluster.devices[n].host for n in new.members if n in state.cluster.devices}
     loads = {h: state.cluster.load(h, new.members) for h in set(hosts.values())}
-    guessed = any(state.cluster.devices[n].samples_per_s is None for n in new.members if n in state.cluster.devices)
+    guessed = any(state.cluster.is_guess(n) for n in new.members)
     tracker = steps.start(epoch, new.members, new.predicted_step_s, {c.name: c.compute_s for c in new.costs}, hosts,
                           loads=loads, legacy=not calm)
     state = replace(state, workers=workers, delta=delta, epoch=epoch, plan=new, result=result, tracker=tracker,
@@ -135,6 +137,9 @@ def _worth_it(state: State, new: Plan, result: PlanResult, horizon: int) -> Verd
     gain = now_s - new.predicted_step_s
     if gain <= 0:
         return Verdict(False, "")  # nothing better than what runs: nothing to say
+    if horizon < steps.SETTLE + steps.BASELINE:
+        return Verdict(False, f"not worth a switch: {horizon} steps left, fewer than a new epoch needs to "
+                              f"settle and be measured ({steps.SETTLE + steps.BASELINE})")
     noise = _noise(state)
     # A plan that rests on a guess (a member not measured yet) is replaced by a measured one as soon
     # as that is 3% better; a measured plan only by one that beats the noise too.

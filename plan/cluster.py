@@ -1,7 +1,8 @@
 """The unified cluster object: devices, hosts and links, and what has been measured of each.
 
-* A **device** is one worker process and its device: kind, calibrated matmul FLOP/s (at join), usable
-  memory (`worker --memory-limit` caps it), host. Once it trains, its compute time (forward +
+* A **device** is one worker process and its device: kind, calibrated matmul FLOP/s (at join; one
+  figure, the best, for the devices of one host with the same device and threads:
+  `with_peer_calibration`), usable memory (`worker --memory-limit` caps it), host. Once it trains, its compute time (forward +
   backward, communication excluded) is modelled as `fixed + samples / speed`, fitted over its last
   `COMPUTE_WINDOW` steps: a part that does not grow with the share (Python and kernel-launch
   overhead, which dominates small models) and a marginal speed in samples/s. While its share never
@@ -105,6 +106,31 @@ class Cluster:
 
     def with_device(self, device: Device) -> Cluster:
         return replace(self, devices={**self.devices, device.name: device})
+
+    def with_peer_calibration(self, name: str) -> Cluster:
+        """One calibration per piece of hardware: devices on one host with the same device string
+        and thread count compute on the same cores (or the same GPU), so join-time matmul figures
+        that differ between them measured the moment's contention, not the hardware (seen: 36 to 84
+        GFLOP/s for workers on this 2-core machine, which planned unequal shares that the first
+        measured steps then undid with a re-plan). All of them take the best figure, the
+        calibration's own rule: interference only ever slows a run down."""
+        device = self.devices.get(name)
+        if device is None:
+            return self
+        peers = [d for d in self.devices.values()
+                 if (d.host, d.kind, d.threads) == (device.host, device.kind, device.threads)]
+        best = max(d.flops for d in peers)
+        return replace(self, devices={**self.devices, **{d.name: replace(d, flops=best) for d in peers}})
+
+    def is_guess(self, name: str) -> bool:
+        """Whether the planner's speed for `name` is a guess: it has not trained yet, and no device
+        of the same hardware (`with_peer_calibration`) has either. A newcomer beside measured
+        twins is planned at their measured speed, which its own steps only confirm."""
+        device = self.devices.get(name)
+        if device is None or device.samples_per_s:
+            return False
+        return not any(d.samples_per_s and (d.host, d.kind, d.threads) == (device.host, device.kind, device.threads)
+                       for d in self.devices.values())
 
     def without(self, name: str) -> Cluster:
         return replace(self, devices={k: v for k, v in self.devices.items() if k != name})

@@ -12,7 +12,8 @@ from dataclasses import dataclass, replace
 
 from plan.cluster import Cluster
 from plan.cost import allreduce_s, memory_bytes
-from plan.graph import Graph, Layout
+from plan.graph import Graph
+from plan.layout import Layout
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -39,6 +40,7 @@ class Plan:
     comm_s: float | None = None
     costs: tuple[MemberCost, ...] = ()
     mode: str = "sync"
+    dp_shard: int = 1  # members that split the state between them (1: every member a replica)
 
     def __post_init__(self) -> None:
         assert len(self.members) == len(self.shares), "one share per member"
@@ -51,10 +53,12 @@ class Plan:
 
     @property
     def layout(self) -> Layout:
-        return Layout(dp=len(self.members))
+        return Layout(members=self.members, shares=self.shares, dp_replicate=len(self.members) // self.dp_shard,
+                      dp_shard=self.dp_shard)
 
     def same_assignment(self, other: Plan | None) -> bool:
-        return other is not None and (self.members, self.shares) == (other.members, other.shares)
+        return other is not None and (self.members, self.shares, self.dp_shard) == (
+            other.members, other.shares, other.dp_shard)
 
 
 

@@ -103,7 +103,8 @@ def _message_samples(live: list[str]) -> list[t.Message]:
 _ROLE_SAMPLES: list[t.Message] = [
     t.Welcome(name="w1", run_id="r", job_ref="j", job_name="job", job_source="", job_sha256="0" * 64,
               heartbeat_s=0.2, lease_s=1.0, want_graph=False),
-    t.PlanDelta(epoch=1, reason="x", members=["w1"], shares=[8], global_batch=8, abort=False),
+    t.PlanDelta(epoch=1, reason="x", layout=t.MeshLayout(dp_replicate=1, dp_shard=1, pp=1, tp=1, members=["w1"],
+                                                    shares=[8]), global_batch=8, abort=False),
     t.Abort(epoch=1, reason="x"), t.Stop(reason="x"), t.Slowdown(factor=2.0),
     t.Error(code="x", message="y"), t.StoreReply(req_id=1, ok=True, values=[], number=0, error=""),
     t.ControlReply(ok=True, data={}, error=""),

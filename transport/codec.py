@@ -13,8 +13,9 @@ peer speaks another protocol version and `ERR_DECODE` otherwise, so a daemon can
 
 Validation is driven by the annotations of `transport.messages` (resolved once per class with
 `typing.get_type_hints`), limited to the types that module allows: int (a bool is not an int),
-float (an int is accepted and converted), str, bytes, bool, ``X | None``, ``list[X]`` and
-``dict[str, Any]`` (any msgpack value, str keys). `encode` runs the same checks, so a sender's bug
+float (an int is accepted and converted), str, bytes, bool, ``X | None``, ``list[X]``,
+``dict[str, Any]`` (any msgpack value, str keys) and the nested records of `NESTED_TYPES` (a map with
+exactly the record's fields, each checked the same way). `encode` runs the same checks, so a sender's bug
 is a `TypeError` with a traceback at the sender rather than an `Error` reply from its peer.
 """
 
@@ -28,7 +29,7 @@ from typing import Any
 
 import msgpack
 
-from .messages import ERR_DECODE, ERR_PROTOCOL, MESSAGE_TYPES, PROTOCOL_VERSION, Message
+from .messages import ERR_DECODE, ERR_PROTOCOL, MESSAGE_TYPES, NESTED_TYPES, PROTOCOL_VERSION, Message
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 
@@ -52,9 +53,13 @@ def _field_types(cls: type) -> dict[str, Any]:
 
 
 def _convert(value: Any, tp: Any, where: str) -> Any:
-    """`value` checked against annotation `tp` (ints converted for float); TypeError otherwise."""
+    """`value` checked against annotation `tp` (ints converted for float); TypeError otherwise.
+    A nested record goes out as a map (encoding: `value` is the record) and comes back as the
+    record (decoding: `value` is the map)."""
     if tp is Any:
         return value
+    if tp in NESTED_TYPES:
+        return _convert_record(value, tp, where)
     if tp is float and type(value) is int:
         return float(value)
     if tp in (int, float, str, bytes, bool):
@@ -81,6 +86,25 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
             out[key] = _convert(item, args[1], f"{where}[{key!r}]")
         return out
     raise AssertionError(f"{where}: the codec does not support the annotation {tp!r}")
+
+
+def _convert_record(value: Any, tp: type, where: str) -> Any:
+    fields = _field_types(tp)
+    if isinstance(value, tp):  # encoding
+        return {name: _convert(getattr(value, name), ftp, f"{where}.{name}") for name, ftp in fields.items()}
+    if type(value) is not dict:
+        raise TypeError(f"{where}: expected a {tp.__name__} map, got {type(value).__name__}")
+    missing = [name for name in fields if name not in value]
+    extra = [str(key) for key in value if key not in fields]
+    if missing or extra:
+        raise TypeError(f"{where}: a {tp.__name__} needs exactly the fields {', '.join(fields)}"
+                        f"{'; missing ' + ', '.join(missing) if missing else ''}"
+                        f"{'; unknown ' + ', '.join(extra) if extra else ''}")
+    values = {name: _convert(value[name], ftp, f"{where}.{name}") for name, ftp in fields.items()}
+    try:
+        return tp(**values)
+    except ValueError as exc:  # the record's own checks
+        raise TypeError(f"{where}: {exc}") from None
 
 
 def encode(msg: Message, *, max_bytes: int = MAX_FRAME_BYTES) -> bytes:

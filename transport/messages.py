@@ -13,7 +13,8 @@ Sockets and who talks on them:
 * control endpoint (coordinator ROUTER, ``--control``): ctl (``adaptrain-ctl``, ``coordinator/ctl.py``; DEALER).
 
 Field types are limited to what the codec validates: ``int``, ``float``, ``str``, ``bytes``,
-``bool``, ``X | None``, ``list[X]`` and ``dict[str, Any]`` (free-form, only in control replies).
+``bool``, ``X | None``, ``list[X]``, ``dict[str, Any]`` (free-form, only in control replies) and the
+nested records in `NESTED_TYPES` (a map with exactly their fields).
 Tensors never travel here: they go worker to worker over torch.distributed.
 """
 
@@ -24,7 +25,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-PROTOCOL_VERSION = 7  # 2: StepReport.comm_s, Slowdown; 3: Join.cores; 4: StepReport.lr, grad_norm; 5: Saved, Welcome.final_dir; 6: SaveModel, Saved.final; 7: EvalReport
+PROTOCOL_VERSION = 8  # 8: PlanDelta.layout (MeshLayout); 2: StepReport.comm_s, Slowdown; 3: Join.cores; 4: StepReport.lr, grad_norm; 5: Saved, Welcome.final_dir; 6: SaveModel, Saved.final; 7: EvalReport
 
 # Error codes carried by `Error.code`.
 ERR_DECODE = "decode"  # the frame could not be decoded or failed validation
@@ -248,12 +249,33 @@ class Welcome:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class MeshLayout:
+    """A plan's layout on the wire (`plan.layout.Layout` checks it: degrees >= 1 whose product is
+    the number of members, equal shares within a data-parallel slot): the degrees, the members in
+    rank order, and each member's samples of every global batch."""
+
+    dp_replicate: int
+    dp_shard: int
+    pp: int
+    tp: int
+    members: list[str]
+    shares: list[int]
+
+    def __post_init__(self) -> None:
+        if len(self.members) != len(self.shares):
+            raise ValueError(f"MeshLayout: {len(self.shares)} shares for {len(self.members)} members")
+        if min(self.dp_replicate, self.dp_shard, self.pp, self.tp) < 1:
+            raise ValueError("MeshLayout: degrees must be >= 1")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PlanDelta:
     """Coordinator -> every member of the new plan (and to members that leave it).
 
-    A new epoch: `members` in rank order with each replica's number of samples of every global
-    batch (`shares`, summing to `global_batch`, contiguous slices in rank order). A worker whose
-    name is not in `members` leaves at the switch.
+    A new epoch: its `layout`: the members in rank order, the degrees that say who replicates and
+    who shards what, and each member's samples of every global batch (`shares`; contiguous slices
+    in data-parallel slot order, one share per slot summing to `global_batch`). A worker whose name
+    is not among the members leaves at the switch.
 
     `abort` false (a planned change: join, drain): the workers switch at a step boundary that they
     agree on through the data plane. `abort` true (a failure): in-flight work of older epochs is
@@ -262,10 +284,17 @@ class PlanDelta:
 
     epoch: int
     reason: str
-    members: list[str]
-    shares: list[int]
+    layout: MeshLayout
     global_batch: int
     abort: bool
+
+    @property
+    def members(self) -> list[str]:
+        return self.layout.members
+
+    @property
+    def shares(self) -> list[int]:
+        return self.layout.shares
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -374,6 +403,8 @@ class ControlReply:
     data: dict[str, Any]
     error: str
 
+
+NESTED_TYPES: tuple[type, ...] = (MeshLayout,)  # records that travel inside messages
 
 MESSAGE_TYPES: tuple[type, ...] = (
     EvalReport,

@@ -192,3 +192,30 @@ def test_the_contention_exponent_is_learned_from_steps_at_two_loads() -> None:
     assert paced.gamma["h"] == pytest.approx(0.0) and paced.factor("a", ("a", "b", "c")) == 1.0
     assert busy.gamma["h"] == pytest.approx(1.0, abs=0.05)
     assert busy.contended(("a", "b", "c")).devices["a"].samples_per_s == pytest.approx(10 / 0.15, rel=0.05)
+
+
+# --- one calibration per piece of hardware ----------------------------------------------------------
+
+
+def test_twins_on_one_host_share_the_best_calibration_and_a_newcomer_beside_measured_twins_is_no_guess() -> None:
+    from plan import Device
+
+    def joined(c: Cluster, name: str, flops: float, *, host: str = "h", threads: int = 1) -> Cluster:
+        device = Device(name=name, host=host, kind="cpu", flops=flops, memory_bytes=1 << 30, threads=threads)
+        return c.with_device(device).with_peer_calibration(name)
+
+    # Join-time matmuls of three workers on one 2-core host, timed while the others were importing torch.
+    c = joined(joined(joined(Cluster(), "a", 84e9), "b", 36e9), "c", 65e9)
+    c = joined(joined(c, "other-host", 20e9, host="g"), "two-threads", 50e9, threads=2)
+    assert {n: d.flops for n, d in c.devices.items()} == {"a": 84e9, "b": 84e9, "c": 84e9, "other-host": 20e9,
+                                                          "two-threads": 50e9}
+    speeds = c.speeds()
+    assert speeds["a"] == speeds["b"] == speeds["c"], "twins are planned equal shares at first"
+    assert c.is_guess("a"), "nothing measured yet: the first plan rests on a guess"
+
+    for _ in range(4):
+        c = c.with_measurement("a", 10, 0.1)
+    c = joined(c, "d", 30e9)  # a newcomer beside a measured twin
+    assert not c.is_guess("a") and not c.is_guess("d")
+    assert c.speeds()["d"] == pytest.approx(c.speeds()["a"]), "it is planned at its twin's measured speed"
+    assert c.is_guess("other-host") and c.is_guess("two-threads"), "other hardware is still a guess"

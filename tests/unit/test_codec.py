@@ -29,9 +29,11 @@ SAMPLES: list[t.Message] = [
     t.Welcome(name="w1", run_id="run-1", job_ref="examples/gpt.py:job", job_name="job",
               job_source="def job():\n    return 1\n", job_sha256="ab" * 32, heartbeat_s=0.2,
               lease_s=1.0, want_graph=True),
-    t.PlanDelta(epoch=4, reason="joined w3", members=["w1", "w2", "w3"], shares=[22, 21, 21],
+    t.PlanDelta(epoch=4, reason="joined w3", layout=t.MeshLayout(dp_replicate=3, dp_shard=1, pp=1, tp=1,
+                                                                  members=["w1", "w2", "w3"], shares=[22, 21, 21]),
                 global_batch=64, abort=False),
-    t.PlanDelta(epoch=5, reason="", members=[], shares=[], global_batch=0, abort=True),
+    t.PlanDelta(epoch=5, reason="", layout=t.MeshLayout(dp_replicate=1, dp_shard=2, pp=1, tp=1, members=["a", "b"],
+                                                        shares=[3, 0]), global_batch=3, abort=True),
     t.Abort(epoch=4, reason="failed w2"),
     t.Stop(reason="ctl stop"),
     t.Error(code=t.ERR_STALE_EPOCH, message="epoch 3 is over"),
@@ -168,12 +170,13 @@ def test_int_is_accepted_for_float() -> None:
 
 
 def test_nested_list_items_are_checked() -> None:
-    good = {"v": t.PROTOCOL_VERSION, "kind": "PlanDelta", "epoch": 1, "reason": "", "members": ["a", "b"],
-            "shares": [1, 2], "global_batch": 3, "abort": False}
+    layout = {"dp_replicate": 2, "dp_shard": 1, "pp": 1, "tp": 1, "members": ["a", "b"], "shares": [1, 2]}
+    good = {"v": t.PROTOCOL_VERSION, "kind": "PlanDelta", "epoch": 1, "reason": "", "layout": layout,
+            "global_batch": 3, "abort": False}
     assert decode(msgpack.packb(good, use_bin_type=True)).members == ["a", "b"]  # type: ignore[union-attr]
-    _reject(good | {"members": ["a", 2]}, match=r"PlanDelta.members\[1\]: expected str")
-    _reject(good | {"shares": [1, True]}, match=r"shares\[1\]: expected int, got bool")
-    _reject(good | {"members": "ab"}, match="expected a list")
+    _reject(good | {"layout": layout | {"members": ["a", 2]}}, match=r"PlanDelta.layout.members\[1\]: expected str")
+    _reject(good | {"layout": layout | {"shares": [1, True]}}, match=r"shares\[1\]: expected int, got bool")
+    _reject(good | {"layout": layout | {"members": "ab"}}, match="expected a list")
     store = dataclasses.asdict(_sample(t.StoreRequest)) | {"v": t.PROTOCOL_VERSION, "kind": "StoreRequest"}
     _reject(store | {"values": [b"ok", "not-bytes"]}, match=r"values\[1\]: expected bytes")
 
@@ -238,8 +241,25 @@ def test_encode_refuses_non_messages() -> None:
 
 
 def test_encode_checks_field_types() -> None:
-    with pytest.raises(TypeError, match=r"PlanDelta.members\[0\]: expected str"):
-        encode(t.PlanDelta(epoch=1, reason="", members=[1], shares=[1],  # type: ignore[list-item]
+    with pytest.raises(TypeError, match=r"PlanDelta.layout.members\[0\]: expected str"):
+        encode(t.PlanDelta(epoch=1, reason="", layout=t.MeshLayout(dp_replicate=1, dp_shard=1, pp=1, tp=1,
+                                                                   members=[1], shares=[1]),  # type: ignore[list-item]
                            global_batch=1, abort=False))
     with pytest.raises(TypeError, match="Stop.reason"):
         encode(t.Stop(reason=None))  # type: ignore[arg-type]
+
+
+def test_a_nested_layout_must_be_a_map_with_exactly_its_fields() -> None:
+    good = t.PlanDelta(epoch=2, reason="join", layout=t.MeshLayout(dp_replicate=1, dp_shard=2, pp=1, tp=1,
+                                                                    members=["a", "b"], shares=[4, 4]),
+                       global_batch=8, abort=False)
+    frame = msgpack.unpackb(encode(good))
+    assert frame["layout"] == {"dp_replicate": 1, "dp_shard": 2, "pp": 1, "tp": 1, "members": ["a", "b"],
+                               "shares": [4, 4]}
+    assert decode(encode(good)) == good and good.members == ["a", "b"]
+    for layout, why in [({**frame["layout"], "cp": 1}, "unknown cp"), ({"members": ["a"]}, "missing dp_replicate"),
+                        ([1, 2], "expected a MeshLayout map"), ({**frame["layout"], "dp_shard": "2"}, "expected int"),
+                        ({**frame["layout"], "shares": [4]}, "1 shares for 2 members"),
+                        ({**frame["layout"], "pp": 0}, "degrees must be >= 1")]:
+        with pytest.raises(CodecError, match=why):
+            decode(msgpack.packb({**frame, "layout": layout}))

@@ -1,0 +1,229 @@
+"""Live reshard by slice intersection: who sends which element range of which tensor to whom, so that
+every member of a new epoch holds exactly what its layout gives it. Pure, torch-free.
+
+State is described as *holdings*: member -> tensor -> element ranges [lo, hi) of the flattened
+tensor. `holdings(layout, tensors, copies)` gives what a layout puts where (its slices, plus the
+redundancy copies); the survivors' holdings before a change are those of the old epoch minus the
+members that are gone. `plan_reshard(before, after, ...)` then lists the transfers:
+
+* what a destination needs is its holdings after, minus what it holds already: nothing is sent to a
+  member that has it (a survivor keeps its overlap; a replica keeps its whole state);
+* a needed range is cut at every holder's boundaries, and each piece comes from one member that
+  holds it: each needed byte is sent once per destination;
+* sources are balanced: a piece goes to the holder that has sent the fewest bytes so far, and a large
+  piece that several holders have is split between them, so a newcomer pulls from every replica;
+* a piece that no survivor holds is *missing*: the caller stops the job naming it, never trains on
+  made-up state.
+
+Transfers are sorted (destination, tensor, lo), so every member derives the same list and the
+same order of point-to-point ops. Adjacent pieces from one source are merged into one transfer.
+
+The companion tensors of a parameter (its gradient is not moved; its optimizer state, e.g. Adam's
+two moments, has the parameter's shape) move with it: a transfer of parameter P's range also
+carries that range of each of P's state tensors, and `element_bytes` counts them all.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from plan.layout import Layout
+
+Range = tuple[int, int]
+Holdings = dict[str, dict[str, list[Range]]]  # member -> tensor -> ranges (sorted, disjoint)
+SPLIT_MIN = 1 << 16  # elements: a piece at least twice this long is split between its holders
+
+
+@dataclass(frozen=True, slots=True)
+class TensorShape:
+    """What the reshard needs of a tensor: its name, its rows (dim 0; 0 for a scalar) and elements."""
+
+    name: str
+    rows: int
+    numel: int
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Transfer:
+    dst: str
+    tensor: str
+    lo: int
+    hi: int
+    src: str
+
+    @property
+    def elements(self) -> int:
+        return self.hi - self.lo
+
+
+@dataclass(frozen=True, slots=True)
+class ReshardPlan:
+    transfers: tuple[Transfer, ...]
+    missing: tuple[tuple[str, int, int], ...]  # (tensor, lo, hi) that no survivor holds
+    sent: Mapping[str, int] = field(default_factory=dict)  # source -> elements it sends
+
+    def bytes_moved(self, element_bytes: Mapping[str, int]) -> int:
+        """Bytes of every transfer, with `element_bytes[tensor]` per element (state included)."""
+        return sum(t.elements * element_bytes[t.tensor] for t in self.transfers)
+
+    def largest_sender(self, element_bytes: Mapping[str, int]) -> int:
+        per: dict[str, int] = defaultdict(int)
+        for t in self.transfers:
+            per[t.src] += t.elements * element_bytes[t.tensor]
+        return max(per.values(), default=0)
+
+    def for_member(self, name: str) -> tuple[list[Transfer], list[Transfer]]:
+        """(what `name` sends, what it receives), in the plan's order."""
+        return ([t for t in self.transfers if t.src == name], [t for t in self.transfers if t.dst == name])
+
+    def describe_missing(self) -> str:
+        parts = [f"{tensor}[{lo}:{hi}]" for tensor, lo, hi in self.missing[:8]]
+        more = f" and {len(self.missing) - 8} more ranges" if len(self.missing) > 8 else ""
+        return ", ".join(parts) + more
+
+
+# --- what a layout puts where -------------------------------------------------------------------------
+
+
+def copy_ring(layout: Layout, hosts: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Redundancy for a sharded layout: keeper -> the member whose slices it also keeps.
+
+    Where every slice already lives on two members (dp_replicate >= 2, or nothing is sharded) there
+    is no ring. Otherwise each shard group is a ring in which every member keeps a copy of the
+    previous member's slices, ordered so that a neighbour is on another host where there is one
+    (members taken round-robin across hosts). A group of one member has nobody to keep its copy."""
+    if not layout.sharded or layout.dp_replicate > 1:
+        return {}
+    hosts = hosts or {}
+    keepers: dict[str, str] = {}
+    seen: set[int] = set()
+    for rank in range(layout.world):
+        group = layout.shard_group(rank)
+        if group[0] in seen or len(group) < 2:
+            continue
+        seen.add(group[0])
+        names = [layout.members[r] for r in group]
+        by_host: dict[str, list[str]] = defaultdict(list)
+        for n in names:
+            by_host[hosts.get(n, n)].append(n)
+        order: list[str] = []
+        queues = sorted(by_host.values(), key=len, reverse=True)
+        while any(queues):
+            for q in queues:
+                if q:
+                    order.append(q.pop(0))
+        for i, n in enumerate(order):
+            keepers[order[(i + 1) % len(order)]] = n
+    return keepers
+
+
+def holdings(layout: Layout, tensors: Sequence[TensorShape], copies: Mapping[str, str] | None = None) -> Holdings:
+    """member -> tensor -> ranges: each member's slices under `layout`, plus those of the member it
+    keeps a copy of (`copies`: keeper -> source)."""
+    out: Holdings = {}
+    for rank, name in enumerate(layout.members):
+        out[name] = {t.name: [r] for t in tensors if (r := layout.slice_of(rank, t.rows, t.numel))[1] > r[0]}
+    for keeper, source in (copies or {}).items():
+        mine = out.setdefault(keeper, {})
+        for tensor, ranges in out.get(source, {}).items():
+            mine[tensor] = _union([*mine.get(tensor, []), *ranges])
+    return out
+
+
+def survivors(before: Holdings, alive: Iterable[str]) -> Holdings:
+    keep = set(alive)
+    return {m: h for m, h in before.items() if m in keep}
+
+
+# --- the transfers ------------------------------------------------------------------------------------
+
+
+def plan_reshard(before: Holdings, after: Holdings, *, split_min: int = SPLIT_MIN) -> ReshardPlan:
+    """The transfers that take the (surviving) holdings `before` to `after` (see the module comment)."""
+    sent: dict[str, int] = defaultdict(int)
+    pieces: list[Transfer] = []
+    missing: list[tuple[str, int, int]] = []
+    tensors = sorted({t for h in after.values() for t in h})
+    for tensor in tensors:
+        held = {m: _union(h[tensor]) for m, h in sorted(before.items()) if h.get(tensor)}
+        for dst in sorted(after):
+            need = _subtract(_union(after[dst].get(tensor, [])), held.get(dst, []))
+            for lo, hi in need:
+                for a, b, holders in _cover(lo, hi, {m: r for m, r in held.items() if m != dst}):
+                    if not holders:
+                        missing.append((tensor, a, b))
+                        continue
+                    for src, x, y in _assign(a, b, holders, sent, split_min):
+                        pieces.append(Transfer(dst=dst, tensor=tensor, lo=x, hi=y, src=src))
+    return ReshardPlan(transfers=tuple(_merge(sorted(pieces))), missing=tuple(_merge_missing(missing)),
+                       sent=dict(sent))
+
+
+def _cover(lo: int, hi: int, held: Mapping[str, list[Range]]) -> list[tuple[int, int, list[str]]]:
+    """[lo, hi) cut at every holder's boundaries: (a, b, the members holding all of [a, b))."""
+    cuts = {lo, hi}
+    for ranges in held.values():
+        for a, b in ranges:
+            cuts.update(x for x in (a, b) if lo < x < hi)
+    points = sorted(cuts)
+    out = []
+    for a, b in zip(points, points[1:]):
+        out.append((a, b, [m for m, ranges in held.items() if any(x <= a and b <= y for x, y in ranges)]))
+    return out
+
+
+def _assign(a: int, b: int, holders: list[str], sent: dict[str, int], split_min: int) -> list[tuple[str, int, int]]:
+    """[a, b) split among the least-loaded holders (by elements sent so far)."""
+    parts = max(1, min(len(holders), (b - a) // split_min))
+    out = []
+    for i in range(parts):
+        x, y = a + (b - a) * i // parts, a + (b - a) * (i + 1) // parts
+        src = min(holders, key=lambda m: (sent[m], m))
+        sent[src] += y - x
+        out.append((src, x, y))
+    return out
+
+
+def _merge(pieces: list[Transfer]) -> list[Transfer]:
+    out: list[Transfer] = []
+    for p in pieces:
+        last = out[-1] if out else None
+        if last is not None and (last.dst, last.tensor, last.src, last.hi) == (p.dst, p.tensor, p.src, p.lo):
+            out[-1] = Transfer(dst=p.dst, tensor=p.tensor, lo=last.lo, hi=p.hi, src=p.src)
+        else:
+            out.append(p)
+    return out
+
+
+def _merge_missing(missing: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    out: dict[str, list[Range]] = defaultdict(list)
+    for tensor, a, b in missing:
+        out[tensor].append((a, b))
+    return [(t, a, b) for t in sorted(out) for a, b in _union(out[t])]
+
+
+def _union(ranges: Iterable[Range]) -> list[Range]:
+    out: list[Range] = []
+    for a, b in sorted(r for r in ranges if r[1] > r[0]):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _subtract(ranges: list[Range], minus: list[Range]) -> list[Range]:
+    out = []
+    for a, b in ranges:
+        cur = a
+        for x, y in minus:
+            if y <= cur or x >= b:
+                continue
+            if x > cur:
+                out.append((cur, x))
+            cur = max(cur, y)
+        if cur < b:
+            out.append((cur, b))
+    return out
