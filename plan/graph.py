@@ -5,7 +5,10 @@ a `Graph` with `Graph.from_dict`, which validates every field and raises `ValueE
 layer and field at fault. All quantities are per sample unless the name says otherwise:
 `forward_flops`, `backward_flops` (≈ 2× forward), `activation_bytes` (saved for backward) and
 `boundary_bytes` (the output tensor handed to the next layer, what a pipeline cut sends);
-`param_bytes` is per layer.
+`param_bytes` is per layer. A layer is a *unit*: one of the model's blocks (what FSDP2 shards and
+gathers as one, what a pipeline cut falls between) or the root unit `ROOT_UNIT`, everything outside
+them. `tensors` lists every parameter with its unit, so `plan.reshard` can say, torch-free, who holds
+which slice of which tensor under any layout.
 
 `Placement` and `TensorSpec` describe how one tensor lies on a device mesh (DTensor's vocabulary):
 `Replicate()`, `Shard(dim)` or `Partial()` per mesh dimension.
@@ -64,6 +67,63 @@ class TensorSpec:
             if isinstance(placement, Shard):
                 fraction /= size
         return fraction
+
+
+DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+               "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16, "float8_e4m3fn": 1,
+               "float8_e5m2": 1}
+ROOT_UNIT = "(root)"  # the unit of everything outside the model's blocks (no module path looks like this)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """One parameter of the model: its fully qualified name (`model.named_parameters()`), shape,
+    dtype (torch's name without "torch.") and the unit (layer) it belongs to."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: str
+    unit: str
+
+    def __post_init__(self) -> None:
+        if not self.fqn:
+            raise ValueError("tensor: 'fqn' must be a non-empty string")
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in self.shape):
+            raise ValueError(f"tensor {self.fqn!r}: shape must be integers >= 0, got {list(self.shape)}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"tensor {self.fqn!r}: unknown dtype {self.dtype!r}")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def rows(self) -> int:
+        """Its first dimension (what FSDP2 shards); 0 for a scalar."""
+        return self.shape[0] if self.shape else 0
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"fqn": self.fqn, "shape": list(self.shape), "dtype": self.dtype, "unit": self.unit}
+
+    @staticmethod
+    def from_dict(data: Any, index: int) -> TensorInfo:
+        where = f"tensor {index}"
+        if not isinstance(data, dict) or set(data) != {"fqn", "shape", "dtype", "unit"}:
+            raise ValueError(f"{where}: expected an object with fqn, shape, dtype and unit")
+        fqn, shape, dtype, unit = data["fqn"], data["shape"], data["dtype"], data["unit"]
+        if not isinstance(fqn, str) or not isinstance(dtype, str) or not isinstance(unit, str):
+            raise ValueError(f"{where}: fqn, dtype and unit must be strings")
+        if not isinstance(shape, list):
+            raise ValueError(f"{where} ({fqn!r}): shape must be a list of integers")
+        return TensorInfo(fqn=fqn, shape=tuple(shape), dtype=dtype, unit=unit)
 
 
 _NUMBER_FIELDS = ("forward_flops", "backward_flops", "param_bytes", "activation_bytes", "boundary_bytes")
@@ -151,12 +211,19 @@ class Graph:
 
     layers: tuple[Layer, ...]
     optimizer_state_bytes: int | None = None
+    tensors: tuple[TensorInfo, ...] = ()  # every parameter, in `named_parameters()` order (empty: unknown)
 
     def __post_init__(self) -> None:
         names = [layer.name for layer in self.layers]
         if len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})
             raise ValueError(f"graph: duplicate layer names {dup}")
+        fqns = [t.fqn for t in self.tensors]
+        if len(set(fqns)) != len(fqns):
+            raise ValueError(f"graph: duplicate tensor names {sorted({f for f in fqns if fqns.count(f) > 1})[:5]}")
+        orphans = sorted({t.unit for t in self.tensors} - set(names))
+        if orphans:
+            raise ValueError(f"graph: tensors name units that are not layers: {orphans[:5]}")
         if self.optimizer_state_bytes is not None and self.optimizer_state_bytes < 0:
             raise ValueError(f"graph: optimizer_state_bytes must be >= 0, got {self.optimizer_state_bytes}")
 
@@ -194,17 +261,22 @@ class Graph:
         """What moves to a device that joins: parameters and optimizer state."""
         return self.param_bytes + round(self.param_bytes * self.optimizer_state_factor)
 
+    def unit_tensors(self, unit: str) -> tuple[TensorInfo, ...]:
+        return tuple(t for t in self.tensors if t.unit == unit)
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"layers": [layer.to_dict() for layer in self.layers]}
         if self.optimizer_state_bytes is not None:
             out["optimizer_state_bytes"] = self.optimizer_state_bytes
+        if self.tensors:
+            out["tensors"] = [t.to_dict() for t in self.tensors]
         return out
 
     @staticmethod
     def from_dict(data: Any) -> Graph:
         if not isinstance(data, dict):
             raise ValueError(f"graph: expected an object, got {type(data).__name__}")
-        unknown = set(data) - {"layers", "optimizer_state_bytes"}
+        unknown = set(data) - {"layers", "optimizer_state_bytes", "tensors"}
         if unknown:
             raise ValueError(f"graph: unknown fields {sorted(unknown)}")
         layers = data.get("layers")
@@ -213,4 +285,8 @@ class Graph:
         opt = data.get("optimizer_state_bytes")
         if opt is not None and (isinstance(opt, bool) or not isinstance(opt, int) or opt < 0):
             raise ValueError(f"graph: 'optimizer_state_bytes' must be an integer >= 0, got {opt!r}")
-        return Graph(tuple(Layer.from_dict(item, i) for i, item in enumerate(layers)), opt)
+        tensors = data.get("tensors", [])
+        if not isinstance(tensors, list):
+            raise ValueError("graph: 'tensors' must be a list")
+        return Graph(tuple(Layer.from_dict(item, i) for i, item in enumerate(layers)), opt,
+                     tuple(TensorInfo.from_dict(item, i) for i, item in enumerate(tensors)))

@@ -24,9 +24,19 @@
 # write attention by hand (q @ k^T, mask, softmax, @ v) so that it is counted. Elementwise work
 # (softmax, norms, GELU) is never counted; the cost model calibrates per block kind for that.
 #
-# Blocks: an nn.Sequential gives its children. Any other model gives its direct children if
-# calling them in order reproduces the model's output shapes (checked on meta; a heuristic, it
-# cannot see e.g. a residual around the children), else the whole model is one layer.
+# Units (the layers of the graph): what FSDP2 shards and gathers as one, and where a pipeline may cut.
+# Found in this order:
+# 1. the job's own declaration (`Job.blocks`: module paths or class names);
+# 2. an nn.Sequential model: its children (a chain by construction);
+# 3. repeated blocks at any depth: in every nn.ModuleList / nn.Sequential, each run of two or more
+#    children of one class that hold parameters (the transformer layers of Hugging Face and
+#    torchvision models, however deep they sit), outermost first; everything else is the root unit;
+# 4. a model whose direct children, called in order, reproduce its output shapes (checked on meta;
+#    a heuristic: it cannot see e.g. a residual around the children): its children;
+# 5. else the whole model is one unit.
+# Each unit is measured alone on the input it received in one forward of the whole model (forward
+# pre-hooks capture it); the root unit is the whole model minus its units. Every parameter is
+# recorded with its fully qualified name, shape, dtype and unit (`Graph.tensors`).
 
 from __future__ import annotations
 
@@ -37,14 +47,14 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
-from plan.graph import Graph, Layer
+from plan.graph import ROOT_UNIT, Graph, Layer, TensorInfo
 from worker.job import Job, JobError
 
 __all__ = ["capture_graph"]
 
 
 def capture_graph(job: Job, *, sample_batch: int = 2) -> Graph:
-    """Capture `job`'s model as a chain of layers with per-sample costs (see the file comment)."""
+    """Capture `job`'s model as units with per-sample costs and its parameters (see the file comment)."""
     if sample_batch < 1:
         raise ValueError(f"sample_batch must be >= 1, got {sample_batch}")
     n = min(sample_batch, len(job.dataset))
@@ -56,12 +66,122 @@ def capture_graph(job: Job, *, sample_batch: int = 2) -> Graph:
     inputs = sample[0] if isinstance(sample, (tuple, list)) else sample
     x = _to_device(inputs, device)
 
-    blocks = _top_level_blocks(model, x)
+    units = find_units(model, x, job.blocks)
+    calls = _unit_inputs(model, units, x)
     layers: list[Layer] = []
-    for index, (name, block) in enumerate(blocks):
-        layer, x = _measure_block(name, block, x, n, grad_input=index > 0)
-        layers.append(layer)
-    return Graph(tuple(layers), optimizer_state_bytes=_optimizer_state_bytes(job, model))
+    for index, name in enumerate(sorted(units, key=lambda u: calls[u][0] if u in calls else len(calls))):
+        module = units[name]
+        if name in calls:
+            _, args, kwargs = calls[name]
+            layers.append(_measure_block(name, module, args, kwargs, n, grad_input=index > 0))
+        else:  # never called in a forward: it costs memory only
+            layers.append(Layer(name=name, kind=type(module).__name__, forward_flops=0.0, backward_flops=0.0,
+                                param_bytes=sum(_tensor_bytes(q) for q in module.parameters())))
+    if len(units) > 1 or next(iter(units.values())) is not model:
+        whole = _measure_block(ROOT_UNIT, model, (x,) if not isinstance(x, tuple) else x, {}, n, grad_input=False)
+        root = _remainder(whole, layers, type(model).__name__)
+        if root is not None:
+            layers.insert(0, root)
+    return Graph(tuple(layers), optimizer_state_bytes=_optimizer_state_bytes(job, model),
+                 tensors=_tensors(model, units))
+
+
+def find_units(model: nn.Module, x: Any, declared: tuple[str, ...] | None = None) -> dict[str, nn.Module]:
+    """The model's units by module path, in module order (see the file comment)."""
+    if declared:
+        found = _outermost([(n, m) for n, m in model.named_modules() if n and (n in declared or type(m).__name__ in declared)])
+        if not found:
+            raise JobError(f"Job.blocks names {list(declared)}, but no module of the model has that path or class "
+                           f"(its children: {', '.join(n for n, _ in model.named_children())})")
+        return dict(found)
+    children = list(model.named_children())
+    if isinstance(model, nn.Sequential) and children:
+        return dict(children)
+    repeated = _repeated_blocks(model)
+    if repeated:
+        return dict(repeated)
+    if children and _is_chain(model, children, x):
+        return dict(children)
+    return {type(model).__name__: model}
+
+
+def _repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    found: list[tuple[str, nn.Module]] = []
+    for path, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = list(module.named_children())
+        run: list[tuple[str, nn.Module]] = []
+        for name, child in [*children, ("", None)]:
+            if run and (child is None or type(child) is not type(run[0][1])):
+                if len(run) >= 2 and all(any(True for _ in c.parameters()) for _, c in run):
+                    found += [(f"{path}.{n}" if path else n, c) for n, c in run]
+                run = []
+            if child is not None:
+                run.append((name, child))
+    return _outermost(found)
+
+
+def _outermost(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """Drop every module that sits inside another one of the list."""
+    paths = [p for p, _ in modules]
+    return [(p, m) for p, m in modules if not any(p.startswith(q + ".") for q in paths if q != p)]
+
+
+def _is_chain(model: nn.Module, children: list[tuple[str, nn.Module]], x: Any) -> bool:
+    try:
+        with torch.no_grad():
+            expected = _signature(_call(model, x))
+            y = x
+            for _, child in children:
+                y = _call(child, y)
+            return _signature(y) == expected
+    except Exception:
+        return False
+
+
+def _unit_inputs(model: nn.Module, units: dict[str, nn.Module], x: Any) -> dict[str, tuple[int, tuple[Any, ...], dict[str, Any]]]:
+    """name -> (call order, args, kwargs) of each unit's first call in one forward of the model."""
+    calls: dict[str, tuple[int, tuple[Any, ...], dict[str, Any]]] = {}
+
+    def hook(name: str) -> Any:
+        def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if name not in calls:
+                detach = lambda t: t.detach() if isinstance(t, torch.Tensor) else t  # noqa: E731
+                calls[name] = (len(calls), tree_map(detach, args), tree_map(detach, kwargs))
+        return record
+
+    if len(units) == 1 and next(iter(units.values())) is model:
+        return {next(iter(units)): (0, x if isinstance(x, tuple) else (x,), {})}
+    handles = [m.register_forward_pre_hook(hook(n), with_kwargs=True) for n, m in units.items()]
+    try:
+        with torch.no_grad():
+            _call(model, x)
+    finally:
+        for h in handles:
+            h.remove()
+    return calls
+
+
+def _remainder(whole: Layer, layers: list[Layer], kind: str) -> Layer | None:
+    """The root unit: the whole model's costs minus its units' (None when nothing is left)."""
+    def rest(field: str) -> float:
+        return max(0.0, float(getattr(whole, field)) - sum(float(getattr(layer, field)) for layer in layers))
+
+    params = int(rest("param_bytes"))
+    forward, backward = rest("forward_flops"), rest("backward_flops")
+    if params == 0 and forward == 0:
+        return None
+    return Layer(name=ROOT_UNIT, kind=kind, forward_flops=forward, backward_flops=backward, param_bytes=params,
+                 activation_bytes=int(rest("activation_bytes")), boundary_bytes=whole.boundary_bytes)
+
+
+def _tensors(model: nn.Module, units: dict[str, nn.Module]) -> tuple[TensorInfo, ...]:
+    owner = {id(q): name for name, m in units.items() for q in m.parameters()}
+    whole = len(units) == 1 and next(iter(units.values())) is model
+    return tuple(TensorInfo(fqn=fqn, shape=tuple(q.shape), dtype=str(q.dtype).removeprefix("torch."),
+                            unit=owner.get(id(q), ROOT_UNIT) if not whole else next(iter(units)))
+                 for fqn, q in model.named_parameters())
 
 
 def _optimizer_state_bytes(job: Job, model: nn.Module) -> int | None:
@@ -107,33 +227,13 @@ def _signature(value: Any) -> list[tuple[tuple[int, ...], torch.dtype]]:
     return [(tuple(t.shape), t.dtype) for t in leaves if isinstance(t, torch.Tensor)]
 
 
-def _top_level_blocks(model: nn.Module, x: Any) -> list[tuple[str, nn.Module]]:
-    children = list(model.named_children())
-    if isinstance(model, nn.Sequential) and children:
-        return children
-    whole = [(type(model).__name__, model)]
-    if not children:
-        return whole
-    try:
-        with torch.no_grad():
-            expected = _signature(_call(model, x))
-            y = x
-            for _, child in children:
-                y = _call(child, y)
-            if _signature(y) == expected:
-                return children
-    except Exception:
-        pass
-    return whole
-
-
 def _tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
 def _measure_block(
-    name: str, block: nn.Module, x: Any, n: int, *, grad_input: bool
-) -> tuple[Layer, Any]:
+    name: str, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], n: int, *, grad_input: bool
+) -> Layer:
     def prepare(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
@@ -142,7 +242,7 @@ def _measure_block(
             t.requires_grad_(True)
         return t
 
-    x = tree_map(prepare, x)
+    args, kwargs = tree_map(prepare, args), tree_map(prepare, kwargs)
     params = [p for p in block.parameters() if p.requires_grad]
     param_bytes = sum(_tensor_bytes(p) for p in block.parameters())
     param_storages = {p.untyped_storage()._cdata for p in block.parameters()}
@@ -160,19 +260,19 @@ def _measure_block(
 
     forward = FlopCounterMode(display=False)
     with forward, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = _call(block, x)
+        out = block(*args, **kwargs)
 
     leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
     boundary = sum(_tensor_bytes(t) for t in leaves)
     differentiable = [t for t in leaves if t.requires_grad]
-    wrt = params + [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    wrt = params + [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
     backward = FlopCounterMode(display=False)
     if differentiable and wrt:
         loss = torch.stack([t.sum() for t in differentiable]).sum()
         with backward:
             torch.autograd.grad(loss, wrt, allow_unused=True)
 
-    layer = Layer(
+    return Layer(
         name=name,
         kind=type(block).__name__,
         forward_flops=forward.get_total_flops() / n,
@@ -181,5 +281,3 @@ def _measure_block(
         activation_bytes=round(sum(saved.values()) / n),
         boundary_bytes=round(boundary / n),
     )
-    next_x = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
-    return layer, next_x

@@ -92,6 +92,11 @@ class Job:
     eval_every: int | None = None
     """Evaluate after every this many steps (needs `eval_dataset`)."""
 
+    blocks: tuple[str, ...] | None = None
+    """The model's blocks, by module path (`"transformer.h.3"`) or class name (`"GPT2Block"`): the
+    units a sharded layout gathers one at a time and a pipeline cuts between. Default: found by
+    graph capture (an nn.Sequential's children, or repeated blocks of one class at any depth)."""
+
     def __post_init__(self) -> None:
         for name in ("model", "optimizer", "loss"):
             value = getattr(self, name)
@@ -126,6 +131,9 @@ class Job:
                 raise JobError("Job.eval_dataset must have __len__ and __getitem__(ids), like Job.dataset")
             if len(self.eval_dataset) == 0:
                 raise JobError("Job.eval_dataset is empty")
+        if self.blocks is not None and (isinstance(self.blocks, str) or not all(
+                isinstance(b, str) and b for b in self.blocks) or not self.blocks):
+            raise JobError(f"Job.blocks must be a tuple of module paths or class names, got {self.blocks!r:.80}")
         if self.lr_schedule is not None:
             if not callable(self.lr_schedule):
                 raise JobError(f"Job.lr_schedule must be a function of the step, got {type(self.lr_schedule).__name__}")

@@ -10,7 +10,7 @@ from torch import nn
 
 from plan.graph import Graph
 from worker.graph import capture_graph
-from worker.job import Job, load_job, resolve_job_ref
+from worker.job import Job, JobError, load_job, resolve_job_ref
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -138,3 +138,114 @@ def test_capture_of_the_10m_model_runs_on_meta() -> None:
     graph = capture_graph(job)
     assert graph.param_bytes == 4 * _num_params(job)
     assert graph.optimizer_state_bytes is not None and graph.optimizer_state_bytes >= 2 * graph.param_bytes
+
+
+# --- units at any depth, and every tensor ------------------------------------------------------------
+
+
+class _HFBlock(nn.Module):
+    """A transformer layer the way Hugging Face writes one: called with keyword arguments."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        y: torch.Tensor = hidden_states + self.fc(self.ln(hidden_states))
+        return y if attention_mask is None else y * attention_mask
+
+
+class _HFModel(nn.Module):
+    def __init__(self, d: int = 8, layers: int = 3) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(16, d)
+        self.h = nn.ModuleList(_HFBlock(d) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.wte(ids)
+        mask = torch.ones_like(x)
+        for block in self.h:
+            x = block(x, attention_mask=mask)
+        y: torch.Tensor = self.ln_f(x)
+        return y
+
+
+class _LMHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.transformer = _HFModel()
+        self.lm_head = nn.Linear(8, 16, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = self.lm_head(self.transformer(ids))
+        return y
+
+
+class _Wrapped(nn.Module):
+    """A user's one-line wrapper around a library model: the blocks sit three modules deep."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = _LMHead()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = self.gpt(ids)
+        return y
+
+
+class _Tokens:
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = (ids[:, None] + torch.arange(4)) % 16
+        return x, x
+
+
+def _job(model: type[nn.Module], **kw: object) -> Job:
+    return Job(model=model, optimizer=lambda p: torch.optim.AdamW(p), dataset=_Tokens(),
+               loss=lambda out, y: nn.functional.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="sum"),
+               global_batch=4, num_steps=1, **kw)  # type: ignore[arg-type]
+
+
+def test_repeated_blocks_deep_inside_a_wrapper_are_units_and_the_rest_is_the_root() -> None:
+    graph = capture_graph(_job(_Wrapped))
+    assert [layer.name for layer in graph.layers] == ["(root)", "gpt.transformer.h.0", "gpt.transformer.h.1",
+                                                      "gpt.transformer.h.2"]
+    assert [layer.kind for layer in graph.layers] == ["_Wrapped", "_HFBlock", "_HFBlock", "_HFBlock"]
+    torch.manual_seed(0)
+    model = _Wrapped()
+    assert graph.param_bytes == 4 * sum(p.numel() for p in model.parameters())
+    block = graph.layers[1]
+    assert block.param_bytes == 4 * sum(p.numel() for p in model.gpt.transformer.h[0].parameters())
+    assert block.forward_flops == pytest.approx(2 * 8 * 8 * 4, rel=0.01), "the block's Linear, per sample of 4 tokens"
+    assert graph.layers[0].forward_flops >= 2 * 8 * 16 * 4, "the root keeps the LM head"
+    assert [t.fqn for t in graph.tensors] == [n for n, _ in model.named_parameters()]
+    units = {t.fqn: t.unit for t in graph.tensors}
+    assert units["gpt.transformer.h.1.fc.weight"] == "gpt.transformer.h.1"
+    assert units["gpt.lm_head.weight"] == units["gpt.transformer.wte.weight"] == "(root)"
+    head = next(t for t in graph.tensors if t.fqn == "gpt.lm_head.weight")
+    assert (head.shape, head.dtype, head.rows, head.nbytes) == ((16, 8), "float32", 16, 16 * 8 * 4)
+    assert Graph.from_dict(graph.to_dict()) == graph
+
+
+def test_a_job_may_name_its_blocks_and_a_name_that_matches_nothing_is_a_clear_error() -> None:
+    graph = capture_graph(_job(_Wrapped, blocks=("_HFModel",)))
+    assert [layer.name for layer in graph.layers] == ["(root)", "gpt.transformer"]
+    by_path = capture_graph(_job(_Wrapped, blocks=("gpt.transformer.h.0", "gpt.transformer.h.2")))
+    assert [layer.name for layer in by_path.layers] == ["(root)", "gpt.transformer.h.0", "gpt.transformer.h.2"]
+    with pytest.raises(JobError, match=r"Job.blocks names \['Block'\], but no module"):
+        capture_graph(_job(_Wrapped, blocks=("Block",)))
+    with pytest.raises(JobError, match="Job.blocks must be a tuple"):
+        _job(_Wrapped, blocks="h")
+
+
+def test_the_examples_record_every_parameter_with_its_unit(gpt_job: Job) -> None:
+    graph = capture_graph(gpt_job)
+    torch.manual_seed(gpt_job.seed)
+    model = gpt_job.model()
+    assert [(t.fqn, t.shape) for t in graph.tensors] == [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    assert {t.unit for t in graph.tensors} <= {layer.name for layer in graph.layers}
+    assert all(t.unit == t.fqn.split(".")[0] for t in graph.tensors), "each child of the Sequential is a unit"
