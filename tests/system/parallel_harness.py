@@ -1,0 +1,152 @@
+"""A process of the sharded-state tests (tests/system/test_parallel.py): real gloo groups on loopback,
+one per epoch, formed over a TCPStore that process 0 serves; no coordinator. Each process walks the
+same list of epochs (members, layout); in each one it is in, it reshards its state to the epoch's
+layout (`plan.reshard` + `worker.parallel.slices.execute`), builds FSDP2 (or a plain model for a
+replicated layout) from it, trains the epoch's steps exactly (its slice of each global batch, summed
+losses over the global batch, summed gradients), and records the global loss of every step. It writes its
+losses to OUT/PROCESS.json, and what it holds after each reshard and at the end of each epoch to
+OUT/startE-PROCESS.pt and OUT/endE-PROCESS.pt (the test checks that a reshard changes no element).
+
+usage: python parallel_harness.py SCENARIO.json PROCESS OUT
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from plan.graph import Graph  # noqa: E402
+from plan.layout import Layout  # noqa: E402
+from plan.reshard import TensorShape, holdings, plan_reshard  # noqa: E402
+from worker.job import load_job, sample_ids  # noqa: E402
+from worker.parallel import mesh as meshes  # noqa: E402
+from worker.parallel.fsdp import Sharded, apply_fsdp, extract  # noqa: E402
+from worker.parallel.replicated import Replica, apply_replicated, extract_replicated  # noqa: E402
+from worker.parallel.slices import LocalState, execute, from_module  # noqa: E402
+
+
+def main() -> None:
+    scenario = json.loads(Path(sys.argv[1]).read_text())
+    me = sys.argv[2]
+    out = Path(sys.argv[3])
+    names = scenario["processes"]
+    job = load_job((ROOT / scenario["job"]).read_text(), scenario["job_name"], filename=scenario["job"])
+    graph = Graph.from_dict(json.loads(Path(scenario["graph"]).read_text()))
+    tensors = [TensorShape(t.fqn, t.rows, t.numel) for t in graph.tensors]
+    device = torch.device("cpu")
+    store = dist.TCPStore("127.0.0.1", scenario["port"], len(names), names.index(me) == 0, timedelta(seconds=60))  # type: ignore[attr-defined]
+
+    torch.manual_seed(job.seed)  # step 0: every process can build the seeded model
+    model0 = job.model()
+    local: LocalState | None = from_module(0, model0, job.optimizer(model0.parameters()))
+    del model0
+    old_layout: Layout | None = None  # the layout the holders hold (None: everyone holds everything)
+    holders = list(names)  # whose state is current: at step 0 every process's
+    losses: dict[int, float] = {}
+    reshard: list[dict[str, Any]] = []
+    for e, epoch in enumerate(scenario["epochs"], start=1):
+        layout = Layout.from_dict(epoch["layout"])
+        killed = set(epoch.get("killed", []))
+        holders = [n for n in holders if n not in killed]
+        members = list(layout.members)
+        # The reshard group: the new members, then holders that leave (they only send).
+        departing = [n for n in holders if n not in members] if old_layout is not None else []
+        group = members + departing
+        if me not in group:
+            local = None
+            holders, old_layout = members, layout
+            continue
+        rank = group.index(me)
+        prefixed = dist.PrefixStore(f"epoch{e}/", store)  # type: ignore[attr-defined]
+        raw = dist.ProcessGroupGloo(prefixed, rank, len(group), timedelta(seconds=60))
+        before = (holdings(old_layout, tensors) if old_layout is not None
+                  else {n: {t.name: [(0, t.numel)] for t in tensors} for n in holders})
+        before = {n: h for n, h in before.items() if n in holders and n in group}
+        after = holdings(layout, tensors)
+        plan = plan_reshard(before, after)
+        assert not plan.missing, plan.describe_missing()
+        t0 = time.perf_counter()
+        local, got = execute(plan, me, {n: i for i, n in enumerate(group)}, local if me in before else None,
+                             after.get(me, {}), [n for n in group if n in before], raw,
+                             lambda work, buf: work.wait(), device)
+        _dump(out / f"start{e}-{me}.pt", local)
+        reshard.append({"epoch": e, "received": got, "seconds": time.perf_counter() - t0,
+                        "sent": plan.sent.get(me, 0), "bytes": plan.bytes_moved({t.name: 12 for t in tensors})})
+        if me not in members:  # handed its slices over: gone
+            local = None
+            holders, old_layout = members, layout
+            continue
+        if departing:  # training runs on the members alone
+            prefixed = dist.PrefixStore(f"epoch{e}/train/", store)  # type: ignore[attr-defined]
+            raw = dist.ProcessGroupGloo(prefixed, members.index(me), len(members), timedelta(seconds=60))
+        rank = members.index(me)
+        pg = meshes.register(raw, prefixed, rank, len(members), e, device)
+        executor: Sharded | Replica
+        if layout.sharded:
+            executor = apply_fsdp(job, graph, layout, rank, meshes.mesh_of(pg, device), local, device)
+        else:
+            executor = apply_replicated(job, local, device)
+        step = local.step
+        for _ in range(epoch["steps"]):
+            losses[step] = _step(job, executor, layout, rank, step)
+            step += 1
+        local = (extract(executor, layout, rank, step) if isinstance(executor, Sharded)
+                 else extract_replicated(executor, step))
+        del executor
+        _dump(out / f"end{e}-{me}.pt", local)
+        meshes.forget(pg)
+        holders, old_layout = members, layout
+    digest = {fqn: [[p.lo, p.hi, _hash(p.data)] for p in pieces] for fqn, pieces in (local.pieces if local else {}).items()}
+    (out / f"{me}.json").write_text(json.dumps({"losses": losses, "reshard": reshard, "held": digest}))
+
+
+def _step(job: Any, sharded: Sharded | Replica, layout: Layout, rank: int, step: int) -> float:
+    G = job.global_batch
+    start, stop = layout.batch_slice(rank)
+    ids = sample_ids(job.seed, step, len(job.dataset), G)[start:stop]
+    sharded.optimizer.zero_grad()
+    loss = torch.zeros(())
+    if len(ids):
+        x, y = job.dataset[ids]
+        loss = job.loss(sharded.model(x), y)
+        (loss / G).backward()
+    else:  # an empty share still takes part in every collective of the step
+        x, y = job.dataset[torch.arange(1)]
+        (sharded.model(x).sum() * 0).backward()
+    if not layout.sharded and layout.world > 1:  # replicas: sum the gradients
+        for p in sharded.model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+    total = loss.detach().reshape(1).clone()
+    dist.all_reduce(total)
+    sharded.optimizer.step()
+    value: float = total.item() / G
+    return value
+
+
+def _dump(path: Path, local: LocalState) -> None:
+    torch.save({fqn: [(p.lo, p.hi, {k: v.clone() for k, v in p.data.items()}) for p in pieces]
+                for fqn, pieces in local.pieces.items()}, path)
+
+
+def _hash(data: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for key in sorted(data):
+        h.update(key.encode())
+        h.update(data[key].detach().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""The sharded executor: PyTorch's own FSDP2 (`fully_shard`) on the epoch's group.
+
+`apply_fsdp` builds the job's model on the meta device (no memory for the whole model), shards every
+unit of the captured graph (its blocks) and then the root on a DeviceMesh of the epoch's registered
+group (`worker.parallel.mesh`): 1-D over the members for pure sharding, 2-D (dp_replicate, dp_shard)
+for HSDP. Then it materialises only this member's shards (`to_empty`) and fills them, and the
+optimizer's state (DTensors with the parameters' placements), from the member's `LocalState`:
+exactly the slices `Layout.slice_of` gives it, which the reshard brought. `extract` gives the state
+back as a LocalState for the next epoch's reshard.
+
+Mathematics (DESIGN.md, measured): gradients are *summed* across members
+(`set_force_sum_reduction_for_comms(True)`, divide factor 1: gloo has no PREMUL_SUM), each member's
+loss is its slice's summed loss over the global batch, as in the replicated executor, so a step is
+the full-batch gradient however the batch and the state are split. Optimizer state is sharded with
+the parameters (DTensor); a job may ask for bf16 compute (`MixedPrecisionPolicy`, fp32 reduce).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from plan.graph import ROOT_UNIT, Graph
+from plan.layout import Layout
+from worker.job import Job
+from worker.parallel.slices import PARAM, LocalState, Piece
+
+__all__ = ["Sharded", "apply_fsdp", "extract"]
+
+
+@dataclass(slots=True)
+class Sharded:
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    mesh: DeviceMesh
+
+
+def apply_fsdp(job: Job, graph: Graph, layout: Layout, rank: int, mesh: DeviceMesh, local: LocalState,
+               device: torch.device, *, mp_policy: MixedPrecisionPolicy | None = None) -> Sharded:
+    """The job's model, sharded over `mesh` and loaded with this member's slices of `local`."""
+    with torch.device("meta"):
+        torch.manual_seed(job.seed)
+        model = job.model()
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    for unit in graph.layers:
+        if unit.name != ROOT_UNIT and unit.param_bytes > 0:
+            fully_shard(model.get_submodule(unit.name), **kwargs)
+    fully_shard(model, **kwargs)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):  # exact sums on gloo (no PREMUL_SUM)
+            module.set_force_sum_reduction_for_comms(True)
+            module.set_gradient_divide_factor(1.0)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for fqn, p in model.named_parameters():
+            lo, hi = _range(layout, rank, p)
+            shard = _local(p)
+            if hi > lo:
+                shard.view(-1).copy_(local.read(fqn, PARAM, lo, hi))
+        for name, buf in model.named_buffers():
+            if name in local.buffers:
+                buf.copy_(local.buffers[name])
+    optimizer = job.optimizer(model.parameters())
+    _load_optimizer(optimizer, model, layout, rank, local)
+    return Sharded(model=model, optimizer=optimizer, mesh=mesh)
+
+
+def extract(sharded: Sharded, layout: Layout, rank: int, step: int) -> LocalState:
+    """This member's slices of the model and optimizer as a LocalState (views, not copies)."""
+    model, optimizer = sharded.model, sharded.optimizer
+    local = LocalState(step=step, keys={})
+    by_param = {id(p): n for n, p in model.named_parameters()}
+    opt_state = {by_param[id(p)]: s for p, s in optimizer.state.items() if id(p) in by_param}
+    for fqn, p in model.named_parameters():
+        lo, hi = _range(layout, rank, p)
+        data = {PARAM: _local(p).detach().reshape(-1)}
+        scalars: dict[str, Any] = {}
+        for key, value in opt_state.get(fqn, {}).items():
+            if isinstance(value, DTensor):
+                data[key] = value.to_local().detach().reshape(-1)
+            else:
+                scalars[key] = value
+        local.pieces[fqn] = [Piece(lo, hi, data)] if hi > lo else []
+        local.keys[fqn] = tuple(data)
+        local.dtypes[fqn] = {k: str(v.dtype).removeprefix("torch.") for k, v in data.items()}
+        local.scalars[fqn] = scalars
+    local.hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    local.buffers = {n: b.detach() for n, b in model.named_buffers()}
+    return local
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def _range(layout: Layout, rank: int, p: torch.Tensor) -> tuple[int, int]:
+    rows = p.shape[0] if p.dim() else 0
+    return layout.slice_of(rank, rows, p.numel())
+
+
+def _load_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, layout: Layout, rank: int,
+                    local: LocalState) -> None:
+    """Hyper-parameters and per-parameter state from `local` (a fresh job starts with none)."""
+    for group, hyper in zip(optimizer.param_groups, local.hyper):
+        group.update(hyper)
+    for fqn, p in model.named_parameters():
+        keys = [k for k in local.keys.get(fqn, ()) if k != PARAM]
+        if not keys and not local.scalars.get(fqn):
+            continue
+        lo, hi = _range(layout, rank, p)
+        shard = _local(p)
+        state: dict[str, Any] = {}
+        for key in keys:
+            values = (local.read(fqn, key, lo, hi) if hi > lo
+                      else torch.empty(0, dtype=local.dtype(fqn, key), device=shard.device))
+            values = values.to(shard.device).clone().view(shard.shape)
+            if isinstance(p, DTensor):
+                state[key] = DTensor.from_local(values, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
+                                                run_check=False)
+            else:
+                state[key] = values
+        for key, value in local.scalars.get(fqn, {}).items():
+            state[key] = value.clone() if isinstance(value, torch.Tensor) else value
+        optimizer.state[p] = state
