@@ -16,6 +16,7 @@ import trio
 
 from coordinator.daemon import CoordinatorConfig, serve
 from coordinator.jobinfo import JobRefused, inspect_job
+from plan.layout import LayoutError, parse_pin
 from transport.security import KEYS_ENV, KeysError, generate_keys, keys_dir, load_server_keys
 
 EPILOG = """\
@@ -84,6 +85,11 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
     p.add_argument("--horizon", type=int, default=200, metavar="STEPS",
                    help="steps over which a re-plan's one-off cost (new group, state moved) is amortised "
                         "when deciding whether a new plan pays off (default 200, or the steps left)")
+    p.add_argument("--layout", metavar="dp=R,fsdp=S",
+                   help="pin the layout's degrees: dp = replicas (dp_replicate), fsdp = members that shard the "
+                        "state between them (dp_shard, FSDP2); an omitted one is planned. E.g. --layout dp=1 shards "
+                        "over every member, --layout fsdp=2 pairs members into shards of 2, replicated. Default: "
+                        "replicated (the planner's choice of sharding comes with its memory model)")
     p.add_argument("--keys", metavar="DIR",
                    help=f"CURVE keys written by `coordinator keygen DIR` (default: ${KEYS_ENV})")
     p.add_argument("--insecure", action="store_true",
@@ -112,6 +118,16 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
         p.error("--max-joining must be at least 1")
     if a.metrics_port is not None and not 0 <= a.metrics_port <= 65535:
         p.error(f"--metrics-port wants a port number from 0 (a free one) to 65535, got {a.metrics_port}")
+    layout = None
+    if a.layout is not None:
+        try:
+            layout = parse_pin(a.layout)
+        except LayoutError as e:
+            p.error(str(e))
+        if layout.members is not None and a.max_workers is not None and layout.members > a.max_workers:
+            p.error(f"--layout {a.layout} needs {layout.members} members, but --max-workers is {a.max_workers}")
+        if layout.members is not None and a.min_workers < layout.members:
+            a.min_workers = layout.members  # nothing can train before the pinned layout is complete
     directory = keys_dir(a.keys)
     if a.insecure and a.keys is not None:
         p.error("--insecure and --keys contradict each other: choose one")
@@ -136,6 +152,7 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
                             max_workers=a.max_workers, lease_s=a.lease, heartbeat_s=a.heartbeat,
                             stop_grace_s=a.stop_grace, quiet=a.quiet, planner=a.planner,
                             solve_time_limit_s=a.solve_time_limit, horizon_steps=a.horizon, stability=a.stability,
+                            layout=layout,
                             solver=a.solver, metrics_port=a.metrics_port, metrics_host=metrics_host(a.bind))
     return cfg, a.job
 

@@ -51,6 +51,7 @@ from coordinator.jobinfo import JobInfo
 from coordinator.metrics import Metrics, MetricsServer, serve_metrics
 from coordinator.store import RendezvousStore
 from plan.graph import Graph
+from plan.layout import LayoutPin
 from transport import (
     ERR_BAD_REQUEST,
     ERR_BUSY,
@@ -73,6 +74,7 @@ from transport import (
     Message,
     Ready,
     Saved,
+    StateLost,
     StepReport,
     StoreRequest,
     Received,
@@ -91,7 +93,7 @@ from transport.security import (
     may_work,
 )
 
-AGENT_MESSAGES = (Join, Ready, GraphUpload, Heartbeat, StepReport, Ack, Leave, Saved, EvalReport)
+AGENT_MESSAGES = (Join, Ready, GraphUpload, Heartbeat, StepReport, Ack, Leave, Saved, EvalReport, StateLost)
 FRAMES_IN_FLIGHT = 1024  # decoded frames waiting for the core, at most
 MAX_CONTROL_BYTES = 64 * 1024  # a control request is a command and a few words
 _ERROR_CODES = {"name": ERR_NAME_TAKEN, "stale": ERR_STALE_EPOCH, "busy": ERR_BUSY, "version": ERR_PROTOCOL,
@@ -117,6 +119,7 @@ class CoordinatorConfig:
     solver: str = "auto"
     horizon_steps: int = 200
     stability: str = "calm"
+    layout: LayoutPin | None = None  # --layout
     metrics_port: int | None = None  # None: no metrics endpoint; 0: a free port
     metrics_host: str = "127.0.0.1"
 
@@ -165,7 +168,7 @@ class Core:
         self.config = m.Config(global_batch=job.global_batch, num_steps=job.num_steps, lease_s=cfg.lease_s,
                                min_workers=cfg.min_workers, max_workers=cfg.max_workers, planner=cfg.planner,
                                solve_time_limit_s=cfg.solve_time_limit_s, horizon_steps=cfg.horizon_steps,
-                               stability=cfg.stability,
+                               stability=cfg.stability, layout=cfg.layout,
                                solver=cfg.solver)
         self.state = m.State()
         self.store = RendezvousStore()
@@ -247,6 +250,8 @@ class Core:
                 self.apply(m.ModelSaved(msg))
             case EvalReport():
                 self.apply(m.Evaluated(msg))
+            case StateLost():
+                self.apply(m.StateLostReported(msg))
 
     @property
     def graph(self) -> Graph | None:

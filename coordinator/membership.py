@@ -49,6 +49,7 @@ from coordinator.state import (
     SlowdownRequested,
     State,
     StepDone,
+    StateLostReported,
     StopRequested,
     Tick,
     Welcome,
@@ -60,7 +61,8 @@ from transport import (ERR_NAME_TAKEN, ERR_STALE_EPOCH, Abort, Ack, Error, Join,
 
 __all__ = ["Acked", "Config", "DrainRequested", "Effect", "Evaluated", "Event", "Finished", "FollowUp",
            "GraphReceived", "Joined", "Left", "Log", "Lost", "MadeReady", "ModelSaved", "Planned", "ReplanDue",
-           "Result", "SaveRequested", "Seen", "Send", "SlowdownRequested", "State", "StepDone", "StopRequested",
+           "Result", "SaveRequested", "Seen", "Send", "SlowdownRequested", "State", "StateLostReported", "StepDone",
+           "StopRequested",
            "Tick", "Welcome", "Worker", "apply", "replan"]
 
 
@@ -131,6 +133,14 @@ def apply(state: State, event: Event, config: Config, *, now: float) -> Result:
                            Log("save_requested", {"path": path, "worker": writer})]
         case ReplanDue(reason, abort):
             return replan(state, config, reason, abort=abort, now=now)
+        case StateLostReported(msg):
+            if state.stopping:
+                return state, []  # said already (every member that found it says it)
+            detail = f"the training state is lost: {msg.detail}"
+            state = replace(state, stopping=True)
+            effects = [Log("state_lost", {"epoch": msg.epoch, "worker": msg.name, "detail": msg.detail})]
+            effects += [Send(n, Stop(reason=detail)) for n in state.workers]
+            return state, effects + _maybe_finished(state)
         case StopRequested(reason):
             state = replace(state, stopping=True)
             effects = [Send(n, Stop(reason=reason)) for n in state.workers]

@@ -70,12 +70,17 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
     limits = PlanLimits(global_batch=config.global_batch, max_workers=config.max_workers,
                         time_limit_s=config.solve_time_limit_s, policy=config.planner, engine=config.solver,
                         horizon_steps=horizon)
-    result = make_plan(cluster, state.graph, state.plan, limits=limits, holders=holders)
+    result = make_plan(cluster, state.graph, state.plan, limits=limits, holders=holders, pin=config.layout)
     if result.plan is None:
         return _nothing_fits(state, result, holders, reason, abort=abort)
     new = result.plan
     handoff = None
-    if holders and not set(holders) & set(new.members):
+    # A sharded state: every holder that leaves (alive, planned out) sends its slices in the new
+    # epoch's group, then goes. A replicated one: any holder has it all; one stays to hand it over
+    # only when none would stay.
+    sharded = state.plan is not None and state.plan.dp_shard > 1
+    senders = [n for n in holders if n not in new.members] if sharded else []
+    if not sharded and holders and not set(holders) & set(new.members):
         # No state holder stays: keep one leaving holder for one epoch with no samples, so that it
         # hands its state to the newcomers inside the new group; the next plan lets it go.
         handoff = holders[0]
@@ -102,7 +107,7 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
         result = replace(result, reason=f"{result.reason}; changed: {'; '.join(state.changed)}")
     epoch = state.epoch + 1
     delta = PlanDelta(epoch=epoch, reason=reason, layout=MeshLayout(**new.layout.to_dict()),
-                      global_batch=config.global_batch, abort=abort)
+                      global_batch=config.global_batch, abort=abort, senders=senders)
     old = set(state.plan.members) if state.plan else set()
     recipients = sorted((old | set(new.members)) & set(state.workers))
     workers = {n: replace(w, nudged_at=now) if n in recipients else w for n, w in state.workers.items()}

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.steps import Tracker
-from plan import Cluster, Graph, Plan, PlanResult
-from transport import Ack, EvalReport, Join, Message, PlanDelta, Saved, StepReport
+from plan import Cluster, Graph, LayoutPin, Plan, PlanResult
+from transport import Ack, EvalReport, Join, Message, PlanDelta, Saved, StateLost, StepReport
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -28,6 +28,7 @@ class Config:
     solver: str = "auto"  # the class-level engine: "auto", "search" or "milp"
     horizon_steps: int = 200  # a switch's one-off cost is spread over this many steps (or what is left)
     stability: str = "calm"  # "calm": contention model, change points, re-plans that pay; "legacy": before (#9)
+    layout: LayoutPin | None = None  # degrees pinned by --layout (None: the planner chooses)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -186,6 +187,13 @@ class StopRequested:
 
 
 @dataclass(frozen=True, slots=True)
+class StateLostReported:
+    """A member found slices of the training state that nobody holds (`transport.StateLost`)."""
+
+    msg: StateLost
+
+
+@dataclass(frozen=True, slots=True)
 class ReplanDue:
     """Re-plan now (a `FollowUp` of a failure, so that `Abort` goes out before the solve)."""
 
@@ -194,7 +202,8 @@ class ReplanDue:
 
 
 Event = (Joined | MadeReady | GraphReceived | Seen | StepDone | Acked | Left | Lost | Tick | DrainRequested
-         | SlowdownRequested | StopRequested | ReplanDue | ModelSaved | SaveRequested | Evaluated)
+         | SlowdownRequested | StopRequested | ReplanDue | ModelSaved | SaveRequested | Evaluated
+         | StateLostReported)
 
 
 # --- effects ---------------------------------------------------------------------------------

@@ -28,11 +28,12 @@ The `even` policy (benchmarks' baseline) splits the batch evenly over every usab
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from plan.cluster import Cluster
 from plan.cost import max_micro_batch, static_bytes
 from plan.graph import Graph
+from plan.layout import LayoutPin
 from plan.milp import ENGINES, DeviceClass, DpCosts, map_to_devices, solve_dp
 from plan.prediction import MemberCost, Plan, predict
 from plan.shares import assign, split_shares
@@ -151,9 +152,51 @@ def score_members(cluster: Cluster, graph: Graph, previous: Plan | None, members
 
 
 def make_plan(cluster: Cluster, graph: Graph | None, previous: Plan | None, *, limits: PlanLimits,
-              holders: Collection[str] | None = None) -> PlanResult:
+              holders: Collection[str] | None = None, pin: LayoutPin | None = None) -> PlanResult:
     """The best plan for `cluster` (see the module comment). `holders`: the devices that hold the
-    training state (moving it elsewhere costs); default the previous plan's members."""
+    training state (moving it elsewhere costs); default the previous plan's members. `pin`: layout
+    degrees the operator fixed (`--layout`); the members are then cut to a number they divide."""
+    result = _make_plan(cluster, graph, previous, limits=limits, holders=holders)
+    if pin is None or result.plan is None:
+        return result
+    return _pinned(cluster, graph, result, pin, limits)
+
+
+def _pinned(cluster: Cluster, graph: Graph | None, result: PlanResult, pin: LayoutPin, limits: PlanLimits) -> PlanResult:
+    """`result` cut to the pinned degrees: the fastest members that fill replicas × shards, their
+    shares re-balanced (a sharded member may have none: it still holds its shard)."""
+    assert result.plan is not None
+    members = list(result.plan.members)
+    n = len(members)
+    replicas, shards = pin.dp_replicate, pin.dp_shard
+    if replicas is not None and shards is not None:
+        size = replicas * shards
+    elif replicas is not None:
+        size = replicas * (n // replicas)
+    elif shards is not None:
+        size = shards * (n // shards)
+    else:
+        size = n
+    if size < 1 or size > n:
+        return PlanResult(plan=None, status="infeasible",
+                          reason=f"--layout {pin.describe()} needs {max(size, replicas or shards or 1)} members; "
+                                 f"{n} can train now")
+    speeds = cluster.speeds_for(graph.train_flops if graph else 0.0)
+    kept = sorted(members, key=lambda m: (-speeds[m], members.index(m)))[:size]
+    kept = [m for m in members if m in kept]  # rank order stays
+    d = cluster.devices
+    shares = assign([speeds[m] for m in kept], [d[m].overhead_s for m in kept], [float(limits.global_batch)] * len(kept),
+                    limits.global_batch) or split_shares(limits.global_batch, [speeds[m] for m in kept])
+    dp_shard = shards if shards is not None else size // (replicas or size)
+    plan = replace(predict(cluster, graph, kept, shares), dp_shard=dp_shard)
+    cut = tuple(m for m in members if m not in kept)
+    why = f"{result.reason}; layout pinned by --layout {pin.describe()}: {plan.layout.describe()}"
+    return replace(result, plan=plan, reason=why, standby=result.standby + cut,
+                   standby_why=result.standby_why + ("not in the pinned layout",) * len(cut))
+
+
+def _make_plan(cluster: Cluster, graph: Graph | None, previous: Plan | None, *, limits: PlanLimits,
+               holders: Collection[str] | None = None) -> PlanResult:
     if not cluster.devices:
         return PlanResult(plan=None, status="infeasible", reason="no ready devices")
     if graph is None:

@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-PROTOCOL_VERSION = 8  # 8: PlanDelta.layout (MeshLayout); 2: StepReport.comm_s, Slowdown; 3: Join.cores; 4: StepReport.lr, grad_norm; 5: Saved, Welcome.final_dir; 6: SaveModel, Saved.final; 7: EvalReport
+PROTOCOL_VERSION = 8  # 8: PlanDelta.layout (MeshLayout), PlanDelta.senders, StateLost; 2: StepReport.comm_s, Slowdown; 3: Join.cores; 4: StepReport.lr, grad_norm; 5: Saved, Welcome.final_dir; 6: SaveModel, Saved.final; 7: EvalReport
 
 # Error codes carried by `Error.code`.
 ERR_DECODE = "decode"  # the frame could not be decoded or failed validation
@@ -211,6 +211,21 @@ class Saved:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class StateLost:
+    """Worker -> coordinator: entering `epoch`, the members found slices of the training state that
+    none of them holds (`detail` names them: a sharded layout lost a slice and its copy). Nothing
+    trains on made-up state: the coordinator stops the job and logs a `state_lost` event."""
+
+    name: str
+    epoch: int
+    detail: str
+
+    def __post_init__(self) -> None:
+        check_name(self.name)
+        _check_counts(self, "epoch")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Leave:
     """Worker -> coordinator: the worker leaves on purpose.
 
@@ -277,6 +292,9 @@ class PlanDelta:
     in data-parallel slot order, one share per slot summing to `global_batch`). A worker whose name
     is not among the members leaves at the switch.
 
+    `senders`: workers that leave but hold slices of a sharded state nobody else has; they join
+    the epoch's group (ranks after the members) only to send them, then leave.
+
     `abort` false (a planned change: join, drain): the workers switch at a step boundary that they
     agree on through the data plane. `abort` true (a failure): in-flight work of older epochs is
     abandoned at once and the new group is formed; survivors reconcile to the most advanced step.
@@ -287,6 +305,7 @@ class PlanDelta:
     layout: MeshLayout
     global_batch: int
     abort: bool
+    senders: list[str] = field(default_factory=list)  # leaving holders: in the epoch's group to hand over their slices
 
     @property
     def members(self) -> list[str]:
@@ -407,6 +426,7 @@ class ControlReply:
 NESTED_TYPES: tuple[type, ...] = (MeshLayout,)  # records that travel inside messages
 
 MESSAGE_TYPES: tuple[type, ...] = (
+    StateLost,
     EvalReport,
     Saved,
     Join,
@@ -430,7 +450,8 @@ MESSAGE_TYPES: tuple[type, ...] = (
 )
 
 Message = (
-    EvalReport
+    StateLost
+    | EvalReport
     | Saved
     | Join
     | Ready

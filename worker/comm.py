@@ -31,7 +31,7 @@ class Superseded(Exception):
 
 
 def form_group(store: Any, epoch: int, rank: int, world: int, device: torch.device, *,
-               timeout_s: float, superseded: Callable[[], bool]) -> Any:
+               timeout_s: float, superseded: Callable[[], bool], part: str = "") -> Any:
     """Build the epoch's group in a helper thread, so a peer that hangs mid-handshake cannot hold
     the trainer: on `superseded` the thread is left to fail on its own (the store call it is
     blocked in raises once the store sees the abort)."""
@@ -39,7 +39,7 @@ def form_group(store: Any, epoch: int, rank: int, world: int, device: torch.devi
 
     def build() -> None:
         try:
-            prefixed = dist.PrefixStore(f"epoch{epoch}/", store)  # type: ignore[attr-defined]
+            prefixed = dist.PrefixStore(f"epoch{epoch}/{part}", store)  # type: ignore[attr-defined]
             timeout = timedelta(seconds=timeout_s)
             if device.type == "cuda":
                 options = dist.ProcessGroupNCCL.Options()

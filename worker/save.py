@@ -11,15 +11,21 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
 
 def save_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> int:
     """Write the model's and the optimizer's state into `directory`; the bytes written."""
+    return save_state(model.state_dict(), optimizer.state_dict(), directory)
+
+
+def save_state(model_state: dict[str, Any], optimizer_state: dict[str, Any], directory: Path) -> int:
+    """Write the two state dicts (e.g. gathered from shards) into `directory`; the bytes written."""
     directory.mkdir(parents=True, exist_ok=True)
     written = 0
-    for name, state in (("model.pt", model.state_dict()), ("optimizer.pt", optimizer.state_dict())):
+    for name, state in (("model.pt", model_state), ("optimizer.pt", optimizer_state)):
         final = directory / name
         tmp = directory / f".{name}.{os.getpid()}.tmp"
         try:

@@ -27,14 +27,22 @@ from typing import Any
 
 import torch
 
+import torch.distributed as dist
+
+from plan.layout import Layout
+from plan.reshard import TensorShape
 from plan.shares import split_shares
-from transport import Ack, EvalReport, Leave, PlanDelta, Saved, StepReport
+from transport import Ack, EvalReport, Leave, PlanDelta, Saved, StateLost, StepReport
 from transport.security import ClientKeys
-from worker import comm, state
+from worker import comm, epoch, state
 from worker.agent import Agent
 from worker.comm import Superseded
 from worker.job import Job, sample_ids, share_slice
-from worker.save import save_model
+from worker.parallel import mesh as meshes
+from worker.parallel.fsdp import Sharded, apply_fsdp, extract
+from worker.parallel.replicated import apply_replicated
+from worker.parallel.slices import LocalState, from_module
+from worker.save import save_model, save_state
 from worker.store import CoordinatorStore
 
 RETRY_S = 0.5  # pause before forming an epoch's group again after a failed rendezvous
@@ -49,6 +57,7 @@ class Group:
     rank: int
     members: list[str]
     shares: list[int]
+    layout: Layout
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,6 +88,12 @@ class Trainer:
         self.leave_reason: str | None = None  # set on SIGTERM
         self.epoch_tried = 0  # the newest epoch this worker entered or tried to enter
         self.final_writer = False  # rank 0 of the group that committed the last step: it writes the model
+        # Sharded layouts (worker.parallel): the FSDP2 executor of the current sharded epoch, with the
+        # layout and rank it was built for, and its group as registered with c10d.
+        self.sharded: Sharded | None = None
+        self.sharded_at: tuple[Layout, int] | None = None
+        self.registered: dist.ProcessGroup | None = None
+        self._units: list[str] | None = None
 
     def _build(self) -> None:
         """The model and optimizer as at step 0, identical on every worker (seeded)."""
@@ -89,6 +104,7 @@ class Trainer:
         # so each step sets every group's lr from its base again (exact under churn).
         self.base_lrs = [float(group["lr"]) for group in self.optimizer.param_groups]
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.tensors = [TensorShape(n, p.shape[0] if p.dim() else 0, p.numel()) for n, p in self.model.named_parameters()]
         self.step = 0  # optimizer steps applied
 
     # --- the loop ------------------------------------------------------------------------------
@@ -101,7 +117,7 @@ class Trainer:
                 self._log("fenced: dropping local state, will take the survivors'")
                 group, self.stale = None, True
             if self.step >= self.job.num_steps:
-                if self.final_writer and self.config.final_dir:
+                if self.final_writer and self.config.final_dir and self.sharded is None:
                     self._save(self.config.final_dir, final=True)
                 return self._leave("finished")
             stop = self.agent.stop_reason()
@@ -123,7 +139,10 @@ class Trainer:
             self.epoch_tried = delta.epoch
             if self.name in delta.members:
                 group = self._enter(delta)
-            elif self.leave_reason is not None:
+                continue
+            if self.name in delta.senders:
+                self._enter(delta)  # hand the slices over, then go as planned
+            if self.leave_reason is not None:
                 return self._leave(self.leave_reason)
             else:
                 self._standby(delta)
@@ -159,18 +178,41 @@ class Trainer:
     # --- epochs --------------------------------------------------------------------------------
 
     def _enter(self, delta: PlanDelta) -> Group | None:
-        """Form the epoch's group and bring every member to one consistent step."""
+        """Form the epoch's group and bring every member to one consistent step. A sender (a leaving
+        holder of sharded state) takes part in the reshard only, and gets None."""
         t0 = time.perf_counter()
-        rank, world = delta.members.index(self.name), len(delta.members)
+        senders = [n for n in delta.senders if n not in delta.members]
+        ranks = [*delta.members, *senders]
+        rank, world = ranks.index(self.name), len(ranks)
         store = CoordinatorStore(self.endpoint, is_aborted=lambda: self.agent.superseded(delta.epoch),
                                  timeout_s=self.config.group_timeout_s, keys=self.config.keys)
+        superseded = lambda: self.agent.superseded(delta.epoch)  # noqa: E731
         try:
             pg = comm.form_group(store, delta.epoch, rank, world, self.device,
-                                 timeout_s=self.config.group_timeout_s,
-                                 superseded=lambda: self.agent.superseded(delta.epoch))
-            group = Group(epoch=delta.epoch, pg=pg, store=store, rank=rank, members=list(delta.members),
-                          shares=list(delta.shares))
-            received = self._reconcile(group)
+                                 timeout_s=self.config.group_timeout_s, superseded=superseded)
+            layout = Layout.from_dict(dataclasses.asdict(delta.layout))
+            group = Group(epoch=delta.epoch, pg=pg, store=store, rank=rank, members=ranks,
+                          shares=list(delta.shares), layout=layout)
+            if layout.sharded or self.sharded is not None or senders:
+                # Any epoch with sharded state on either side goes through the slice reshard.
+                local, received = self._reshard(group)
+                if self.name not in delta.members:
+                    self._drop_state()
+                    self._log(f"epoch {delta.epoch}: handed over my slices ({local.nbytes()} bytes kept)")
+                    return None
+                if senders:  # the senders are done: the members train in a group of their own
+                    pg = comm.form_group(store, delta.epoch, rank, len(delta.members), self.device,
+                                         timeout_s=self.config.group_timeout_s, superseded=superseded, part="train/")
+                    group = Group(epoch=delta.epoch, pg=pg, store=store, rank=rank, members=list(delta.members),
+                                  shares=list(delta.shares), layout=layout)
+                self._build_executor(group, local)
+            else:  # replicated to replicated keeps the model and sends whole states (the fast path)
+                received = self._reconcile(group)
+        except epoch.StateLost as e:
+            self._log(f"epoch {delta.epoch}: the training state is lost: {e}")
+            self.agent.send(StateLost(name=self.name, epoch=delta.epoch, detail=str(e)[:1000]))
+            self._drop_state()
+            return None
         except Superseded:
             self._log(f"epoch {delta.epoch} superseded while forming")
             return None
@@ -229,6 +271,59 @@ class Trainer:
             return int(size.item()) + sum(b.numel() * b.element_size() for b in buffers)
         return 0
 
+    def _reshard(self, g: Group) -> tuple[LocalState, int]:
+        """Bring this member to exactly its slices of the new layout (`worker.epoch`); the new state
+        and the bytes received."""
+        local = None if self.stale else self._local_state()
+        new, received, _ = epoch.enter(g.layout, self.tensors, self.name, g.members, local, g.pg,
+                                       lambda work, buf: self._wait(g, work, buf), self.device, self._seed_state)
+        self.step, self.stale = new.step, False
+        return new, received
+
+    def _build_executor(self, g: Group, local: LocalState) -> None:
+        """The layout's executor from this member's slices: FSDP2 on the group for a sharded layout,
+        a plain replica otherwise."""
+        meshes.forget(self.registered)
+        self.registered, self.sharded, self.sharded_at = None, None, None
+        if g.layout.sharded:
+            prefixed = dist.PrefixStore(f"epoch{g.epoch}/", g.store)  # type: ignore[attr-defined]
+            self.registered = meshes.register(g.pg, prefixed, g.rank, len(g.members), g.epoch, self.device)
+            self.sharded = apply_fsdp(self.job, self.units(), g.layout, g.rank,
+                                      meshes.mesh_of(self.registered, self.device, g.epoch), local, self.device)
+            self.sharded_at = (g.layout, g.rank)
+            self.model, self.optimizer = self.sharded.model, self.sharded.optimizer
+        else:
+            replica = apply_replicated(self.job, local, self.device)
+            self.model, self.optimizer = replica.model, replica.optimizer
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.numel = sum(p.numel() for p in self.params)
+
+    def _drop_state(self) -> None:
+        """This member holds nothing current any more (it handed its slices over, or they are lost)."""
+        meshes.forget(self.registered)
+        self.registered, self.sharded, self.sharded_at = None, None, None
+        self.stale = True
+
+    def _local_state(self) -> LocalState:
+        """What this member holds now, as slices (views of the executor's tensors)."""
+        if self.sharded is not None and self.sharded_at is not None:
+            layout, rank = self.sharded_at
+            return extract(self.sharded, layout, rank, self.step)
+        return from_module(self.step, self.model, self.optimizer)
+
+    def _seed_state(self) -> LocalState:
+        """The state of step 0, seeded: the same on every worker."""
+        self._build()
+        return from_module(0, self.model, self.optimizer)
+
+    def units(self) -> list[str]:
+        """The model's units (its blocks) as graph capture finds them, for FSDP2's wrapping."""
+        if self._units is None:
+            from worker.graph import capture_graph
+
+            self._units = [layer.name for layer in capture_graph(self.job).layers]
+        return self._units
+
     def _state(self) -> dict[str, Any]:
         return {"step": self.step, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
 
@@ -244,6 +339,8 @@ class Trainer:
 
     def _train_step(self, g: Group) -> PlanDelta | None:
         """One exact data-parallel step; returns the delta to switch to when all ranks agreed."""
+        if self.sharded is not None:
+            return self._train_step_sharded(g, self.sharded)
         t0 = time.perf_counter()
         job, G = self.job, self.job.global_batch
         pending = self.agent.pending_planned(g.epoch)
@@ -323,6 +420,115 @@ class Trainer:
         agreed = round(float(buf[self.numel + 1])) == len(g.members)
         return pending if agreed and pending is not None else None
 
+    def _train_step_sharded(self, g: Group, sharded: Sharded) -> PlanDelta | None:
+        """One exact step with FSDP2: each member computes its slice of the batch (a member with no
+        samples still takes part in every gather and reduce-scatter), gradients are summed into their
+        shards by FSDP2's hooks, and one small all-reduce gives the global loss, the global gradient
+        norm (over every shard) and the switch vote."""
+        t0 = time.perf_counter()
+        job, G = self.job, self.job.global_batch
+        pending = self.agent.pending_planned(g.epoch)
+        start, stop = g.layout.batch_slice(g.rank)
+        ids = sample_ids(job.seed, self.step, len(job.dataset), G)[start:stop]
+        sharded.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        try:
+            if len(ids):
+                inputs, targets = job.dataset[ids]
+                loss = job.loss(sharded.model(inputs.to(self.device)), targets.to(self.device))
+                (loss / G).backward()  # type: ignore[no-untyped-call]
+                loss_sum = loss.detach().double()
+            else:  # no samples: the collectives of the step still need this member
+                inputs, targets = job.dataset[torch.arange(1)]
+                (job.loss(sharded.model(inputs.to(self.device)), targets.to(self.device)) * 0).backward()  # type: ignore[no-untyped-call]
+        except Superseded:
+            raise
+        except Exception as e:
+            if _is_comm_error(e) or self.agent.superseded(g.epoch):
+                raise Superseded(f"the step's gathers failed: {str(e).splitlines()[0][:200]}") from None
+            raise
+        compute_s = time.perf_counter() - t0
+        factor = self.agent.slowdown
+        if factor > 1.0 and len(ids):  # the --slowdown test knob
+            time.sleep((factor - 1.0) * compute_s)
+            compute_s = time.perf_counter() - t0
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in self.params
+                 if p.grad is not None]
+        squares = sum((gr.double().pow(2).sum() for gr in grads), torch.zeros((), dtype=torch.float64))
+        buf = torch.stack([loss_sum.cpu(), squares.cpu() / g.layout.dp_replicate,
+                           torch.tensor(1.0 if pending is not None else 0.0, dtype=torch.float64)]).to(self.device)
+        t_comm = time.perf_counter()
+        self._wait(g, g.pg.allreduce([buf]), buf)
+        comm_s = time.perf_counter() - t_comm
+        grad_norm = float(buf[1].sqrt())
+        if job.grad_clip is not None:
+            coefficient = min(1.0, job.grad_clip / (grad_norm + 1e-6))
+            for gr in grads:
+                gr.mul_(coefficient)
+        multiplier = job.lr_multiplier(self.step)
+        for group, base in zip(sharded.optimizer.param_groups, self.base_lrs):
+            group["lr"] = base * multiplier
+        lr = self.base_lrs[0] * multiplier if self.base_lrs else 0.0
+        sharded.optimizer.step()
+        self.step += 1
+        self.agent.step = self.step
+        loss_value = float(buf[0]) / G
+        step_s = time.perf_counter() - t0
+        digest = ""
+        every = self.config.digest_every
+        if every and (self.step % every == 0 or self.step == job.num_steps):
+            digest = self.digest()
+            self._log(f"digest step {self.step} {digest}")
+        report = StepReport(name=self.name, epoch=g.epoch, step=self.step, loss=loss_value, samples=len(ids),
+                            global_batch=G, compute_s=compute_s, comm_s=comm_s, step_s=step_s, digest=digest,
+                            lr=lr, grad_norm=grad_norm)
+        self.agent.send(report)
+        if self.config.trace_path is not None:
+            with open(self.config.trace_path, "a") as trace:
+                trace.write(json.dumps({"ts": time.time(), **dataclasses.asdict(report)}) + "\n")
+        if self.config.log_every and self.step % self.config.log_every == 0:
+            self._log(f"step {self.step}/{job.num_steps} loss {loss_value:.4f} ({step_s * 1e3:.0f} ms, "
+                      f"epoch {g.epoch}, {g.layout.describe()})")
+        if job.eval_every and (self.step % job.eval_every == 0 or self.step == job.num_steps):
+            self._evaluate(g)
+        if self.step == job.num_steps and self.config.final_dir:  # every member gathers; rank 0 writes
+            self._save_gathered(g, self.config.final_dir, final=True)
+        requested = self.agent.take_save()
+        if requested is not None:
+            self.agent.send(Saved(name=self.name, step=self.step, path=requested, bytes=0, final=False,
+                                  error="ctl save is not supported in sharded layouts yet: the model is written "
+                                        "at the end of the job (STATE_DIR/final)"))
+        agreed = round(float(buf[2])) == len(g.members)
+        return pending if agreed and pending is not None else None
+
+    def _save_gathered(self, g: Group, directory: str, *, final: bool) -> None:
+        """Gather the full model and optimizer state from the shards (every member), rank 0 writes."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        assert self.sharded is not None
+        model_state = get_model_state_dict(self.sharded.model, options=options)
+        by_name: dict[str, Any] = dict(get_optimizer_state_dict(self.sharded.model, self.sharded.optimizer,
+                                                                options=options))
+        if g.rank != 0:
+            return
+        # What `optimizer.state_dict()` of the plain model gives: state keyed by parameter index.
+        index = {fqn: i for i, (fqn, _) in enumerate(self.sharded.model.named_parameters())}
+        optimizer_state = {"state": {index[fqn]: st for fqn, st in by_name["state"].items()},
+                           "param_groups": [{**grp, "params": [index[f] for f in grp["params"]]}
+                                            for grp in by_name["param_groups"]]}
+        path = Path(directory)
+        try:
+            size = save_state(model_state, optimizer_state, path)
+        except OSError as e:
+            self._log(f"could not write the model to {path}: {e}")
+            self.agent.send(Saved(name=self.name, step=self.step, path=str(path), bytes=0, error=str(e)[:500],
+                                  final=final))
+            return
+        self._log(f"wrote the model after step {self.step} to {path} ({size / 1e6:.1f} MB)")
+        self.agent.send(Saved(name=self.name, step=self.step, path=str(path), bytes=size, error="", final=final))
+
     def _evaluate(self, g: Group) -> None:
         """Every member sums the loss over its contiguous part of the held-out set (split like the
         batch, by the epoch's shares), the sums are all-reduced, and rank 0 reports the mean. A
@@ -335,12 +541,18 @@ class Trainer:
             counts[r] = n
         part = share_slice(counts, g.rank)
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)
-        if part.stop > part.start:
+        # Sharded: every member runs as many forwards as the busiest one (each gathers the units).
+        rounds = -(-max(counts) // EVAL_CHUNK) if self.sharded is not None else -(-(part.stop - part.start) // EVAL_CHUNK)
+        if rounds:
             self.model.eval()
             try:
                 with torch.no_grad():
-                    for start in range(part.start, part.stop, EVAL_CHUNK):
+                    for i in range(rounds):
+                        start = part.start + i * EVAL_CHUNK
                         ids = torch.arange(start, min(start + EVAL_CHUNK, part.stop))
+                        if not len(ids):  # a forward for the others' gathers, counted nowhere
+                            self.model(job.eval_dataset[torch.arange(1)][0].to(self.device))
+                            continue
                         inputs, targets = job.eval_dataset[ids]
                         outputs = self.model(inputs.to(self.device))
                         sums[0] += job.loss(outputs, targets.to(self.device)).double()
@@ -359,10 +571,18 @@ class Trainer:
             self._log(f"eval after step {self.step}: loss {loss:.4f} over {samples} held-out samples")
 
     def digest(self) -> str:
+        """A hash of the whole model's parameters (sharded: gathered, so every member must ask)."""
         h = hashlib.sha256()
         for p in self.model.parameters():
-            h.update(p.detach().cpu().contiguous().numpy().tobytes())
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p
+            h.update(full.detach().cpu().contiguous().numpy().tobytes())
         return h.hexdigest()[:16]
 
     def _log(self, text: str) -> None:
         print(f"[{self.name}] {text}", flush=True)
+
+
+def _is_comm_error(e: BaseException) -> bool:
+    """An error from the data plane (a peer gone mid-collective), not from the job's own code."""
+    text = str(e).lower()
+    return isinstance(e, dist.DistError) or any(w in text for w in ("gloo", "nccl", "connection", "peer", "timed out"))

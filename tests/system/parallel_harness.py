@@ -94,7 +94,7 @@ def main() -> None:
         pg = meshes.register(raw, prefixed, rank, len(members), e, device)
         executor: Sharded | Replica
         if layout.sharded:
-            executor = apply_fsdp(job, graph, layout, rank, meshes.mesh_of(pg, device), local, device)
+            executor = apply_fsdp(job, [layer.name for layer in graph.layers], layout, rank, meshes.mesh_of(pg, device, e), local, device)
         else:
             executor = apply_replicated(job, local, device)
         step = local.step

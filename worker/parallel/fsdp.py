@@ -17,6 +17,7 @@ the parameters (DTensor); a job may ask for bf16 compute (`MixedPrecisionPolicy`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from plan.graph import ROOT_UNIT, Graph
+from plan.graph import ROOT_UNIT
 from plan.layout import Layout
 from worker.job import Job
 from worker.parallel.slices import PARAM, LocalState, Piece
@@ -41,18 +42,25 @@ class Sharded:
     mesh: DeviceMesh
 
 
-def apply_fsdp(job: Job, graph: Graph, layout: Layout, rank: int, mesh: DeviceMesh, local: LocalState,
+def apply_fsdp(job: Job, units: Sequence[str], layout: Layout, rank: int, mesh: DeviceMesh, local: LocalState,
                device: torch.device, *, mp_policy: MixedPrecisionPolicy | None = None) -> Sharded:
-    """The job's model, sharded over `mesh` and loaded with this member's slices of `local`."""
+    """The job's model, each of `units` (module paths: the graph's layers but the root) sharded on
+    its own and then the root, over `mesh`, and loaded with this member's slices of `local`."""
     with torch.device("meta"):
         torch.manual_seed(job.seed)
         model = job.model()
     kwargs: dict[str, Any] = {"mesh": mesh}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
-    for unit in graph.layers:
-        if unit.name != ROOT_UNIT and unit.param_bytes > 0:
-            fully_shard(model.get_submodule(unit.name), **kwargs)
+    for unit in units:
+        if unit == ROOT_UNIT:
+            continue
+        try:
+            module = model.get_submodule(unit)
+        except AttributeError:  # the whole model as one unit (named after its class): the root covers it
+            continue
+        if any(True for _ in module.parameters()):
+            fully_shard(module, **kwargs)
     fully_shard(model, **kwargs)
     for module in model.modules():
         if isinstance(module, FSDPModule):  # exact sums on gloo (no PREMUL_SUM)

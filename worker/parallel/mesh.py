@@ -41,14 +41,19 @@ def register(backend: Any, store: Any, rank: int, world: int, epoch: int, device
     return pg
 
 
-def mesh_of(pg: dist.ProcessGroup, device: torch.device, shape: tuple[int, ...] = (),
+def mesh_of(pg: dist.ProcessGroup, device: torch.device, epoch: int, shape: tuple[int, ...] = (),
             sub_groups: list[dist.ProcessGroup] | None = None) -> DeviceMesh:
     """A 1-D mesh over the whole group, or (with `sub_groups`, one per dimension, as made by the
-    caller with the epoch's timeout) a mesh of `shape`, e.g. (dp_replicate, dp_shard) for HSDP."""
+    caller with the epoch's timeout) a mesh of `shape`, e.g. (dp_replicate, dp_shard) for HSDP.
+
+    The dimension names carry the epoch: DeviceMesh equality ignores the groups (it compares ranks,
+    device type and names), and DTensor caches redistribution plans by mesh, so without it a new
+    epoch's mesh over the same ranks would be served the old epoch's (unregistered) groups (seen:
+    "Could not resolve the process group registered under the name adaptrain-epoch1")."""
     if not sub_groups:
-        return DeviceMesh.from_group(pg, device.type)
+        return DeviceMesh.from_group(pg, device.type, mesh_dim_names=(f"epoch{epoch}.dp_shard",))
     ranks = torch.arange(pg.size()).reshape(shape)
-    names = ("dp_replicate", "dp_shard")[-len(shape):]
+    names = tuple(f"epoch{epoch}.{n}" for n in ("dp_replicate", "dp_shard")[-len(shape):])
     return DeviceMesh.from_group(sub_groups, device.type, mesh=ranks, mesh_dim_names=names)
 
 
