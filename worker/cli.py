@@ -19,6 +19,8 @@ from typing import Any
 from transport import PROTOCOL_VERSION, GraphUpload, Leave, check_name
 from transport.security import KEYS_ENV, ROLE_WORKER, ClientKeys, KeysError, keys_dir, load_client_keys
 
+PAUSE_PHASES = ("forward", "backward", "exchange", "optimizer")
+
 EPILOG = """\
 examples:
   worker --join tcp://10.0.0.5:5555 --keys /etc/adaptrain/keys   # a spot instance joins a running job
@@ -49,6 +51,7 @@ class WorkerConfig:
     slowdown: float
     keys: ClientKeys | None
     trace_steps: str | None
+    pause_at: tuple[str, int] | None = None
 
 
 def parse_args(argv: list[str] | None) -> WorkerConfig:
@@ -66,6 +69,11 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
                    help="test knob: stretch every step's compute by FACTOR (>= 1; default 1), as a throttled "
                         "or shared device would; change it live with `ctl.py slowdown NAME FACTOR`. "
                         "Join-time calibration is not slowed, so the coordinator finds it from step timings")
+    p.add_argument("--pause-at", metavar="PHASE@STEP", dest="pause_at",
+                   help="fault-injection knob for tests: in step STEP (1-based) of a sharded layout, sleep 60 s at "
+                        "PHASE (forward: after the forward; backward: after the backward; exchange: after the "
+                        "gradient slices went to the copy's keeper; optimizer: after the step's all-reduce, "
+                        "before the update), saying so in the log, so that a test can SIGKILL or SIGSTOP it there")
     p.add_argument("--keys", metavar="DIR",
                    help=f"CURVE keys from `coordinator keygen` (server.key + worker.key_secret); default ${KEYS_ENV}; "
                         "none: connect without CURVE (only an --insecure coordinator accepts that)")
@@ -102,7 +110,13 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
             keys = load_client_keys(directory, ROLE_WORKER, name=name)
         except KeysError as e:
             p.error(str(e))
-    return WorkerConfig(keys=keys, trace_steps=a.trace_steps, join=a.join, name=name, device=a.device, threads=a.threads,
+    pause_at = None
+    if a.pause_at is not None:
+        phase, _, step = a.pause_at.partition("@")
+        if phase not in PAUSE_PHASES or not step.isdigit() or int(step) < 1:
+            p.error(f"--pause-at wants PHASE@STEP with PHASE one of {', '.join(PAUSE_PHASES)}, got {a.pause_at!r}")
+        pause_at = (phase, int(step))
+    return WorkerConfig(keys=keys, trace_steps=a.trace_steps, pause_at=pause_at, join=a.join, name=name, device=a.device, threads=a.threads,
                         memory_limit_gib=a.memory_limit, digest_every=a.digest_every, log_every=a.log_every,
                         group_timeout_s=a.group_timeout, connect_timeout_s=a.connect_timeout,
                         slowdown=a.slowdown)
@@ -178,6 +192,7 @@ def _main(argv: list[str] | None) -> int:
                                                               digest_every=cfg.digest_every,
                                                               log_every=cfg.log_every, device=cfg.device,
                                                               keys=cfg.keys, trace_path=cfg.trace_steps,
+                                                              pause_at=cfg.pause_at,
                                                               final_dir=welcome.final_dir))
         if preempted:  # SIGTERM while loading: we were never planned in, so just go
             agent.close()

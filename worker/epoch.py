@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from plan.layout import Layout
-from plan.reshard import Holdings, ReshardPlan, TensorShape, holdings, plan_reshard
+from plan.reshard import Holdings, ReshardPlan, TensorShape, copy_ring, holdings, plan_reshard
 from worker.parallel import slices
 from worker.parallel.slices import LocalState
 
@@ -34,10 +34,11 @@ class StateLost(RuntimeError):
 
 
 def describe(tensors: Sequence[TensorShape], local: LocalState | None) -> torch.Tensor:
-    """int64 [step, then per tensor (in `tensors` order): n, lo1, hi1, ..., lo_n, hi_n]; step -1: nothing."""
+    """int64 [step, pending, then per tensor (in `tensors` order): n, lo1, hi1, ..., lo_n, hi_n];
+    step -1: nothing; pending 1: the gradients of step + 1 are held, not applied."""
     if local is None:
-        return torch.tensor([-1], dtype=torch.int64)
-    out = [local.step]
+        return torch.tensor([-1, 0], dtype=torch.int64)
+    out = [local.step, int(local.pending)]
     held = local.holdings()
     for t in tensors:
         ranges = held.get(t.name, [])
@@ -52,7 +53,7 @@ def read(tensors: Sequence[TensorShape], data: list[int]) -> tuple[int, dict[str
     if step < 0:
         return step, {}
     out: dict[str, list[tuple[int, int]]] = {}
-    at = 1
+    at = 2
     for t in tensors:
         n = data[at]
         at += 1
@@ -77,14 +78,14 @@ def exchange(pg: Any, rank: int, world: int, mine: torch.Tensor, wait: Wait) -> 
 
 
 def plan_entry(layout: Layout, tensors: Sequence[TensorShape], described: list[list[int]],
-               ranks: Sequence[str]) -> tuple[int, list[str], Holdings, ReshardPlan]:
+               ranks: Sequence[str], *, copies: bool = True) -> tuple[int, list[str], Holdings, ReshardPlan]:
     """(step to continue from, holders, the new layout's holdings, the transfers); StateLost when
     some slice is held by nobody."""
     states = [read(tensors, d) for d in described]
     best = max(step for step, _ in states)
     holders = [ranks[r] for r, (step, _) in enumerate(states) if step == best and best >= 0]
     before: Holdings = {ranks[r]: held for r, (step, held) in enumerate(states) if ranks[r] in holders}
-    after = holdings(layout, tensors)
+    after = holdings(layout, tensors, copy_ring(layout) if copies else None)
     plan = plan_reshard(before, after)
     if plan.missing:
         raise StateLost(f"no member holds {plan.describe_missing()} of step {best}")
@@ -92,19 +93,47 @@ def plan_entry(layout: Layout, tensors: Sequence[TensorShape], described: list[l
 
 
 def enter(layout: Layout, tensors: Sequence[TensorShape], me: str, ranks: Sequence[str], local: LocalState | None,
-          pg: Any, wait: Wait, device: torch.device,
-          seed: Callable[[], LocalState]) -> tuple[LocalState, int, ReshardPlan]:
+          pg: Any, wait: Wait, device: torch.device, seed: Callable[[], LocalState],
+          roll: Callable[[LocalState, float], None], copies: bool = True) -> tuple[LocalState, int, ReshardPlan]:
     """Run the reshard into `layout` for member `me` (ranks: the group's members by rank, `layout`'s
     members first); returns the new LocalState, the bytes received and the plan. When nobody holds
     any state (a fresh job, or one whose state was lost and restarts), every member takes the seeded
-    state of step 0 (`seed`), which is the same everywhere."""
+    state of step 0 (`seed`), which is the same everywhere.
+
+    A step interrupted after every member had its gradients (its copy's too) but before all of them
+    applied it: the members that applied it are one step ahead. Those behind roll it forward
+    (`roll`, with the clipping coefficient broadcast by the lowest-ranked member ahead), so that all
+    continue from the later step; when nobody applied it, the gradients are dropped and the step is
+    done again. `copies`: the new layout keeps a copy of every slice (`plan.reshard.copy_ring`)."""
     rank = list(ranks).index(me)
     described = exchange(pg, rank, len(ranks), describe(tensors, local), wait)
     if all(d[0] < 0 for d in described):
         local = seed()
         described = [describe(tensors, local).tolist()] * len(ranks)
-    _, holders, after, plan = plan_entry(layout, tensors, described, ranks)
+    best = max(d[0] for d in described)
+    behind = [r for r, d in enumerate(described) if d[0] == best - 1 and d[1]]
+    if behind and best >= 1:  # someone applied the interrupted step: the others roll it forward
+        root = min(r for r, d in enumerate(described) if d[0] == best)
+        coefficient = torch.tensor([local.coefficient if local is not None and rank == root else 0.0],
+                                   dtype=torch.float64)
+        wait(pg.broadcast([coefficient], root), None)
+        if rank in behind and local is not None:
+            roll(local, float(coefficient.item()))
+            described[rank] = describe(tensors, local).tolist()
+        for r in behind:
+            described[r] = [best, 0, *described[r][2:]]
+    if local is not None:
+        _drop_pending(local)
+    _, holders, after, plan = plan_entry(layout, tensors, described, ranks, copies=copies)
     mine = local if me in holders else None
     new, received = slices.execute(plan, me, {n: i for i, n in enumerate(ranks)}, mine, after.get(me, {}),
                                    holders, pg, wait, device)
     return new, received, plan
+
+
+def _drop_pending(local: LocalState) -> None:
+    """Forget gradients that were not applied (or were just rolled forward)."""
+    for pieces in local.pieces.values():
+        for piece in pieces:
+            piece.data.pop("grad", None)
+    local.pending = False

@@ -28,9 +28,10 @@ from typing import Any
 import torch
 
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from plan.layout import Layout
-from plan.reshard import TensorShape
+from plan.reshard import TensorShape, copy_ring
 from plan.shares import split_shares
 from transport import Ack, EvalReport, Leave, PlanDelta, Saved, StateLost, StepReport
 from transport.security import ClientKeys
@@ -41,12 +42,14 @@ from worker.job import Job, sample_ids, share_slice
 from worker.parallel import mesh as meshes
 from worker.parallel.fsdp import Sharded, apply_fsdp, extract
 from worker.parallel.replicated import apply_replicated
-from worker.parallel.slices import LocalState, from_module
+from worker.parallel.slices import PARAM, LocalState, Piece, from_module
+from worker.parallel.update import GRAD, apply_update
 from worker.save import save_model, save_state
 from worker.store import CoordinatorStore
 
 RETRY_S = 0.5  # pause before forming an epoch's group again after a failed rendezvous
 EVAL_CHUNK = 256  # held-out samples evaluated at once (bounds the memory of an evaluation)
+GRAD_TAG = 64  # p2p tags of the gradient slices a member sends to the keeper of its copy
 
 
 @dataclass(slots=True)
@@ -69,6 +72,7 @@ class TrainerConfig:
     device: str = "cpu"
     keys: ClientKeys | None = None  # CURVE keys for the store's sockets (None: --insecure coordinator)
     trace_path: str | None = None  # append every step report here as a JSON line (--trace-steps)
+    pause_at: tuple[str, int] | None = None  # (phase, step): the --pause-at fault-injection knob
     final_dir: str = ""  # where rank 0 of the last step writes the trained model ("": nowhere)
 
 
@@ -94,6 +98,14 @@ class Trainer:
         self.sharded_at: tuple[Layout, int] | None = None
         self.registered: dist.ProcessGroup | None = None
         self._units: list[str] | None = None
+        # Redundancy of a sharded layout: who keeps a copy of my slices, whose slices I keep a copy
+        # of (and that copy), whether this step's gradients are held but not applied, and the
+        # clipping coefficient of the last step applied (for a roll forward after a failure).
+        self.keeper: str | None = None
+        self.source: str | None = None
+        self.copy: LocalState | None = None
+        self.pending = False
+        self.coefficient = 1.0
 
     def _build(self) -> None:
         """The model and optimizer as at step 0, identical on every worker (seeded)."""
@@ -105,6 +117,7 @@ class Trainer:
         self.base_lrs = [float(group["lr"]) for group in self.optimizer.param_groups]
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.tensors = [TensorShape(n, p.shape[0] if p.dim() else 0, p.numel()) for n, p in self.model.named_parameters()]
+        self.shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
         self.step = 0  # optimizer steps applied
 
     # --- the loop ------------------------------------------------------------------------------
@@ -276,9 +289,18 @@ class Trainer:
         and the bytes received."""
         local = None if self.stale else self._local_state()
         new, received, _ = epoch.enter(g.layout, self.tensors, self.name, g.members, local, g.pg,
-                                       lambda work, buf: self._wait(g, work, buf), self.device, self._seed_state)
+                                       lambda work, buf: self._wait(g, work, buf), self.device, self._seed_state,
+                                       self._roll_forward, copies=g.layout.sharded and g.layout.dp_replicate == 1)
         self.step, self.stale = new.step, False
         return new, received
+
+    def _roll_forward(self, local: LocalState, coefficient: float) -> None:
+        """Apply the interrupted step to every held slice with the gradients kept for it."""
+        k = local.step
+        updated = apply_update(self.job.optimizer, local, local.pieces, self.shapes,
+                               lambda i: self.base_lrs[i] * self.job.lr_multiplier(k), coefficient)
+        local.step, local.pending, local.coefficient = k + 1, False, coefficient
+        self._log(f"rolled step {k + 1} forward on {updated} slices (others applied it before the failure)")
 
     def _build_executor(self, g: Group, local: LocalState) -> None:
         """The layout's executor from this member's slices: FSDP2 on the group for a sharded layout,
@@ -292,23 +314,58 @@ class Trainer:
                                       meshes.mesh_of(self.registered, self.device, g.epoch), local, self.device)
             self.sharded_at = (g.layout, g.rank)
             self.model, self.optimizer = self.sharded.model, self.sharded.optimizer
+            self._keep_copy(g, local)
         else:
             replica = apply_replicated(self.job, local, self.device)
             self.model, self.optimizer = replica.model, replica.optimizer
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.numel = sum(p.numel() for p in self.params)
 
+    def _keep_copy(self, g: Group, local: LocalState) -> None:
+        """The redundancy of a sharded layout (`plan.reshard.copy_ring`): which member keeps a copy of
+        this member's slices, and this member's copy of its source's slices (brought by the reshard)."""
+        ring = copy_ring(g.layout) if g.layout.dp_replicate == 1 else {}
+        self.keeper = next((k for k, source in ring.items() if source == self.name), None)
+        self.source = ring.get(self.name)
+        self.copy = None
+        if self.source is None:
+            return
+        src = g.members.index(self.source)
+        copy = LocalState(step=local.step, keys=dict(local.keys), dtypes=dict(local.dtypes), hyper=local.hyper,
+                          scalars={f: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in sc.items()}
+                                   for f, sc in local.scalars.items()})
+        for t in self.tensors:
+            lo, hi = g.layout.slice_of(src, t.rows, t.numel)
+            copy.pieces[t.name] = ([Piece(lo, hi, {k: local.read(t.name, k, lo, hi).clone() for k in local.keys[t.name]})]
+                                   if hi > lo else [])
+        self.copy = copy
+
     def _drop_state(self) -> None:
         """This member holds nothing current any more (it handed its slices over, or they are lost)."""
         meshes.forget(self.registered)
         self.registered, self.sharded, self.sharded_at = None, None, None
+        self.copy, self.keeper, self.source, self.pending = None, None, None, False
         self.stale = True
 
     def _local_state(self) -> LocalState:
         """What this member holds now, as slices (views of the executor's tensors)."""
         if self.sharded is not None and self.sharded_at is not None:
             layout, rank = self.sharded_at
-            return extract(self.sharded, layout, rank, self.step)
+            local = extract(self.sharded, layout, rank, self.step)
+            local.pending, local.coefficient = self.pending, self.coefficient
+            if self.pending:  # the interrupted step's gradients, kept for a roll forward
+                for fqn, p in self.sharded.model.named_parameters():
+                    for piece in local.pieces.get(fqn, []):
+                        grad = _local_grad(p)
+                        piece.data[GRAD] = (grad.reshape(-1) if grad is not None
+                                            else torch.zeros_like(piece.data[PARAM]))
+            if self.copy is not None:
+                for fqn, pieces in self.copy.pieces.items():
+                    if pieces and not self.pending:
+                        for piece in pieces:
+                            piece.data.pop(GRAD, None)
+                    local.pieces[fqn] = sorted([*local.pieces.get(fqn, []), *pieces], key=lambda q: q.lo)
+            return local
         return from_module(self.step, self.model, self.optimizer)
 
     def _seed_state(self) -> LocalState:
@@ -436,6 +493,7 @@ class Trainer:
             if len(ids):
                 inputs, targets = job.dataset[ids]
                 loss = job.loss(sharded.model(inputs.to(self.device)), targets.to(self.device))
+                self._pause("forward")
                 (loss / G).backward()  # type: ignore[no-untyped-call]
                 loss_sum = loss.detach().double()
             else:  # no samples: the collectives of the step still need this member
@@ -452,8 +510,12 @@ class Trainer:
         if factor > 1.0 and len(ids):  # the --slowdown test knob
             time.sleep((factor - 1.0) * compute_s)
             compute_s = time.perf_counter() - t0
-        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in self.params
-                 if p.grad is not None]
+        self._pause("backward")
+        if self.keeper is not None or self.source is not None:
+            self._send_grads_to_keeper(g, sharded)  # every member has its copy's gradients: the step may be rolled forward
+        self._pause("exchange")
+        self.pending = True
+        grads = [gr for p in self.params if (gr := _local_grad(p)) is not None]
         squares = sum((gr.double().pow(2).sum() for gr in grads), torch.zeros((), dtype=torch.float64))
         buf = torch.stack([loss_sum.cpu(), squares.cpu() / g.layout.dp_replicate,
                            torch.tensor(1.0 if pending is not None else 0.0, dtype=torch.float64)]).to(self.device)
@@ -461,6 +523,8 @@ class Trainer:
         self._wait(g, g.pg.allreduce([buf]), buf)
         comm_s = time.perf_counter() - t_comm
         grad_norm = float(buf[1].sqrt())
+        self._pause("optimizer")
+        coefficient = 1.0
         if job.grad_clip is not None:
             coefficient = min(1.0, job.grad_clip / (grad_norm + 1e-6))
             for gr in grads:
@@ -470,6 +534,11 @@ class Trainer:
             group["lr"] = base * multiplier
         lr = self.base_lrs[0] * multiplier if self.base_lrs else 0.0
         sharded.optimizer.step()
+        if self.copy is not None:  # the same update on the copy of the source's slices
+            apply_update(job.optimizer, self.copy, self.copy.pieces, self.shapes,
+                         lambda i: self.base_lrs[i] * multiplier, coefficient)
+            self.copy.step = self.step + 1
+        self.pending, self.coefficient = False, coefficient
         self.step += 1
         self.agent.step = self.step
         loss_value = float(buf[0]) / G
@@ -500,6 +569,47 @@ class Trainer:
                                         "at the end of the job (STATE_DIR/final)"))
         agreed = round(float(buf[2])) == len(g.members)
         return pending if agreed and pending is not None else None
+
+    def _pause(self, phase: str) -> None:
+        """The --pause-at knob: sleep where a test wants to kill or stop this worker."""
+        if self.config.pause_at == (phase, self.step + 1):
+            self._log(f"pausing at {phase} of step {self.step + 1} (--pause-at)")
+            time.sleep(60)
+
+    def _send_grads_to_keeper(self, g: Group, sharded: Sharded) -> None:
+        """This member's gradient slices to the member that keeps its copy, and its source's to it
+        (one buffer per direction and dtype, both posted before either is waited for)."""
+        mine: dict[torch.dtype, list[torch.Tensor]] = {}
+        for _, p in sharded.model.named_parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            grad = _local_grad(p)
+            mine.setdefault(local.dtype, []).append(grad.reshape(-1) if grad is not None
+                                                    else torch.zeros(local.numel(), dtype=local.dtype,
+                                                                     device=local.device))
+        works: list[tuple[Any, torch.Tensor]] = []
+        if self.keeper is not None:
+            for d, dtype in enumerate(sorted(mine, key=str)):
+                buf = torch.cat(mine[dtype])
+                works.append((g.pg.send([buf], g.members.index(self.keeper), GRAD_TAG + d), buf))
+        inbox: dict[torch.dtype, torch.Tensor] = {}
+        if self.source is not None and self.copy is not None:
+            sizes: dict[torch.dtype, int] = {}
+            for fqn, pieces in self.copy.pieces.items():
+                dtype = self.copy.dtype(fqn, PARAM)
+                sizes[dtype] = sizes.get(dtype, 0) + sum(q.hi - q.lo for q in pieces)
+            for d, dtype in enumerate(sorted(mine, key=str)):
+                inbox[dtype] = torch.empty(sizes.get(dtype, 0), dtype=dtype, device=self.device)
+                works.append((g.pg.recv([inbox[dtype]], g.members.index(self.source), GRAD_TAG + d), inbox[dtype]))
+        for work, buf in works:
+            self._wait(g, work, buf)
+        if self.copy is not None:
+            at: dict[torch.dtype, int] = {}
+            for fqn, pieces in self.copy.pieces.items():
+                dtype = self.copy.dtype(fqn, PARAM)
+                for q in pieces:
+                    start = at.get(dtype, 0)
+                    q.data[GRAD] = inbox[dtype][start:start + q.hi - q.lo]
+                    at[dtype] = start + q.hi - q.lo
 
     def _save_gathered(self, g: Group, directory: str, *, final: bool) -> None:
         """Gather the full model and optimizer state from the shards (every member), rank 0 writes."""
@@ -586,3 +696,11 @@ def _is_comm_error(e: BaseException) -> bool:
     """An error from the data plane (a peer gone mid-collective), not from the job's own code."""
     text = str(e).lower()
     return isinstance(e, dist.DistError) or any(w in text for w in ("gloo", "nccl", "connection", "peer", "timed out"))
+
+
+def _local_grad(p: torch.Tensor) -> torch.Tensor | None:
+    """A parameter's gradient, this member's shard of it when sharded (DTensor)."""
+    grad = p.grad
+    if grad is None:
+        return None
+    return grad.to_local() if isinstance(grad, DTensor) else grad

@@ -49,6 +49,8 @@ class LocalState:
     scalars: dict[str, dict[str, Any]] = field(default_factory=dict)  # fqn -> optimizer state not shaped like it
     hyper: list[dict[str, Any]] = field(default_factory=list)  # optimizer param_groups without "params"
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # module buffers (whole)
+    pending: bool = False  # pieces carry the gradients of step `step` + 1, not applied here yet
+    coefficient: float = 1.0  # the clipping coefficient of the last step applied (for a roll forward)
 
     def holdings(self) -> dict[str, list[Range]]:
         return {fqn: [(p.lo, p.hi) for p in pieces] for fqn, pieces in self.pieces.items() if pieces}

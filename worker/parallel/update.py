@@ -1,0 +1,82 @@
+"""The job's optimizer step applied to slices held outside any model: a redundancy copy kept current
+step by step, and a step rolled forward after a failure.
+
+A sharded layout keeps a copy of every member's slices on another member (`plan.reshard.copy_ring`).
+Rather than sending the updated slices (parameters and optimizer state: three times the gradient's
+bytes with Adam) after every step, the owner sends its *gradient* slices to the keeper, and the
+keeper applies the same update to its copy: the job's own optimizer, built over views of the copy
+(reshaped to the parameters' rows, so a factory that groups parameters by shape groups them alike),
+with the owner's hyper-parameters, learning rate and clipping coefficient. The optimizer's
+arithmetic is element-wise, so the copy stays bit-identical to the owner's slices (a test checks).
+
+The same function rolls a step forward: a member whose step was interrupted after every member had
+its gradients (some members completed the step's last all-reduce and applied it, it did not)
+applies it to its own slices and its copy with the gradients it kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from worker.parallel.slices import PARAM, LocalState, Piece
+
+GRAD = "grad"  # a piece's pending gradient (never moved by a reshard: not a companion key)
+
+
+def apply_update(optimizer_factory: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer],
+                 local: LocalState, pieces: Mapping[str, list[Piece]], shapes: Mapping[str, tuple[int, ...]],
+                 lr: Callable[[int], float], coefficient: float) -> int:
+    """Apply one optimizer step to every piece of `pieces` that has a pending GRAD (scaled by the
+    clipping `coefficient`), in place; `lr(group_index)` is the learning rate of each parameter
+    group. Returns the number of pieces updated. The per-parameter scalars (Adam's `step`) in
+    `local.scalars` advance with it."""
+    params: list[torch.nn.Parameter] = []
+    order: list[tuple[str, Piece]] = []
+    for fqn, ps in pieces.items():
+        for piece in ps:
+            if GRAD not in piece.data or piece.hi <= piece.lo:
+                continue
+            view = _rows(piece.data[PARAM], shapes[fqn])
+            p = torch.nn.Parameter(view, requires_grad=True)
+            p.grad = _rows(piece.data[GRAD], shapes[fqn]).mul(coefficient)
+            params.append(p)
+            order.append((fqn, piece))
+    if not params:
+        return 0
+    optimizer = optimizer_factory(params)
+    for index, (group, hyper) in enumerate(zip(optimizer.param_groups, local.hyper)):
+        group.update({k: v for k, v in hyper.items() if k != "lr"})
+        group["lr"] = lr(index)
+    for p, (fqn, piece) in zip(params, order):
+        state: dict[str, Any] = {k: _rows(v, shapes[fqn]) for k, v in piece.data.items() if k not in (PARAM, GRAD)}
+        state.update({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in local.scalars.get(fqn, {}).items()})
+        if state:
+            optimizer.state[p] = state
+    with torch.no_grad():
+        optimizer.step()
+    for p, (fqn, piece) in zip(params, order):
+        after = optimizer.state.get(p, {})
+        for key, value in after.items():
+            if isinstance(value, torch.Tensor) and value.shape == p.shape and key not in piece.data:
+                piece.data[key] = value.reshape(-1)  # a fresh job: the optimizer created its state now
+        del piece.data[GRAD]
+        local.keys[fqn] = tuple(piece.data)
+        local.dtypes[fqn] = {k: str(v.dtype).removeprefix("torch.") for k, v in piece.data.items()}
+    # Scalars (the step count) are one per parameter, the same for every slice: take the first.
+    for p, (fqn, _) in zip(params, order):
+        local.scalars[fqn] = {k: v for k, v in optimizer.state.get(p, {}).items()
+                              if not (isinstance(v, torch.Tensor) and v.shape == p.shape)}
+    return len(order)
+
+
+def _rows(flat: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A flat slice of whole rows viewed with the parameter's trailing dimensions."""
+    if len(shape) <= 1:
+        return flat
+    per_row = 1
+    for d in shape[1:]:
+        per_row *= d
+    return flat.view(-1, *shape[1:]) if per_row else flat
