@@ -125,9 +125,10 @@ def holdings(layout: Layout, tensors: Sequence[TensorShape], copies: Mapping[str
     out: Holdings = {}
     for rank, name in enumerate(layout.members):
         out[name] = {t.name: [r] for t in tensors if (r := layout.slice_of(rank, t.rows, t.numel))[1] > r[0]}
+    own = {name: dict(held) for name, held in out.items()}  # copies are of a member's own slices only
     for keeper, source in (copies or {}).items():
         mine = out.setdefault(keeper, {})
-        for tensor, ranges in out.get(source, {}).items():
+        for tensor, ranges in own.get(source, {}).items():
             mine[tensor] = _union([*mine.get(tensor, []), *ranges])
     return out
 

@@ -311,7 +311,8 @@ class Trainer:
             prefixed = dist.PrefixStore(f"epoch{g.epoch}/", g.store)  # type: ignore[attr-defined]
             self.registered = meshes.register(g.pg, prefixed, g.rank, len(g.members), g.epoch, self.device)
             self.sharded = apply_fsdp(self.job, self.units(), g.layout, g.rank,
-                                      meshes.mesh_of(self.registered, self.device, g.epoch), local, self.device)
+                                      meshes.mesh_of(self.registered, self.device, g.epoch), local, self.device,
+                                      wait=lambda work, buf: self._wait(g, work, buf))
             self.sharded_at = (g.layout, g.rank)
             self.model, self.optimizer = self.sharded.model, self.sharded.optimizer
             self._keep_copy(g, local)

@@ -94,6 +94,35 @@ def test_a_shard_holder_killed_mid_step_loses_nothing(tmp_path: Path, phase: str
         assert max(gaps.values()) <= 1e-4, gaps
 
 
+@pytest.mark.timeout(400)
+def test_a_stopped_shard_holder_is_planned_out_and_rejoins(tmp_path: Path) -> None:
+    """SIGSTOP of a member for longer than the lease: the others, held in FSDP2's gathers, are
+    released when the coordinator says so (the gathers and reduce-scatters wait abortably), rebuild
+    its slices from the copies and go on; after SIGCONT it is fenced, joins again as a newcomer and
+    receives its slices. The loss curve is the single-process one, no step lost or doubled."""
+    reference = single_process()
+    with LocalJob(JOB, tmp_path, min_workers=3, lease_s=1.0, coordinator_args=["--layout", "dp=1"]) as job:
+        job.start()
+        for name in ("w1", "w2", "w3"):
+            job.add_worker(name)
+        job.wait_step(10, 180)
+        job.signal("w2", signal.SIGSTOP)
+        failed = job.wait_event(lambda e: e["kind"] == "failed", 30, "failed")
+        assert (failed["worker"], failed["detected_by"]) == ("w2", "lease")
+        plan = job.wait_event(lambda e: e["kind"] == "plan" and e["reason"] == "failure", 10, "failure plan")
+        job.wait_event(lambda e: e["kind"] == "step" and e["epoch"] == plan["epoch"], 30, "a step without w2")
+        job.signal("w2", signal.SIGCONT)
+        exits = job.wait_workers(300)
+        assert exits == {"w1": 0, "w2": 0, "w3": 0}, {n: job.tail(n) for n in exits}
+        assert job.wait_coordinator(30) == 0
+        events = job.events()
+        steps = {e["step"]: e for e in events if e["kind"] == "step"}
+        run = {s: {"loss": e["loss"], "lr": e["lr"], "grad_norm": e["grad_norm"]} for s, e in steps.items()}
+        gaps = _gap(run, reference)
+        assert max(gaps.values()) <= 1e-4, gaps
+        assert "fenced" in job.tail("w2", 200)
+
+
 @pytest.mark.timeout(300)
 def test_a_slice_and_its_copy_both_lost_stop_the_job_naming_them(tmp_path: Path) -> None:
     """Three members in a ring of copies (w2 keeps w1's, w3 keeps w2's, w1 keeps w3's): SIGKILL of w1

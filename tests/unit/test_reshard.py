@@ -136,6 +136,20 @@ def test_a_lost_shard_is_rebuilt_from_its_copy_and_without_one_it_is_named_missi
     assert bare.missing == (("b", 2, 4), ("w", 4, 8)), "b's slice, held by nobody else, is named"
 
 
+def test_a_member_holds_exactly_its_slices_and_one_copy() -> None:
+    big = [TensorShape("w", rows=300, numel=3000), TensorShape("b", rows=7, numel=7)]
+    for n in range(2, 9):
+        layout = Layout(members=tuple(f"m{i}" for i in range(n)), shares=(1,) * n, dp_shard=n)
+        ring = copy_ring(layout)
+        held = holdings(layout, big, ring)
+        plain = holdings(layout, big)
+        for member in layout.members:
+            size = {t: sum(hi - lo for lo, hi in r) for t, r in held[member].items()}
+            expected = {t.name: sum(hi - lo for lo, hi in plain[member].get(t.name, []))
+                        + sum(hi - lo for lo, hi in plain[ring[member]].get(t.name, [])) for t in big}
+            assert size == {t: v for t, v in expected.items() if v}, (n, member)
+
+
 def test_the_ring_puts_a_copy_on_another_host_where_there_is_one() -> None:
     layout = Layout(members=("a", "b", "c", "d"), shares=(1, 1, 1, 1), dp_shard=4)
     hosts = {"a": "h0", "b": "h0", "c": "h1", "d": "h1"}

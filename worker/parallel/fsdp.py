@@ -17,20 +17,24 @@ the parameters (DTensor); a job may ask for bf16 compute (`MixedPrecisionPolicy`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter  # FSDP2's hook types
 from torch.distributed.tensor import DTensor
 
 from plan.graph import ROOT_UNIT
 from plan.layout import Layout
 from worker.job import Job
 from worker.parallel.slices import PARAM, LocalState, Piece
+
+Wait = Callable[[Any, torch.Tensor | None], None]  # the trainer's abortable wait (raises when superseded)
 
 __all__ = ["Sharded", "apply_fsdp", "extract"]
 
@@ -43,7 +47,8 @@ class Sharded:
 
 
 def apply_fsdp(job: Job, units: Sequence[str], layout: Layout, rank: int, mesh: DeviceMesh, local: LocalState,
-               device: torch.device, *, mp_policy: MixedPrecisionPolicy | None = None) -> Sharded:
+               device: torch.device, *, mp_policy: MixedPrecisionPolicy | None = None,
+               wait: Wait | None = None) -> Sharded:
     """The job's model, each of `units` (module paths: the graph's layers but the root) sharded on
     its own and then the root, over `mesh`, and loaded with this member's slices of `local`."""
     with torch.device("meta"):
@@ -66,6 +71,9 @@ def apply_fsdp(job: Job, units: Sequence[str], layout: Layout, rank: int, mesh: 
         if isinstance(module, FSDPModule):  # exact sums on gloo (no PREMUL_SUM)
             module.set_force_sum_reduction_for_comms(True)
             module.set_gradient_divide_factor(1.0)
+            if wait is not None:
+                module.set_custom_all_gather(AbortableAllGather(wait))
+                module.set_custom_reduce_scatter(AbortableReduceScatter(wait))
     model.to_empty(device=device)
     with torch.no_grad():
         for fqn, p in model.named_parameters():
@@ -79,6 +87,41 @@ def apply_fsdp(job: Job, units: Sequence[str], layout: Layout, rank: int, mesh: 
     optimizer = job.optimizer(model.parameters())
     _load_optimizer(optimizer, model, layout, rank, local)
     return Sharded(model=model, optimizer=optimizer, mesh=mesh)
+
+
+class AbortableAllGather(AllGather):
+    """FSDP2's all-gather, waited for by the trainer's abortable wait: a member stopped mid-step
+    (SIGSTOP) would otherwise hold every other member in gloo for the whole group timeout. Each
+    call gathers into a fresh buffer (`allocate`), so an abandoned gather that completes late
+    writes into memory nobody reads."""
+
+    def __init__(self, wait: Wait) -> None:
+        self._wait = wait
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False) -> dist.Work | None:
+        work = dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=True)
+        self._wait(work, output_tensor)
+        return None
+
+
+class AbortableReduceScatter(ReduceScatter):
+    """FSDP2's reduce-scatter, waited for like `AbortableAllGather`."""
+
+    def __init__(self, wait: Wait) -> None:
+        self._wait = wait
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: Any, async_op: bool = False) -> dist.Work | None:
+        work = dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op, async_op=True)
+        self._wait(work, output_tensor)
+        return None
 
 
 def extract(sharded: Sharded, layout: Layout, rank: int, step: int) -> LocalState:
