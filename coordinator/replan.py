@@ -36,6 +36,7 @@ from typing import NamedTuple
 from coordinator import steps
 from coordinator.state import Config, Effect, Log, Planned, Result, Send, State
 from plan import Plan, PlanLimits, PlanResult, make_plan, predict
+from plan.prediction import repredict
 from transport import MeshLayout, PlanDelta
 
 GAIN_REASONS = ("straggler", "recovered", "contention", "calibration")  # re-plans that must pay for themselves
@@ -135,8 +136,7 @@ def _worth_it(state: State, new: Plan, result: PlanResult, horizon: int) -> Verd
     assert current is not None
     if not set(current.members) <= set(state.cluster.devices) or new.predicted_step_s is None:
         return Verdict(True, "the current members cannot all train on")
-    now_s = predict(state.cluster.contended(current.members), state.graph, current.members,
-                    current.shares).predicted_step_s
+    now_s = repredict(state.cluster.contended(current.members), state.graph, current).predicted_step_s
     if now_s is None or now_s <= 0:
         return Verdict(True, "no prediction for the current plan")
     gain = now_s - new.predicted_step_s
@@ -174,7 +174,7 @@ def _keep(state: State, why: str) -> State:
     """Keep the current plan (a re-plan that does not pay); its prediction is refreshed."""
     plan = state.plan
     assert plan is not None
-    fresh = predict(state.cluster.contended(plan.members), state.graph, plan.members, plan.shares)
+    fresh = repredict(state.cluster.contended(plan.members), state.graph, plan)
     tracker = state.tracker
     if tracker is not None and tracker.epoch == state.epoch:
         tracker = replace(tracker, predicted_step_s=fresh.predicted_step_s)

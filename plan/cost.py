@@ -103,6 +103,30 @@ def max_micro_batch(
                             graph.activation_bytes)
 
 
+def sharded_static_bytes(graph: Graph, shards: int, *, copies: bool = True,
+                         optimizer_state_factor: float = 2.0) -> float:
+    """Resident bytes of one member of a sharded layout (FSDP2 over `shards` members): its shard of
+    parameters, gradients and optimizer state; the largest unit gathered whole for compute, with
+    its whole gradient before the reduce-scatter; and, with `copies`, the copy of another member's
+    shard of parameters and optimizer state (the redundancy that survives one failure)."""
+    p = graph.param_bytes
+    largest = max((layer.param_bytes for layer in graph.layers), default=0)
+    copy = p * (1.0 + optimizer_state_factor) / shards if copies and shards > 1 else 0.0
+    return p * (2.0 + optimizer_state_factor) / shards + 2.0 * largest + copy
+
+
+def sharded_comm_s(graph: Graph, shards: int, link: Link, *, copies: bool = True) -> float:
+    """Communication of one sharded step: each unit gathered in the forward and again in the
+    backward, its gradient reduce-scattered; the gradient shard sent to the copy's keeper; the
+    step's small all-reduce (loss, norm, vote). Not overlapped with compute (gloo on CPU)."""
+    if shards <= 1:
+        return 0.0
+    units = sum(2 * allgather_s(layer.param_bytes, shards, link) + reduce_scatter_s(layer.param_bytes, shards, link)
+                for layer in graph.layers if layer.param_bytes > 0)
+    refresh = p2p_s(graph.param_bytes / shards, link) if copies else 0.0
+    return units + refresh + allreduce_s(24, shards, link)
+
+
 def pipeline_step_s(stage_s_per_micro_batch: Sequence[float], micro_batches: int,
                     boundary_bytes: Sequence[float] = (), link: Link | None = None) -> float:
     """One 1F1B pipeline step: (m + p − 1) × the slowest stage's forward + backward time per

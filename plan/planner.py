@@ -31,11 +31,11 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from plan.cluster import Cluster
-from plan.cost import max_micro_batch, static_bytes
+from plan.cost import max_micro_batch, samples_that_fit, sharded_static_bytes, static_bytes
 from plan.graph import Graph
 from plan.layout import LayoutPin
 from plan.milp import ENGINES, DeviceClass, DpCosts, map_to_devices, solve_dp
-from plan.prediction import MemberCost, Plan, predict
+from plan.prediction import MemberCost, Plan, predict, predict_sharded, repredict
 from plan.shares import assign, split_shares
 
 __all__ = ["Alternative", "MemberCost", "Plan", "PlanLimits", "PlanResult", "assign", "make_plan", "predict",
@@ -157,9 +157,70 @@ def make_plan(cluster: Cluster, graph: Graph | None, previous: Plan | None, *, l
     training state (moving it elsewhere costs); default the previous plan's members. `pin`: layout
     degrees the operator fixed (`--layout`); the members are then cut to a number they divide."""
     result = _make_plan(cluster, graph, previous, limits=limits, holders=holders)
-    if pin is None or result.plan is None:
+    if pin is not None:
+        return _pinned(cluster, graph, result, pin, limits) if result.plan is not None else result
+    if graph is None or limits.policy == "even":
         return result
-    return _pinned(cluster, graph, result, pin, limits)
+    return _with_sharding(_context(cluster, graph, previous, limits, holders), result)
+
+
+def _sharded(ctx: _Ctx) -> Plan | None:
+    """The best fully sharded plan (FSDP2 over every member, a ring of copies): the most devices
+    whose memory holds a member's shard, gathered unit and copy (fewer members hold bigger shards:
+    the set is shrunk until it is stable), shares balanced within what fits beside that; None
+    when fewer than two fit or they cannot hold the batch."""
+    g, d = ctx.graph, ctx.cluster.devices
+    members = sorted(d, key=lambda n: (-ctx.speeds[n], n))[: ctx.limits.max_workers or len(d)]
+    while len(members) >= 2:
+        static = sharded_static_bytes(g, len(members), optimizer_state_factor=g.optimizer_state_factor)
+        caps = {n: samples_that_fit(d[n].memory_bytes, static, g.activation_bytes) for n in members}
+        fit = [n for n in members if (caps[n] or 0) >= 1]
+        if len(fit) == len(members):
+            break
+        members = fit
+    if len(members) < 2:
+        return None
+    members = ctx.ranked(members)
+    shares = assign([ctx.speeds[m] for m in members], [d[m].overhead_s + ctx.fixed[m] for m in members],
+                    [caps[m] or 0.0 for m in members], ctx.limits.global_batch)
+    if shares is None:
+        return None
+    return predict_sharded(ctx.cluster, g, members, shares)
+
+
+def _with_sharding(ctx: _Ctx, replicated: PlanResult) -> PlanResult:
+    """The layout decision: sharded exactly when it is faster by the cost model (by MIN_GAIN) or
+    when no replicated plan fits; the reason says which, with the other as runner-up."""
+    sharded = _sharded(ctx)
+    if sharded is None or sharded.predicted_step_s is None:
+        return replicated
+    alt = ctx.score(sharded, f"sharded over {len(sharded.members)} members (FSDP2)")
+    state = ctx.graph.param_bytes * (2.0 + ctx.graph.optimizer_state_factor)
+    if replicated.plan is None:
+        biggest = max(dev.memory_bytes for dev in ctx.cluster.devices.values())
+        why = (f"sharded over {len(sharded.members)} members: no replica fits (parameters, gradients and "
+               f"optimizer state need {state / 2**20:.1f} MiB, the largest device has {biggest / 2**20:.1f} MiB); "
+               f"each member holds {sharded.costs[0].memory_bytes / 2**20:.1f} MiB or less with a copy of "
+               f"another's shard ({replicated.reason})")
+        return PlanResult(plan=sharded, status="optimal", reason=why, objective_s=alt.objective_s,
+                          standby=tuple(sorted(set(ctx.cluster.devices) - set(sharded.members))),
+                          standby_why=tuple("its memory cannot hold a shard" for _ in
+                                            sorted(set(ctx.cluster.devices) - set(sharded.members))))
+    assert replicated.objective_s is not None and replicated.plan.predicted_step_s is not None
+    if replicated.plan.dp_shard > 1:  # the planner kept the current (sharded) plan: a new one must beat it
+        if alt.objective_s < replicated.objective_s * (1 - MIN_GAIN) and not sharded.same_assignment(replicated.plan):
+            return replace(replicated, plan=sharded, objective_s=alt.objective_s,
+                           reason=f"sharded over {len(sharded.members)} members, re-balanced")
+        return replicated
+    if alt.objective_s < replicated.objective_s * (1 - MIN_GAIN):
+        runner = Alternative(description="replicated", plan=replicated.plan, objective_s=replicated.objective_s,
+                             moved_bytes=replicated.moved_bytes)
+        why = (f"sharded over {len(sharded.members)} members: predicted {sharded.predicted_step_s * 1e3:.1f} "
+               f"against {replicated.plan.predicted_step_s * 1e3:.1f} ms/step replicated")
+        return replace(replicated, plan=sharded, reason=why, objective_s=alt.objective_s, runner_up=runner,
+                       standby=tuple(sorted(set(ctx.cluster.devices) - set(sharded.members))), standby_why=())
+    return replace(replicated, reason=f"{replicated.reason}; replicated: sharded over {len(sharded.members)} "
+                                      f"would take {sharded.predicted_step_s * 1e3:.1f} ms/step")
 
 
 def _pinned(cluster: Cluster, graph: Graph | None, result: PlanResult, pin: LayoutPin, limits: PlanLimits) -> PlanResult:
@@ -310,7 +371,7 @@ def _current(ctx: _Ctx, keep: Alternative | None) -> Alternative | None:
     previous = ctx.previous
     if (previous is not None and previous.global_batch == ctx.limits.global_batch
             and set(previous.members) <= set(ctx.cluster.devices)):
-        return ctx.score(predict(ctx.cluster, ctx.graph, previous.members, previous.shares), "the current plan")
+        return ctx.score(repredict(ctx.cluster, ctx.graph, previous), "the current plan")
     return keep
 
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from plan.cluster import Cluster
-from plan.cost import allreduce_s, memory_bytes
+from plan.cost import allreduce_s, memory_bytes, sharded_comm_s, sharded_static_bytes
 from plan.graph import Graph
 from plan.layout import Layout
 
@@ -80,3 +80,24 @@ def predict(cluster: Cluster, graph: Graph | None, members: Sequence[str], share
              for c in costs]
     return Plan(members=tuple(members), shares=tuple(shares),
                 predicted_step_s=None if comm is None else busiest + comm, comm_s=comm, costs=tuple(costs))
+
+
+def predict_sharded(cluster: Cluster, graph: Graph, members: Sequence[str], shares: Sequence[int]) -> Plan:
+    """`members` sharding the state between them (FSDP2, a ring of copies), with their shares: the
+    compute of `predict`, the sharded step's communication, and each member's memory."""
+    base = predict(cluster, graph, members, shares)
+    n = len(members)
+    comm = sharded_comm_s(graph, n, cluster.link(members))
+    static = sharded_static_bytes(graph, n, optimizer_state_factor=graph.optimizer_state_factor)
+    busiest = max((c.compute_s + c.overhead_s for c in base.costs), default=0.0)
+    costs = tuple(replace(c, memory_bytes=static + graph.activation_bytes * c.samples) for c in base.costs)
+    return replace(base, predicted_step_s=busiest + comm, comm_s=comm, costs=costs, dp_shard=n)
+
+
+def repredict(cluster: Cluster, graph: Graph | None, plan: Plan) -> Plan:
+    """`plan`'s members, shares and layout, predicted again (new speeds, fitted constants)."""
+    if plan.dp_shard > 1 and graph is not None:
+        if plan.dp_shard == len(plan.members):
+            return predict_sharded(cluster, graph, plan.members, plan.shares)
+        return replace(predict(cluster, graph, plan.members, plan.shares), dp_shard=plan.dp_shard)
+    return predict(cluster, graph, plan.members, plan.shares)
