@@ -333,6 +333,7 @@ class Core:
                     "predicted_step_s": plan.predicted_step_s if plan else None,
                     "solve_s": round(elapsed_s, 6), "mode": plan.mode if plan else "sync",
                     "layout": plan.layout.to_dict() if plan else None,
+                    "micro_batch": list(plan.micro) if plan and plan.micro else None,
                     "standby": list(result.standby), "moved_bytes": result.moved_bytes,
                     "runner_up": ({"description": runner.description,
                                    "predicted_step_s": runner.plan.predicted_step_s} if runner else None),

@@ -108,7 +108,7 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
         result = replace(result, reason=f"{result.reason}; changed: {'; '.join(state.changed)}")
     epoch = state.epoch + 1
     delta = PlanDelta(epoch=epoch, reason=reason, layout=MeshLayout(**new.layout.to_dict()),
-                      global_batch=config.global_batch, abort=abort, senders=senders)
+                      global_batch=config.global_batch, abort=abort, senders=senders, micro_batch=list(new.micro))
     old = set(state.plan.members) if state.plan else set()
     recipients = sorted((old | set(new.members)) & set(state.workers))
     workers = {n: replace(w, nudged_at=now) if n in recipients else w for n, w in state.workers.items()}

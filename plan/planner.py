@@ -181,11 +181,14 @@ def _sharded(ctx: _Ctx) -> Plan | None:
     if len(members) < 2:
         return None
     members = ctx.ranked(members)
+    # A member runs its share in micro-batches of what fits beside its shard: memory bounds the
+    # micro-batch, not the share.
     shares = assign([ctx.speeds[m] for m in members], [d[m].overhead_s + ctx.fixed[m] for m in members],
-                    [caps[m] or 0.0 for m in members], ctx.limits.global_batch)
+                    [float(ctx.limits.global_batch)] * len(members), ctx.limits.global_batch)
     if shares is None:
         return None
-    return predict_sharded(ctx.cluster, g, members, shares)
+    micro = [0 if s <= (caps[m] or 0) else int(caps[m] or 0) for m, s in zip(members, shares)]
+    return predict_sharded(ctx.cluster, g, members, shares, micro)
 
 
 def _with_sharding(ctx: _Ctx, replicated: PlanResult) -> PlanResult:

@@ -41,6 +41,7 @@ class Plan:
     costs: tuple[MemberCost, ...] = ()
     mode: str = "sync"
     dp_shard: int = 1  # members that split the state between them (1: every member a replica)
+    micro: tuple[int, ...] = ()  # per member: samples per forward (0 or absent: the whole share at once)
 
     def __post_init__(self) -> None:
         assert len(self.members) == len(self.shares), "one share per member"
@@ -57,8 +58,8 @@ class Plan:
                       dp_shard=self.dp_shard)
 
     def same_assignment(self, other: Plan | None) -> bool:
-        return other is not None and (self.members, self.shares, self.dp_shard) == (
-            other.members, other.shares, other.dp_shard)
+        return other is not None and (self.members, self.shares, self.dp_shard, self.micro) == (
+            other.members, other.shares, other.dp_shard, other.micro)
 
 
 
@@ -82,22 +83,27 @@ def predict(cluster: Cluster, graph: Graph | None, members: Sequence[str], share
                 predicted_step_s=None if comm is None else busiest + comm, comm_s=comm, costs=tuple(costs))
 
 
-def predict_sharded(cluster: Cluster, graph: Graph, members: Sequence[str], shares: Sequence[int]) -> Plan:
-    """`members` sharding the state between them (FSDP2, a ring of copies), with their shares: the
-    compute of `predict`, the sharded step's communication, and each member's memory."""
+def predict_sharded(cluster: Cluster, graph: Graph, members: Sequence[str], shares: Sequence[int],
+                    micro: Sequence[int] = ()) -> Plan:
+    """`members` sharding the state between them (FSDP2, a ring of copies), with their shares (run
+    as micro-batches of `micro` samples where given): the compute of `predict`, the sharded step's
+    communication, and each member's memory (its shard, plus one micro-batch's activations)."""
     base = predict(cluster, graph, members, shares)
     n = len(members)
     comm = sharded_comm_s(graph, n, cluster.link(members))
     static = sharded_static_bytes(graph, n, optimizer_state_factor=graph.optimizer_state_factor)
     busiest = max((c.compute_s + c.overhead_s for c in base.costs), default=0.0)
-    costs = tuple(replace(c, memory_bytes=static + graph.activation_bytes * c.samples) for c in base.costs)
-    return replace(base, predicted_step_s=busiest + comm, comm_s=comm, costs=costs, dp_shard=n)
+    micro = tuple(micro) or (0,) * n
+    costs = tuple(replace(c, memory_bytes=static + graph.activation_bytes * (m or c.samples))
+                  for c, m in zip(base.costs, micro))
+    return replace(base, predicted_step_s=busiest + comm, comm_s=comm, costs=costs, dp_shard=n,
+                   micro=micro if any(micro) else ())
 
 
 def repredict(cluster: Cluster, graph: Graph | None, plan: Plan) -> Plan:
     """`plan`'s members, shares and layout, predicted again (new speeds, fitted constants)."""
     if plan.dp_shard > 1 and graph is not None:
         if plan.dp_shard == len(plan.members):
-            return predict_sharded(cluster, graph, plan.members, plan.shares)
+            return predict_sharded(cluster, graph, plan.members, plan.shares, plan.micro)
         return replace(predict(cluster, graph, plan.members, plan.shares), dp_shard=plan.dp_shard)
     return predict(cluster, graph, plan.members, plan.shares)

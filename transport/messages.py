@@ -306,6 +306,7 @@ class PlanDelta:
     global_batch: int
     abort: bool
     senders: list[str] = field(default_factory=list)  # leaving holders: in the epoch's group to hand over their slices
+    micro_batch: list[int] = field(default_factory=list)  # per member: samples per forward (0 / empty: whole share)
 
     @property
     def members(self) -> list[str]:

@@ -61,6 +61,11 @@ class Group:
     members: list[str]
     shares: list[int]
     layout: Layout
+    micro: list[int] = dataclasses.field(default_factory=list)  # per member: samples per pass (0: the whole share)
+
+    def __post_init__(self) -> None:
+        if len(self.micro) != len(self.shares):
+            self.micro = [0] * len(self.shares)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -205,7 +210,7 @@ class Trainer:
                                  timeout_s=self.config.group_timeout_s, superseded=superseded)
             layout = Layout.from_dict(dataclasses.asdict(delta.layout))
             group = Group(epoch=delta.epoch, pg=pg, store=store, rank=rank, members=ranks,
-                          shares=list(delta.shares), layout=layout)
+                          shares=list(delta.shares), layout=layout, micro=list(delta.micro_batch))
             if layout.sharded or self.sharded is not None or senders:
                 # Any epoch with sharded state on either side goes through the slice reshard.
                 local, received = self._reshard(group)
@@ -217,7 +222,7 @@ class Trainer:
                     pg = comm.form_group(store, delta.epoch, rank, len(delta.members), self.device,
                                          timeout_s=self.config.group_timeout_s, superseded=superseded, part="train/")
                     group = Group(epoch=delta.epoch, pg=pg, store=store, rank=rank, members=list(delta.members),
-                                  shares=list(delta.shares), layout=layout)
+                                  shares=list(delta.shares), layout=layout, micro=list(delta.micro_batch))
                 self._build_executor(group, local)
             else:  # replicated to replicated keeps the model and sends whole states (the fast path)
                 received = self._reconcile(group)
@@ -490,16 +495,22 @@ class Trainer:
         ids = sample_ids(job.seed, self.step, len(job.dataset), G)[start:stop]
         sharded.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        # Micro-batches: every member runs as many forward/backward passes as the member that needs
+        # the most (each pass gathers the units), with no samples once its own share is done.
+        size = g.micro[g.rank] or len(ids) or 1
+        passes = max((-(-s // (m or s)) if s else 1) for s, m in zip(g.shares, g.micro))
         try:
-            if len(ids):
-                inputs, targets = job.dataset[ids]
-                loss = job.loss(sharded.model(inputs.to(self.device)), targets.to(self.device))
-                self._pause("forward")
-                (loss / G).backward()  # type: ignore[no-untyped-call]
-                loss_sum = loss.detach().double()
-            else:  # no samples: the collectives of the step still need this member
-                inputs, targets = job.dataset[torch.arange(1)]
-                (job.loss(sharded.model(inputs.to(self.device)), targets.to(self.device)) * 0).backward()  # type: ignore[no-untyped-call]
+            for i in range(passes):
+                chunk = ids[i * size:(i + 1) * size]
+                if len(chunk):
+                    inputs, targets = job.dataset[chunk]
+                    loss = job.loss(sharded.model(inputs.to(self.device)), targets.to(self.device))
+                    self._pause("forward")
+                    (loss / G).backward()  # type: ignore[no-untyped-call]
+                    loss_sum = loss_sum + loss.detach().double()
+                else:  # no samples left: the collectives of the pass still need this member
+                    inputs, targets = job.dataset[torch.arange(1)]
+                    (job.loss(sharded.model(inputs.to(self.device)), targets.to(self.device)) * 0).backward()  # type: ignore[no-untyped-call]
         except Superseded:
             raise
         except Exception as e:

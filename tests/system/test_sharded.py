@@ -123,6 +123,47 @@ def test_a_stopped_shard_holder_is_planned_out_and_rejoins(tmp_path: Path) -> No
         assert "fenced" in job.tail("w2", 200)
 
 
+@pytest.mark.timeout(600)
+def test_a_model_no_worker_can_replicate_trains_sharded_in_micro_batches(tmp_path: Path) -> None:
+    """Every worker's --memory-limit is below what a replica needs (parameters, gradients, AdamW
+    state, one sample's activations). Without a pinned layout the planner shards the state over the
+    members, with micro-batches of what fits beside a shard; it trains exactly through a kill (4 ->
+    3 members, still fitting) and a join (back to 4)."""
+    from plan.cost import sharded_static_bytes, static_bytes
+    from worker.graph import capture_graph
+    from worker.job import load_job
+
+    path, name = JOB.rsplit(":", 1)
+    graph = capture_graph(load_job(Path(path).read_text(), name, filename=path))
+    f, act = graph.optimizer_state_factor, graph.activation_bytes
+    limit = sharded_static_bytes(graph, 3, optimizer_state_factor=f) + 1.5 * act
+    assert limit < static_bytes(graph.param_bytes, f) + act, "no replica fits in the limit"
+    memory = ("--memory-limit", f"{limit / 2**30:.12f}")
+    reference = single_process()
+    with LocalJob(JOB, tmp_path, min_workers=4) as job:
+        job.start()
+        for worker in ("w1", "w2", "w3", "w4"):
+            job.add_worker(worker, *memory)
+        first = job.wait_event(lambda e: e["kind"] == "plan" and e["layout"] is not None, 180, "a plan")
+        assert first["layout"]["dp_shard"] == 4 and "no replica fits" in first["detail"], first
+        assert first["micro_batch"] and max(first["micro_batch"]) < max(first["layout"]["shares"]), first
+        job.wait_step(8, 240)
+        job.kill("w4")
+        failure = job.wait_event(lambda e: e["kind"] == "plan" and e["reason"] == "failure", 60, "failure plan")
+        assert failure["layout"]["dp_shard"] == 3, failure
+        job.add_worker("w5", *memory)
+        job.wait_event(lambda e: e["kind"] == "plan" and "w5" in (e["layout"] or {}).get("members", []), 180,
+                       "w5 planned in")
+        exits = job.wait_workers(400)
+        assert exits == {"w1": 0, "w2": 0, "w3": 0, "w4": -signal.SIGKILL, "w5": 0}, {n: job.tail(n) for n in exits}
+        events = job.events()
+        steps = {e["step"]: e for e in events if e["kind"] == "step"}
+        run = {s: {"loss": e["loss"], "lr": e["lr"], "grad_norm": e["grad_norm"]} for s, e in steps.items()}
+        gaps = _gap(run, reference)
+        assert max(gaps.values()) <= 1e-4, gaps
+        assert not [e for e in events if e["kind"] == "state_lost"]
+
+
 @pytest.mark.timeout(300)
 def test_a_slice_and_its_copy_both_lost_stop_the_job_naming_them(tmp_path: Path) -> None:
     """Three members in a ring of copies (w2 keeps w1's, w3 keeps w2's, w1 keeps w3's): SIGKILL of w1
