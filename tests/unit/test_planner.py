@@ -258,3 +258,18 @@ def test_sharded_when_no_replica_fits_and_replicated_when_it_is_faster() -> None
     roomy = cluster(*(device(f"d{i}", 100.0, memory=1 << 34) for i in range(4)))
     result = make_plan(roomy, graph, None, limits=PlanLimits(global_batch=32))
     assert result.plan is not None and result.plan.dp_shard == 1 and "sharded over 4 would take" in result.reason
+
+
+def test_a_pinned_layout_cuts_members_to_its_degrees() -> None:
+    from plan.layout import parse_pin
+    c = cluster(*(device(f"d{i}", 100.0 + i) for i in range(5)))
+    limits = PlanLimits(global_batch=40)
+    every = make_plan(c, GRAPH, None, limits=limits, pin=parse_pin("dp=1"))
+    assert every.plan is not None and every.plan.layout.describe() == "dp_shard=5"
+    three = make_plan(c, GRAPH, None, limits=limits, pin=parse_pin("fsdp=3"))
+    assert three.plan is not None and three.plan.dp_shard == 3 and set(three.plan.members) == {"d2", "d3", "d4"}
+    assert "not in the pinned layout" in three.standby_why and sum(three.plan.shares) == 40
+    replicas = make_plan(c, GRAPH, None, limits=limits, pin=parse_pin("fsdp=1"))
+    assert replicas.plan is not None and replicas.plan.dp_shard == 1 and len(replicas.plan.members) == 5
+    too_many = make_plan(c, GRAPH, None, limits=limits, pin=parse_pin("fsdp=6"))
+    assert too_many.plan is None and "needs 6 members" in too_many.reason

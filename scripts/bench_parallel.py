@@ -1,0 +1,290 @@
+"""Sharded state, measured side by side in one run on this machine (gloo over loopback, one torch
+thread per process), on one model (default the 10M-parameter GPT, examples/gpt.py:job_10m):
+
+  throughput   global samples/s after a warm-up, for N = 2..4 workers: adaptrain replicated
+               (`--layout fsdp=1`), adaptrain sharded (`--layout dp=1`: FSDP2 over every member, with
+               the ring of copies), and torchrun + FSDP2 (scripts/_torchrun_fsdp.py: `fully_shard`
+               per block, the same model, batch and sampler); and each worker's peak resident
+               memory (VmHWM), replicated against sharded.
+  reshard      a join to a sharded job (2 -> 3 members) in real processes (tests/system/
+               parallel_harness.py): the bytes the newcomer receives and how fast, against raw gloo
+               p2p between two processes measured in the same run (batch_isend_irecv of 100 MB).
+  join         adaptrain sharded, one worker more: from the newcomer's plan (it is planned in as
+               soon as it is ready) to the first step of that epoch.
+  kill         adaptrain sharded: SIGKILL of a member -> the next committed step (its slices come
+               back from the copy its keeper holds).
+
+Goals (issue #11): sharded >= 0.95x torchrun + FSDP2 samples/s; reshard >= 0.7x raw p2p; 10M join
+<= 1 s from ready to first step; kill -> next step <= 0.5 s. Prints a table, writes JSON.
+
+usage: python scripts/bench_parallel.py [--quick] [--workers 2,3] [--sections ...] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from localjob import LocalJob, read_jsonl  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SECTIONS = ("throughput", "reshard", "join", "kill")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _samples_per_s(steps: list[dict[str, Any]], first: int, last: int, batch: int) -> float:
+    ts = {e["step"]: e["ts"] for e in steps}
+    return batch * (last - first) / (ts[last] - ts[first])
+
+
+def _peak_rss(pids: list[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            out.append(int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM"))) * 1024)
+        except (OSError, StopIteration):
+            pass
+    return out
+
+
+def _job_info(job_ref: str) -> tuple[int, int]:
+    from worker.job import load_job, resolve_job_ref
+
+    src = resolve_job_ref(job_ref)
+    job = load_job(src.source, src.name, filename=src.ref)
+    return job.global_batch, job.num_steps
+
+
+def adaptrain_throughput(job_ref: str, n: int, layout: str, warmup: int, steps: int, workdir: Path) -> dict[str, Any]:
+    batch, _ = _job_info(job_ref)
+    with LocalJob(job_ref, workdir, min_workers=n, coordinator_args=["--layout", layout]) as job:
+        job.start()
+        for i in range(n):
+            job.add_worker(f"w{i + 1}")
+        job.wait_step(warmup + steps, 1200)
+        rss = _peak_rss([p.pid for p in job.workers.values()])
+        events = job.events()
+        job.ctl("stop")
+        job.wait_coordinator(60)
+    run = [e for e in events if e["kind"] == "step"]
+    return {"samples_per_s": _samples_per_s(run, warmup, warmup + steps, batch), "peak_rss_bytes": rss,
+            "layout": next(e["layout"] for e in reversed(events) if e["kind"] == "plan" and e.get("layout"))}
+
+
+def torchrun_throughput(job_ref: str, n: int, warmup: int, steps: int, workdir: Path) -> dict[str, Any]:
+    batch, _ = _job_info(job_ref)
+    workdir.mkdir(parents=True, exist_ok=True)
+    events = workdir / "torchrun.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={n}",
+           str(ROOT / "scripts" / "_torchrun_fsdp.py"), "--job", job_ref, "--events", str(events),
+           "--steps", str(warmup + steps)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    with (workdir / "torchrun.log").open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        peak: list[int] = []
+        try:
+            while proc.poll() is None:
+                kids = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+                rss = _peak_rss([int(k) for k in kids])
+                peak = rss if sum(rss) > sum(peak) else peak
+                time.sleep(0.5)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    if proc.returncode != 0:
+        raise RuntimeError(f"torchrun failed ({proc.returncode}): {(workdir / 'torchrun.log').read_text()[-2000:]}")
+    run = read_jsonl(events)
+    return {"samples_per_s": _samples_per_s(run, warmup, warmup + steps, batch), "peak_rss_bytes": peak}
+
+
+def raw_p2p(workdir: Path, megabytes: int = 100) -> dict[str, Any]:
+    """Two processes, `batch_isend_irecv` of 200 fp32 tensors (`megabytes` in all), 5 times: GB/s."""
+    code = f"""
+import sys, time, json, torch, torch.distributed as dist
+from datetime import timedelta
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timedelta(seconds=60))
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+ts = [torch.ones({megabytes} * 2**20 // 4 // 200) for _ in range(200)]
+rates = []
+for _ in range(6):
+    dist.barrier(); t0 = time.perf_counter()
+    ops = [dist.P2POp(dist.isend if rank == 0 else dist.irecv, t, 1 - rank) for t in ts]
+    for w in dist.batch_isend_irecv(ops): w.wait()
+    rates.append({megabytes} * 2**20 / (time.perf_counter() - t0))
+if rank == 1: print(json.dumps(rates[1:]))
+"""
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(port)], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True) for r in (0, 1)]
+    out = [p.communicate(timeout=300)[0] for p in procs]
+    rates = json.loads(out[1].strip().splitlines()[-1])
+    return {"bytes": megabytes * 2**20, "bytes_per_s": statistics.median(rates)}
+
+
+def reshard_join(job_ref: str, workdir: Path) -> dict[str, Any]:
+    """2 -> 3 members, sharded, in real processes: what the newcomer received and how fast."""
+    from plan.graph import Graph  # noqa: F401  (the harness reads the graph file)
+    from worker.graph import capture_graph
+    from worker.job import load_job, resolve_job_ref
+
+    src = resolve_job_ref(job_ref)
+    job = load_job(src.source, src.name, filename=src.ref)
+    workdir.mkdir(parents=True, exist_ok=True)
+    graph = workdir / "graph.json"
+    graph.write_text(json.dumps(capture_graph(job).to_dict()))
+    G = job.global_batch
+
+    def layout(members: list[str]) -> dict[str, Any]:
+        shares = [G // len(members) + (1 if i < G % len(members) else 0) for i in range(len(members))]
+        return {"dp_replicate": 1, "dp_shard": len(members), "pp": 1, "tp": 1, "members": members, "shares": shares}
+
+    scenario = workdir / "scenario.json"
+    path, name = job_ref.split(":")
+    scenario.write_text(json.dumps({"processes": ["a", "b", "c"], "job": str(Path(path).resolve().relative_to(ROOT)),
+                                    "job_name": name, "graph": str(graph), "port": _free_port(),
+                                    "epochs": [{"layout": layout(["a", "b"]), "steps": 1},
+                                               {"layout": layout(["a", "b", "c"]), "steps": 1}]}))
+    harness = ROOT / "tests" / "system" / "parallel_harness.py"
+    procs = [subprocess.Popen([sys.executable, str(harness), str(scenario), n, str(workdir)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for n in ("a", "b", "c")]
+    outs = [p.communicate(timeout=600)[0].decode(errors="replace") for p in procs]
+    for p, text in zip(procs, outs):
+        if p.returncode != 0:
+            raise RuntimeError(text[-2000:])
+    c = json.loads((workdir / "c.json").read_text())["reshard"][0]
+    sent = [json.loads((workdir / f"{n}.json").read_text())["reshard"][-1] for n in ("a", "b")]
+    return {"received_bytes": c["received"], "seconds": c["seconds"], "bytes_per_s": c["received"] / c["seconds"],
+            "state_bytes": c["bytes"], "largest_sender_elements": max(s["sent"] for s in sent)}
+
+
+def join_and_kill(job_ref: str, n: int, workdir: Path, sections: tuple[str, ...]) -> dict[str, Any]:
+    """adaptrain sharded: N-1 workers, one joins (plan -> its first step); then SIGKILL of one
+    (kill -> the next committed step)."""
+    out: dict[str, Any] = {}
+    with LocalJob(job_ref, workdir, min_workers=n - 1, coordinator_args=["--layout", "dp=1"]) as job:
+        job.start()
+        for i in range(n - 1):
+            job.add_worker(f"w{i + 1}")
+        job.wait_step(3, 900)
+        if "join" in sections:
+            job.add_worker(f"w{n}")
+            plan = job.wait_event(lambda e: e["kind"] == "plan" and f"w{n}" in (e["layout"] or {}).get("members", []),
+                                  600, "the newcomer planned in")
+            first = job.wait_event(lambda e: e["kind"] == "step" and e["epoch"] == plan["epoch"], 600, "its first step")
+            reshard = job.wait_event(lambda e: e["kind"] == "reshard" and e["epoch"] == plan["epoch"], 60, "reshard")
+            out["join"] = {"plan_to_first_step_s": first["ts"] - plan["ts"], "reshard_bytes": reshard["bytes"],
+                           "reshard_s": reshard["seconds"]}
+        if "kill" in sections:
+            job.wait_step(max(job.steps()) + 2, 600)
+            last = max(job.steps())
+            t_kill = time.time()
+            job.kill("w2")
+            nxt = job.wait_event(lambda e: e["kind"] == "step" and e["step"] > last and e["ts"] > t_kill, 600,
+                                 "the next committed step")
+            failed = job.wait_event(lambda e: e["kind"] == "failed", 60, "failed")
+            out["kill"] = {"kill_to_next_step_s": nxt["ts"] - t_kill, "failure_noticed_s": failed["ts"] - t_kill,
+                           "lost": any(e["kind"] == "state_lost" for e in job.events())}
+        job.ctl("stop")
+        job.wait_coordinator(60)
+    return out
+
+
+def table(r: dict[str, Any]) -> str:
+    lines = [f"bench_parallel: {r['settings']['job']} ({r['settings']['machine']})", ""]
+    if "throughput" in r:
+        lines.append(f"{'workers':>8} {'replicated':>12} {'sharded':>12} {'torchrun+FSDP2':>15} {'sharded/torchrun':>17}"
+                     f" {'peak MB repl':>13} {'peak MB shard':>14}")
+        for n, row in sorted(r["throughput"].items()):
+            rep, sh, tr = row["replicated"], row["sharded"], row["torchrun_fsdp2"]
+            lines.append(f"{n:>8} {rep['samples_per_s']:>12.1f} {sh['samples_per_s']:>12.1f} {tr['samples_per_s']:>15.1f}"
+                         f" {sh['samples_per_s'] / tr['samples_per_s']:>17.3f}"
+                         f" {max(rep['peak_rss_bytes']) / 2**20:>13.0f} {max(sh['peak_rss_bytes']) / 2**20:>14.0f}")
+        lines.append("  (samples/s; peak = the largest worker's VmHWM)")
+    if "reshard" in r:
+        rs, p2p = r["reshard"], r["raw_p2p"]
+        lines.append("")
+        lines.append(f"reshard 2->3 (newcomer): {rs['received_bytes'] / 1e6:.1f} MB in {rs['seconds'] * 1e3:.0f} ms = "
+                     f"{rs['bytes_per_s'] / 1e9:.2f} GB/s; raw p2p {p2p['bytes_per_s'] / 1e9:.2f} GB/s "
+                     f"-> {rs['bytes_per_s'] / p2p['bytes_per_s']:.2f}x")
+    if "join" in r:
+        j = r["join"]
+        lines.append(f"join (sharded): plan -> first step {j['plan_to_first_step_s']:.2f} s; "
+                     f"reshard {j['reshard_bytes'] / 1e6:.1f} MB in {j['reshard_s']:.2f} s")
+    if "kill" in r:
+        k = r["kill"]
+        lines.append(f"kill (sharded): -> next committed step {k['kill_to_next_step_s']:.2f} s "
+                     f"(noticed {k['failure_noticed_s'] * 1e3:.0f} ms); state lost: {k['lost']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--job", default="examples/gpt.py:job_10m", help="PATH.py:NAME (default the 10M GPT)")
+    p.add_argument("--workers", default="2,3", help="comma-separated worker counts for throughput (default 2,3)")
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"any of {', '.join(SECTIONS)}")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--quick", action="store_true", help="the small GPT, 2 workers, fewer steps (minutes)")
+    p.add_argument("--out", type=Path, default=Path("bench-out/parallel.json"))
+    a = p.parse_args(argv)
+    sections = tuple(s.strip() for s in a.sections.split(","))
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        p.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+    if a.quick:
+        a.job, a.workers, a.warmup, a.steps = "examples/gpt.py:job", "2", 3, 10
+    try:
+        counts = [int(n) for n in a.workers.split(",")]
+    except ValueError:
+        p.error(f"--workers wants numbers like 2,3, got {a.workers!r}")
+    if any(n < 2 for n in counts):
+        p.error("--workers: at least 2 (sharding needs two members)")
+    job_ref = str((ROOT / a.job.split(":")[0]).resolve()) + ":" + a.job.split(":")[1]
+    result: dict[str, Any] = {"settings": {"job": a.job, "workers": counts, "warmup": a.warmup, "steps": a.steps,
+                                           "sections": list(sections),
+                                           "machine": f"{os.cpu_count()} cores, torch threads 1"}}
+    with tempfile.TemporaryDirectory(prefix="bench-parallel-") as tmp:
+        work = Path(tmp)
+        if "throughput" in sections:
+            result["throughput"] = {}
+            for n in counts:
+                print(f"throughput with {n} workers ...", flush=True)
+                result["throughput"][n] = {
+                    "replicated": adaptrain_throughput(job_ref, n, "fsdp=1", a.warmup, a.steps, work / f"rep{n}"),
+                    "sharded": adaptrain_throughput(job_ref, n, "dp=1", a.warmup, a.steps, work / f"shard{n}"),
+                    "torchrun_fsdp2": torchrun_throughput(job_ref, n, a.warmup, a.steps, work / f"torchrun{n}"),
+                }
+        if "reshard" in sections:
+            print("reshard and raw p2p ...", flush=True)
+            result["raw_p2p"] = raw_p2p(work / "p2p")
+            result["reshard"] = reshard_join(a.job, work / "reshard")
+        if "join" in sections or "kill" in sections:
+            print("join and kill ...", flush=True)
+            result.update(join_and_kill(job_ref, 3, work / "joinkill", sections))
+    print(table(result))
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
