@@ -19,7 +19,7 @@ from typing import Any
 from transport import PROTOCOL_VERSION, GraphUpload, Leave, check_name
 from transport.security import KEYS_ENV, ROLE_WORKER, ClientKeys, KeysError, keys_dir, load_client_keys
 
-PAUSE_PHASES = ("forward", "backward", "exchange", "optimizer")
+PAUSE_PHASES = ("forward", "backward", "exchange", "optimizer", "abandon")
 
 EPILOG = """\
 examples:
@@ -73,7 +73,9 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
                    help="fault-injection knob for tests: in step STEP (1-based) of a sharded layout, sleep 60 s at "
                         "PHASE (forward: after the forward; backward: after the backward; exchange: after the "
                         "gradient slices went to the copy's keeper; optimizer: after the step's all-reduce, "
-                        "before the update), saying so in the log, so that a test can SIGKILL or SIGSTOP it there")
+                        "before the update), saying so in the log, so that a test can SIGKILL or SIGSTOP it there; "
+                        "abandon: after the all-reduce, drop the step as if its result never arrived (the others "
+                        "apply it: a roll forward follows at the next failure)")
     p.add_argument("--keys", metavar="DIR",
                    help=f"CURVE keys from `coordinator keygen` (server.key + worker.key_secret); default ${KEYS_ENV}; "
                         "none: connect without CURVE (only an --insecure coordinator accepts that)")

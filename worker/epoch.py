@@ -116,7 +116,7 @@ def enter(layout: Layout, tensors: Sequence[TensorShape], me: str, ranks: Sequen
         root = min(r for r, d in enumerate(described) if d[0] == best)
         coefficient = torch.tensor([local.coefficient if local is not None and rank == root else 0.0],
                                    dtype=torch.float64)
-        wait(pg.broadcast([coefficient], root), None)
+        wait(pg.broadcast(coefficient, root), None)
         if rank in behind and local is not None:
             roll(local, float(coefficient.item()))
             described[rank] = describe(tensors, local).tolist()

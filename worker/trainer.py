@@ -536,6 +536,9 @@ class Trainer:
         comm_s = time.perf_counter() - t_comm
         grad_norm = float(buf[1].sqrt())
         self._pause("optimizer")
+        if self.config.pause_at == ("abandon", self.step + 1):
+            self._log(f"abandoning step {self.step + 1} after its all-reduce (--pause-at)")
+            raise Superseded
         coefficient = 1.0
         if job.grad_clip is not None:
             coefficient = min(1.0, job.grad_clip / (grad_norm + 1e-6))

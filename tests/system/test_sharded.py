@@ -164,6 +164,35 @@ def test_a_model_no_worker_can_replicate_trains_sharded_in_micro_batches(tmp_pat
         assert not [e for e in events if e["kind"] == "state_lost"]
 
 
+@pytest.mark.timeout(400)
+def test_a_step_some_members_applied_is_rolled_forward_by_the_others(tmp_path: Path) -> None:
+    """w3 drops step 12 after its all-reduce (--pause-at abandon@12: as if the result never came),
+    while w1 and w2 apply it; then w2 is SIGKILLed. Entering the next epoch w3 is a step behind: it
+    rolls step 12 forward on its own slices and on its copy of w2's with the gradients it kept, and
+    everyone continues from step 12. Every step's loss, learning rate and norm equal the
+    single-process run's."""
+    reference = single_process()
+    with LocalJob(JOB, tmp_path, min_workers=3, coordinator_args=["--layout", "dp=1"]) as job:
+        job.start()
+        job.add_worker("w1")
+        job.add_worker("w2")
+        job.add_worker("w3", "--pause-at", "abandon@12")
+        deadline = time.monotonic() + 240
+        while "abandoning step 12" not in job.tail("w3") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "abandoning step 12" in job.tail("w3")
+        job.kill("w2")
+        exits = job.wait_workers(300)
+        assert exits == {"w1": 0, "w2": -signal.SIGKILL, "w3": 0}, {n: job.tail(n) for n in exits}
+        assert "rolled step 12 forward" in (tmp_path / "w3.log").read_text()
+        events = job.events()
+        steps = {e["step"]: e for e in events if e["kind"] == "step"}
+        run = {s: {"loss": e["loss"], "lr": e["lr"], "grad_norm": e["grad_norm"]} for s, e in steps.items()}
+        gaps = _gap(run, reference)
+        assert max(gaps.values()) <= 1e-4, gaps
+        assert not [e for e in events if e["kind"] == "state_lost"]
+
+
 @pytest.mark.timeout(300)
 def test_a_slice_and_its_copy_both_lost_stop_the_job_naming_them(tmp_path: Path) -> None:
     """Three members in a ring of copies (w2 keeps w1's, w3 keeps w2's, w1 keeps w3's): SIGKILL of w1
