@@ -129,7 +129,9 @@ def apply(state: State, event: Event, config: Config, *, now: float) -> Result:
             if state.plan is None or not state.plan.members:
                 return state, []
             writer = state.plan.members[0]  # replicas are identical: the first member writes
-            return state, [Send(writer, SaveModel(path=path)),
+            # Sharded: every member gathers (a collective) at the same step boundary; rank 0 writes.
+            to = state.plan.members if state.plan.dp_shard > 1 else (writer,)
+            return state, [*(Send(n, SaveModel(path=path)) for n in to),
                            Log("save_requested", {"path": path, "worker": writer})]
         case ReplanDue(reason, abort):
             return replan(state, config, reason, abort=abort, now=now)

@@ -163,6 +163,10 @@ class Agent:
                     return None
                 self._cond.wait(min(left, 0.1))
 
+    def save_waiting(self) -> bool:
+        """Whether a `ctl save` waits for a step boundary (not taken)."""
+        return bool(self._box.saves)
+
     def take_save(self) -> str | None:
         """The oldest `ctl save` path waiting for a step boundary, if any (taken)."""
         with self._cond:

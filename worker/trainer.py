@@ -529,8 +529,11 @@ class Trainer:
         self.pending = True
         grads = [gr for p in self.params if (gr := _local_grad(p)) is not None]
         squares = sum((gr.double().pow(2).sum() for gr in grads), torch.zeros((), dtype=torch.float64))
+        # The vote: the switch to a planned delta, and a `ctl save` every member has (the gather
+        # that writes it is a collective: all of them take it at the same step boundary).
         buf = torch.stack([loss_sum.cpu(), squares.cpu() / g.layout.dp_replicate,
-                           torch.tensor(1.0 if pending is not None else 0.0, dtype=torch.float64)]).to(self.device)
+                           torch.tensor(1.0 if pending is not None else 0.0, dtype=torch.float64),
+                           torch.tensor(1.0 if self.agent.save_waiting() else 0.0, dtype=torch.float64)]).to(self.device)
         t_comm = time.perf_counter()
         self._wait(g, g.pg.allreduce([buf]), buf)
         comm_s = time.perf_counter() - t_comm
@@ -577,11 +580,10 @@ class Trainer:
             self._evaluate(g)
         if self.step == job.num_steps and self.config.final_dir:  # every member gathers; rank 0 writes
             self._save_gathered(g, self.config.final_dir, final=True)
-        requested = self.agent.take_save()
-        if requested is not None:
-            self.agent.send(Saved(name=self.name, step=self.step, path=requested, bytes=0, final=False,
-                                  error="ctl save is not supported in sharded layouts yet: the model is written "
-                                        "at the end of the job (STATE_DIR/final)"))
+        if round(float(buf[3])) == len(g.members):
+            requested = self.agent.take_save()
+            if requested is not None:
+                self._save_gathered(g, requested, final=False)
         agreed = round(float(buf[2])) == len(g.members)
         return pending if agreed and pending is not None else None
 

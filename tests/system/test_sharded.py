@@ -34,13 +34,18 @@ def test_a_sharded_job_is_exact_through_a_join_and_a_drain(tmp_path: Path) -> No
     reference = single_process(trained)
     with LocalJob(JOB, tmp_path, min_workers=2, coordinator_args=["--layout", "dp=1"]) as job:
         job.start()
-        job.add_worker("w1")
-        job.add_worker("w2")
-        job.wait_step(8, 180)
+        # --slowdown stretches compute (sleeps), the mathematics unchanged: margin for w3 to load
+        # and join, and for the save and the drain, before step 40 on a loaded machine.
+        job.add_worker("w1", "--slowdown", "4")
+        job.add_worker("w2", "--slowdown", "4")
+        job.wait_step(4, 180)
         job.add_worker("w3")
         joined = job.wait_event(lambda e: e["kind"] == "plan" and len(e["layout"]["members"]) == 3, 120,
                                 "w3 planned in")
         job.wait_event(lambda e: e["kind"] == "step" and e["epoch"] == joined["epoch"], 60, "a step with w3")
+        snapshot = tmp_path / "snapshot"
+        saved = job.ctl("save", str(snapshot), "--wait", "120")  # gathered from the 3 shards, written by rank 0
+        assert saved["kind"] == "saved" and saved["path"] == str(snapshot) and (snapshot / "model.pt").exists(), saved
         assert job.ctl("drain", "w1") == {"draining": "w1"}
         drained = job.wait_event(lambda e: e["kind"] == "plan" and "w1" not in e["layout"]["members"]
                                  and e["epoch"] > joined["epoch"], 60, "w1 planned out")
@@ -142,8 +147,8 @@ def test_a_model_no_worker_can_replicate_trains_sharded_in_micro_batches(tmp_pat
     reference = single_process()
     with LocalJob(JOB, tmp_path, min_workers=4) as job:
         job.start()
-        for worker in ("w1", "w2", "w3", "w4"):
-            job.add_worker(worker, *memory)
+        for worker in ("w1", "w2", "w3", "w4"):  # --slowdown: margin for w5 to join before the end
+            job.add_worker(worker, *memory, "--slowdown", "2")
         first = job.wait_event(lambda e: e["kind"] == "plan" and e["layout"] is not None, 180, "a plan")
         assert first["layout"]["dp_shard"] == 4 and "no replica fits" in first["detail"], first
         assert first["micro_batch"] and max(first["micro_batch"]) < max(first["layout"]["shares"]), first
