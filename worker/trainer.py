@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from plan.layout import Layout
-from plan.reshard import TensorShape, copy_ring
+from plan.reshard import TensorShape
 from plan.shares import split_shares
 from transport import Ack, EvalReport, Leave, PlanDelta, Saved, StateLost, StepReport
 from transport.security import ClientKeys
@@ -42,14 +42,14 @@ from worker.job import Job, sample_ids, share_slice
 from worker.parallel import mesh as meshes
 from worker.parallel.fsdp import Sharded, apply_fsdp, extract
 from worker.parallel.replicated import apply_replicated
-from worker.parallel.slices import PARAM, LocalState, Piece, from_module
+from worker.parallel.copies import Copies
+from worker.parallel.slices import PARAM, LocalState, from_module
 from worker.parallel.update import GRAD, apply_update
 from worker.save import save_model, save_state
 from worker.store import CoordinatorStore
 
 RETRY_S = 0.5  # pause before forming an epoch's group again after a failed rendezvous
 EVAL_CHUNK = 256  # held-out samples evaluated at once (bounds the memory of an evaluation)
-GRAD_TAG = 64  # p2p tags of the gradient slices a member sends to the keeper of its copy
 
 
 @dataclass(slots=True)
@@ -106,9 +106,7 @@ class Trainer:
         # Redundancy of a sharded layout: who keeps a copy of my slices, whose slices I keep a copy
         # of (and that copy), whether this step's gradients are held but not applied, and the
         # clipping coefficient of the last step applied (for a roll forward after a failure).
-        self.keeper: str | None = None
-        self.source: str | None = None
-        self.copy: LocalState | None = None
+        self.copies = Copies.none()
         self.pending = False
         self.coefficient = 1.0
 
@@ -320,37 +318,18 @@ class Trainer:
                                       wait=lambda work, buf: self._wait(g, work, buf))
             self.sharded_at = (g.layout, g.rank)
             self.model, self.optimizer = self.sharded.model, self.sharded.optimizer
-            self._keep_copy(g, local)
+            self.copies = Copies.of(g.layout, self.name, local, self.tensors)
         else:
             replica = apply_replicated(self.job, local, self.device)
             self.model, self.optimizer = replica.model, replica.optimizer
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.numel = sum(p.numel() for p in self.params)
 
-    def _keep_copy(self, g: Group, local: LocalState) -> None:
-        """The redundancy of a sharded layout (`plan.reshard.copy_ring`): which member keeps a copy of
-        this member's slices, and this member's copy of its source's slices (brought by the reshard)."""
-        ring = copy_ring(g.layout) if g.layout.dp_replicate == 1 else {}
-        self.keeper = next((k for k, source in ring.items() if source == self.name), None)
-        self.source = ring.get(self.name)
-        self.copy = None
-        if self.source is None:
-            return
-        src = g.members.index(self.source)
-        copy = LocalState(step=local.step, keys=dict(local.keys), dtypes=dict(local.dtypes), hyper=local.hyper,
-                          scalars={f: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in sc.items()}
-                                   for f, sc in local.scalars.items()})
-        for t in self.tensors:
-            lo, hi = g.layout.slice_of(src, t.rows, t.numel)
-            copy.pieces[t.name] = ([Piece(lo, hi, {k: local.read(t.name, k, lo, hi).clone() for k in local.keys[t.name]})]
-                                   if hi > lo else [])
-        self.copy = copy
-
     def _drop_state(self) -> None:
         """This member holds nothing current any more (it handed its slices over, or they are lost)."""
         meshes.forget(self.registered)
         self.registered, self.sharded, self.sharded_at = None, None, None
-        self.copy, self.keeper, self.source, self.pending = None, None, None, False
+        self.copies, self.pending = Copies.none(), False
         self.stale = True
 
     def _local_state(self) -> LocalState:
@@ -365,12 +344,8 @@ class Trainer:
                         grad = _local_grad(p)
                         piece.data[GRAD] = (grad.reshape(-1) if grad is not None
                                             else torch.zeros_like(piece.data[PARAM]))
-            if self.copy is not None:
-                for fqn, pieces in self.copy.pieces.items():
-                    if pieces and not self.pending:
-                        for piece in pieces:
-                            piece.data.pop(GRAD, None)
-                    local.pieces[fqn] = sorted([*local.pieces.get(fqn, []), *pieces], key=lambda q: q.lo)
+            for fqn, pieces in self.copies.pieces(self.pending).items():
+                local.pieces[fqn] = sorted([*local.pieces.get(fqn, []), *pieces], key=lambda q: q.lo)
             return local
         return from_module(self.step, self.model, self.optimizer)
 
@@ -457,26 +432,8 @@ class Trainer:
         self.optimizer.step()
         self.step += 1
         self.final_writer = self.step == job.num_steps and g.rank == 0
-        self.agent.step = self.step
-        loss_value = float(buf[self.numel]) / G
-        step_s = time.perf_counter() - t0
-        digest = ""
-        every = self.config.digest_every
-        if every and (self.step % every == 0 or self.step == job.num_steps):
-            digest = self.digest()
-            self._log(f"digest step {self.step} {digest}")
-        report = StepReport(name=self.name, epoch=g.epoch, step=self.step, loss=loss_value, samples=len(ids),
-                            global_batch=G, compute_s=compute_s, comm_s=comm_s, step_s=step_s, digest=digest,
-                            lr=lr, grad_norm=grad_norm)
-        self.agent.send(report)
-        if self.config.trace_path is not None:
-            with open(self.config.trace_path, "a") as trace:
-                trace.write(json.dumps({"ts": time.time(), **dataclasses.asdict(report)}) + "\n")
-        if self.config.log_every and self.step % self.config.log_every == 0:
-            self._log(f"step {self.step}/{job.num_steps} loss {loss_value:.4f} ({step_s * 1e3:.0f} ms, "
-                      f"epoch {g.epoch}, {len(g.members)} replicas)")
-        if job.eval_every and (self.step % job.eval_every == 0 or self.step == job.num_steps):
-            self._evaluate(g)
+        self._after_step(g, float(buf[self.numel]) / G, len(ids), compute_s, comm_s, time.perf_counter() - t0,
+                         lr, grad_norm)
         requested = self.agent.take_save()
         if requested is not None:  # `ctl save PATH`: at this step boundary
             self._save(requested, final=False)
@@ -523,8 +480,10 @@ class Trainer:
             time.sleep((factor - 1.0) * compute_s)
             compute_s = time.perf_counter() - t0
         self._pause("backward")
-        if self.keeper is not None or self.source is not None:
-            self._send_grads_to_keeper(g, sharded)  # every member has its copy's gradients: the step may be rolled forward
+        # Every member gets its copy's gradients: from here on the step may be rolled forward.
+        self.copies.exchange(((p.to_local() if isinstance(p, DTensor) else p, _local_grad(p))
+                              for _, p in sharded.model.named_parameters()),
+                             g.members, g.pg, lambda work, buf: self._wait(g, work, buf), self.device)
         self._pause("exchange")
         self.pending = True
         grads = [gr for p in self.params if (gr := _local_grad(p)) is not None]
@@ -552,32 +511,10 @@ class Trainer:
             group["lr"] = base * multiplier
         lr = self.base_lrs[0] * multiplier if self.base_lrs else 0.0
         sharded.optimizer.step()
-        if self.copy is not None:  # the same update on the copy of the source's slices
-            apply_update(job.optimizer, self.copy, self.copy.pieces, self.shapes,
-                         lambda i: self.base_lrs[i] * multiplier, coefficient)
-            self.copy.step = self.step + 1
+        self.copies.update(job.optimizer, self.shapes, lambda i: self.base_lrs[i] * multiplier, coefficient)
         self.pending, self.coefficient = False, coefficient
         self.step += 1
-        self.agent.step = self.step
-        loss_value = float(buf[0]) / G
-        step_s = time.perf_counter() - t0
-        digest = ""
-        every = self.config.digest_every
-        if every and (self.step % every == 0 or self.step == job.num_steps):
-            digest = self.digest()
-            self._log(f"digest step {self.step} {digest}")
-        report = StepReport(name=self.name, epoch=g.epoch, step=self.step, loss=loss_value, samples=len(ids),
-                            global_batch=G, compute_s=compute_s, comm_s=comm_s, step_s=step_s, digest=digest,
-                            lr=lr, grad_norm=grad_norm)
-        self.agent.send(report)
-        if self.config.trace_path is not None:
-            with open(self.config.trace_path, "a") as trace:
-                trace.write(json.dumps({"ts": time.time(), **dataclasses.asdict(report)}) + "\n")
-        if self.config.log_every and self.step % self.config.log_every == 0:
-            self._log(f"step {self.step}/{job.num_steps} loss {loss_value:.4f} ({step_s * 1e3:.0f} ms, "
-                      f"epoch {g.epoch}, {g.layout.describe()})")
-        if job.eval_every and (self.step % job.eval_every == 0 or self.step == job.num_steps):
-            self._evaluate(g)
+        self._after_step(g, float(buf[0]) / G, len(ids), compute_s, comm_s, time.perf_counter() - t0, lr, grad_norm)
         if self.step == job.num_steps and self.config.final_dir:  # every member gathers; rank 0 writes
             self._save_gathered(g, self.config.final_dir, final=True)
         if round(float(buf[3])) == len(g.members):
@@ -587,46 +524,35 @@ class Trainer:
         agreed = round(float(buf[2])) == len(g.members)
         return pending if agreed and pending is not None else None
 
+    def _after_step(self, g: Group, loss: float, samples: int, compute_s: float, comm_s: float, step_s: float,
+                    lr: float, grad_norm: float) -> None:
+        """What every step ends with, in any layout: the digest (when asked), the report to the
+        coordinator (and the --trace-steps line), the log line, and the evaluation when it is due."""
+        job = self.job
+        self.agent.step = self.step
+        digest = ""
+        every = self.config.digest_every
+        if every and (self.step % every == 0 or self.step == job.num_steps):
+            digest = self.digest()
+            self._log(f"digest step {self.step} {digest}")
+        report = StepReport(name=self.name, epoch=g.epoch, step=self.step, loss=loss, samples=samples,
+                            global_batch=job.global_batch, compute_s=compute_s, comm_s=comm_s, step_s=step_s,
+                            digest=digest, lr=lr, grad_norm=grad_norm)
+        self.agent.send(report)
+        if self.config.trace_path is not None:
+            with open(self.config.trace_path, "a") as trace:
+                trace.write(json.dumps({"ts": time.time(), **dataclasses.asdict(report)}) + "\n")
+        if self.config.log_every and self.step % self.config.log_every == 0:
+            self._log(f"step {self.step}/{job.num_steps} loss {loss:.4f} ({step_s * 1e3:.0f} ms, "
+                      f"epoch {g.epoch}, {g.layout.describe()})")
+        if job.eval_every and (self.step % job.eval_every == 0 or self.step == job.num_steps):
+            self._evaluate(g)
+
     def _pause(self, phase: str) -> None:
         """The --pause-at knob: sleep where a test wants to kill or stop this worker."""
         if self.config.pause_at == (phase, self.step + 1):
             self._log(f"pausing at {phase} of step {self.step + 1} (--pause-at)")
             time.sleep(60)
-
-    def _send_grads_to_keeper(self, g: Group, sharded: Sharded) -> None:
-        """This member's gradient slices to the member that keeps its copy, and its source's to it
-        (one buffer per direction and dtype, both posted before either is waited for)."""
-        mine: dict[torch.dtype, list[torch.Tensor]] = {}
-        for _, p in sharded.model.named_parameters():
-            local = p.to_local() if hasattr(p, "to_local") else p
-            grad = _local_grad(p)
-            mine.setdefault(local.dtype, []).append(grad.reshape(-1) if grad is not None
-                                                    else torch.zeros(local.numel(), dtype=local.dtype,
-                                                                     device=local.device))
-        works: list[tuple[Any, torch.Tensor]] = []
-        if self.keeper is not None:
-            for d, dtype in enumerate(sorted(mine, key=str)):
-                buf = torch.cat(mine[dtype])
-                works.append((g.pg.send([buf], g.members.index(self.keeper), GRAD_TAG + d), buf))
-        inbox: dict[torch.dtype, torch.Tensor] = {}
-        if self.source is not None and self.copy is not None:
-            sizes: dict[torch.dtype, int] = {}
-            for fqn, pieces in self.copy.pieces.items():
-                dtype = self.copy.dtype(fqn, PARAM)
-                sizes[dtype] = sizes.get(dtype, 0) + sum(q.hi - q.lo for q in pieces)
-            for d, dtype in enumerate(sorted(mine, key=str)):
-                inbox[dtype] = torch.empty(sizes.get(dtype, 0), dtype=dtype, device=self.device)
-                works.append((g.pg.recv([inbox[dtype]], g.members.index(self.source), GRAD_TAG + d), inbox[dtype]))
-        for work, buf in works:
-            self._wait(g, work, buf)
-        if self.copy is not None:
-            at: dict[torch.dtype, int] = {}
-            for fqn, pieces in self.copy.pieces.items():
-                dtype = self.copy.dtype(fqn, PARAM)
-                for q in pieces:
-                    start = at.get(dtype, 0)
-                    q.data[GRAD] = inbox[dtype][start:start + q.hi - q.lo]
-                    at[dtype] = start + q.hi - q.lo
 
     def _save_gathered(self, g: Group, directory: str, *, final: bool) -> None:
         """Gather the full model and optimizer state from the shards (every member), rank 0 writes."""

@@ -1,0 +1,110 @@
+"""The redundancy of a sharded layout, on one member: the ring of copies (`plan.reshard.copy_ring`).
+
+Each member keeps a copy of its *source*'s slices (parameters and optimizer state) and has its own
+slices copied by its *keeper*. The copies stay current without moving the state: after the step's
+backward, every member sends its gradient slices to its keeper (`exchange`: one buffer per dtype,
+the send and the receive posted before either is waited for), and after the step's update the
+keeper applies the same update to its copy (`update`, with the job's own optimizer:
+`worker.parallel.update`). Until the update is applied, the gradients stay on the copy's pieces:
+a step that some members applied before a failure is rolled forward with them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from plan.layout import Layout
+from plan.reshard import TensorShape, copy_ring
+from worker.parallel.slices import PARAM, LocalState, Piece
+from worker.parallel.update import GRAD, apply_update
+
+GRAD_TAG = 64  # p2p tags of the gradient slices a member sends to the keeper of its copy
+Wait = Callable[[Any, torch.Tensor | None], None]
+
+
+@dataclass(slots=True)
+class Copies:
+    keeper: str | None  # who keeps a copy of this member's slices
+    source: str | None  # whose slices this member keeps a copy of
+    copy: LocalState | None  # that copy (None without a source)
+
+    @staticmethod
+    def none() -> Copies:
+        return Copies(None, None, None)
+
+    @staticmethod
+    def of(layout: Layout, me: str, local: LocalState, tensors: Sequence[TensorShape]) -> Copies:
+        """This member's part of the layout's ring, its copy taken from `local` (which the reshard
+        made hold both its own slices and its source's)."""
+        ring = copy_ring(layout) if layout.sharded and layout.dp_replicate == 1 else {}
+        keeper = next((k for k, source in ring.items() if source == me), None)
+        source = ring.get(me)
+        if source is None:
+            return Copies(keeper, None, None)
+        src = list(layout.members).index(source)
+        copy = LocalState(step=local.step, keys=dict(local.keys), dtypes=dict(local.dtypes), hyper=local.hyper,
+                          scalars={f: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in sc.items()}
+                                   for f, sc in local.scalars.items()})
+        for t in tensors:
+            lo, hi = layout.slice_of(src, t.rows, t.numel)
+            copy.pieces[t.name] = ([Piece(lo, hi, {k: local.read(t.name, k, lo, hi).clone() for k in local.keys[t.name]})]
+                                   if hi > lo else [])
+        return Copies(keeper, source, copy)
+
+    def exchange(self, named_grads: Iterable[tuple[torch.Tensor, torch.Tensor | None]], members: Sequence[str],
+                 pg: Any, wait: Wait, device: torch.device) -> None:
+        """Send this member's gradient slices (`(local parameter shard, its gradient or None)` in
+        parameter order) to its keeper; receive the source's onto the copy's pieces."""
+        if self.keeper is None and self.source is None:
+            return
+        mine: dict[torch.dtype, list[torch.Tensor]] = {}
+        for local, grad in named_grads:
+            mine.setdefault(local.dtype, []).append(
+                grad.reshape(-1) if grad is not None else torch.zeros(local.numel(), dtype=local.dtype, device=local.device))
+        dtypes = sorted(mine, key=str)
+        works: list[tuple[Any, torch.Tensor]] = []
+        if self.keeper is not None:
+            for d, dtype in enumerate(dtypes):
+                buf = torch.cat(mine[dtype])
+                works.append((pg.send([buf], list(members).index(self.keeper), GRAD_TAG + d), buf))
+        inbox: dict[torch.dtype, torch.Tensor] = {}
+        copy = self.copy
+        if self.source is not None and copy is not None:
+            sizes: dict[torch.dtype, int] = {}
+            for fqn, pieces in copy.pieces.items():
+                dtype = copy.dtype(fqn, PARAM)
+                sizes[dtype] = sizes.get(dtype, 0) + sum(q.hi - q.lo for q in pieces)
+            for d, dtype in enumerate(dtypes):
+                inbox[dtype] = torch.empty(sizes.get(dtype, 0), dtype=dtype, device=device)
+                works.append((pg.recv([inbox[dtype]], list(members).index(self.source), GRAD_TAG + d), inbox[dtype]))
+        for work, buf in works:
+            wait(work, buf)
+        if copy is not None:
+            at: dict[torch.dtype, int] = {}
+            for fqn, pieces in copy.pieces.items():
+                dtype = copy.dtype(fqn, PARAM)
+                for q in pieces:
+                    start = at.get(dtype, 0)
+                    q.data[GRAD] = inbox[dtype][start:start + q.hi - q.lo]
+                    at[dtype] = start + q.hi - q.lo
+
+    def update(self, optimizer_factory: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer],
+               shapes: Mapping[str, tuple[int, ...]], lr: Callable[[int], float], coefficient: float) -> None:
+        """Apply the step's update to the copy, with the gradients `exchange` brought."""
+        if self.copy is not None:
+            apply_update(optimizer_factory, self.copy, self.copy.pieces, shapes, lr, coefficient)
+            self.copy.step += 1
+
+    def pieces(self, pending: bool) -> Mapping[str, list[Piece]]:
+        """The copy's pieces for a LocalState; their gradients only while a step is `pending`."""
+        if self.copy is None:
+            return {}
+        if not pending:
+            for pieces in self.copy.pieces.values():
+                for piece in pieces:
+                    piece.data.pop(GRAD, None)
+        return self.copy.pieces
