@@ -88,8 +88,8 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
     p.add_argument("--layout", metavar="dp=R,fsdp=S",
                    help="pin the layout's degrees: dp = replicas (dp_replicate), fsdp = members that shard the "
                         "state between them (dp_shard, FSDP2); an omitted one is planned. E.g. --layout dp=1 shards "
-                        "over every member, --layout fsdp=1 keeps every member a replica, --layout fsdp=3 shards over "
-                        "the 3 fastest (the rest wait on standby). Default: the planner chooses (sharded when no "
+                        "over every member, --layout fsdp=1 keeps every member a replica, --layout fsdp=2 makes "
+                        "replicas of shard groups of 2 (HSDP), --layout dp=2,fsdp=2 exactly 2 x 2. Default: the planner chooses (sharded when no "
                         "replica fits a worker's memory, or when it predicts sharding faster)")
     p.add_argument("--keys", metavar="DIR",
                    help=f"CURVE keys written by `coordinator keygen DIR` (default: ${KEYS_ENV})")

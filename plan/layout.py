@@ -252,7 +252,4 @@ def parse_pin(text: str) -> LayoutPin:
     if values.get("pp", 1) > 1 or values.get("tp", 1) > 1:
         raise LayoutError("--layout: pipeline (pp) and tensor (tp) parallelism are not planned yet; "
                           "pin dp and fsdp only")
-    if values.get("dp_replicate", 1) > 1 and values.get("dp_shard", 1) > 1:
-        raise LayoutError("--layout: replicas of shard groups (HSDP: dp and fsdp both above 1) have no executor yet; "
-                          "pin dp=1 (sharded over every member) or fsdp=1 (replicated)")
     return LayoutPin(**values)

@@ -237,8 +237,8 @@ def _pinned(cluster: Cluster, graph: Graph | None, result: PlanResult, pin: Layo
         size = replicas * shards
     elif replicas is not None:
         size = replicas * (n // replicas)
-    elif shards is not None:  # (replicas of shard groups have no executor yet: one group, or all replicas)
-        size = shards if shards > 1 else n
+    elif shards is not None:
+        size = shards * (n // shards)
     else:
         size = n
     if size < 1 or size > n:
@@ -252,10 +252,6 @@ def _pinned(cluster: Cluster, graph: Graph | None, result: PlanResult, pin: Layo
     shares = assign([speeds[m] for m in kept], [d[m].overhead_s for m in kept], [float(limits.global_batch)] * len(kept),
                     limits.global_batch) or split_shares(limits.global_batch, [speeds[m] for m in kept])
     dp_shard = shards if shards is not None else size // (replicas or size)
-    if 1 < dp_shard < size:
-        return PlanResult(plan=None, status="infeasible",
-                          reason=f"--layout {pin.describe()} with {size} members makes replicas of shard groups "
-                                 "(HSDP), which have no executor yet: the job waits; pin dp=1 or fsdp=1")
     plan = replace(predict(cluster, graph, kept, shares), dp_shard=dp_shard)
     cut = tuple(m for m in members if m not in kept)
     why = f"{result.reason}; layout pinned by --layout {pin.describe()}: {plan.layout.describe()}"

@@ -102,6 +102,7 @@ class Trainer:
         self.sharded: Sharded | None = None
         self.sharded_at: tuple[Layout, int] | None = None
         self.registered: dist.ProcessGroup | None = None
+        self.sub_groups: list[dist.ProcessGroup] = []  # HSDP: this member's replica and shard groups
         self._units: list[str] | None = None
         # Redundancy of a sharded layout: who keeps a copy of my slices, whose slices I keep a copy
         # of (and that copy), whether this step's gradients are held but not applied, and the
@@ -308,13 +309,24 @@ class Trainer:
     def _build_executor(self, g: Group, local: LocalState) -> None:
         """The layout's executor from this member's slices: FSDP2 on the group for a sharded layout,
         a plain replica otherwise."""
-        meshes.forget(self.registered)
-        self.registered, self.sharded, self.sharded_at = None, None, None
+        self._forget_groups()
         if g.layout.sharded:
             prefixed = dist.PrefixStore(f"epoch{g.epoch}/", g.store)  # type: ignore[attr-defined]
             self.registered = meshes.register(g.pg, prefixed, g.rank, len(g.members), g.epoch, self.device)
-            self.sharded = apply_fsdp(self.job, self.units(), g.layout, g.rank,
-                                      meshes.mesh_of(self.registered, self.device, g.epoch), local, self.device,
+            mesh = meshes.mesh_of(self.registered, self.device, g.epoch)
+            if g.layout.dp_replicate > 1:  # HSDP: a 2-D mesh of this member's replica row and shard column
+                for part, ranks in (("replicate", g.layout.replicate_group(g.rank)),
+                                    ("shard", g.layout.shard_group(g.rank))):
+                    name = f"{part}{ranks[0]}"
+                    raw = comm.form_group(g.store, g.epoch, ranks.index(g.rank), len(ranks), self.device,
+                                          timeout_s=self.config.group_timeout_s,
+                                          superseded=lambda: self.agent.superseded(g.epoch), part=f"{name}/")
+                    sub_store = dist.PrefixStore(f"epoch{g.epoch}/{name}/", g.store)  # type: ignore[attr-defined]
+                    self.sub_groups.append(meshes.register(raw, sub_store, ranks.index(g.rank), len(ranks), g.epoch,
+                                                           self.device, part=name, ranks=ranks))
+                mesh = meshes.mesh_of(self.registered, self.device, g.epoch,
+                                      (g.layout.dp_replicate, g.layout.dp_shard), self.sub_groups)
+            self.sharded = apply_fsdp(self.job, self.units(), g.layout, g.rank, mesh, local, self.device,
                                       wait=lambda work, buf: self._wait(g, work, buf))
             self.sharded_at = (g.layout, g.rank)
             self.model, self.optimizer = self.sharded.model, self.sharded.optimizer
@@ -325,10 +337,15 @@ class Trainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.numel = sum(p.numel() for p in self.params)
 
+    def _forget_groups(self) -> None:
+        """Unregister the last sharded epoch's groups (their backends end on their own)."""
+        for pg in [self.registered, *self.sub_groups]:
+            meshes.forget(pg)
+        self.registered, self.sub_groups, self.sharded, self.sharded_at = None, [], None, None
+
     def _drop_state(self) -> None:
         """This member holds nothing current any more (it handed its slices over, or they are lost)."""
-        meshes.forget(self.registered)
-        self.registered, self.sharded, self.sharded_at = None, None, None
+        self._forget_groups()
         self.copies, self.pending = Copies.none(), False
         self.stale = True
 

@@ -57,10 +57,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _layout(members: list[str], shares: list[int], *, shard: bool) -> dict[str, Any]:
+def _layout(members: list[str], shares: list[int], *, shard: bool, replicas: int = 1) -> dict[str, Any]:
     n = len(members)
-    return {"dp_replicate": 1 if shard else n, "dp_shard": n if shard else 1, "pp": 1, "tp": 1,
-            "members": members, "shares": shares}
+    if shard:
+        return {"dp_replicate": replicas, "dp_shard": n // replicas, "pp": 1, "tp": 1, "members": members,
+                "shares": shares}
+    return {"dp_replicate": n, "dp_shard": 1, "pp": 1, "tp": 1, "members": members, "shares": shares}
 
 
 def _run(tmp_path: Path, ref: str, processes: list[str], epochs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -99,6 +101,24 @@ def test_sharded_training_gives_the_single_process_loss_curve(tmp_path: Path, re
     curve = _curve(results)
     reference = _reference(job, 12)
     assert [curve[s] for s in range(12)] == pytest.approx(reference, rel=1e-4)
+
+
+@pytest.mark.timeout(600)
+def test_hsdp_2x2_gives_the_single_process_loss_curve_and_reshards_from_and_to_it(tmp_path: Path) -> None:
+    """Replicas of shard groups (dp_replicate 2 x dp_shard 2, FSDP2 on a 2-D mesh of each member's
+    row and column groups), entered from a replicated epoch and left for a fully sharded one."""
+    ref = "examples/gpt.py:job"
+    job = _job(ref)
+    G = job.global_batch
+    members = ["a", "b", "c", "d"]
+    epochs: list[dict[str, Any]] = [
+        {"layout": _layout(members, [4] * 4, shard=False), "steps": 2},
+        {"layout": _layout(members, [5, 3, 6, G - 14], shard=True, replicas=2), "steps": 6},
+        {"layout": _layout(members, [4] * 4, shard=True), "steps": 2},
+    ]
+    results = _run(tmp_path, ref, members, epochs)
+    curve = _curve(results)
+    assert [curve[s] for s in range(10)] == pytest.approx(_reference(job, 10), rel=1e-4)
 
 
 @pytest.mark.timeout(600)

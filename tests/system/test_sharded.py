@@ -198,6 +198,26 @@ def test_a_step_some_members_applied_is_rolled_forward_by_the_others(tmp_path: P
         assert not [e for e in events if e["kind"] == "state_lost"]
 
 
+@pytest.mark.timeout(400)
+def test_hsdp_2x2_is_exact(tmp_path: Path) -> None:
+    """`--layout dp=2,fsdp=2`: two replicas of a 2-way shard group (FSDP2 on each epoch's 2-D mesh);
+    every step equals the single-process recipe's."""
+    reference = single_process()
+    with LocalJob(JOB, tmp_path, min_workers=4, coordinator_args=["--layout", "dp=2,fsdp=2"]) as job:
+        job.start()
+        for name in ("w1", "w2", "w3", "w4"):
+            job.add_worker(name)
+        exits = job.wait_workers(400)
+        assert exits == {"w1": 0, "w2": 0, "w3": 0, "w4": 0}, {n: job.tail(n) for n in exits}
+        events = job.events()
+        layouts = [e["layout"] for e in events if e["kind"] == "plan" and e.get("layout")]
+        assert layouts and all((lay["dp_replicate"], lay["dp_shard"]) == (2, 2) for lay in layouts), layouts
+        steps = {e["step"]: e for e in events if e["kind"] == "step"}
+        run = {s: {"loss": e["loss"], "lr": e["lr"], "grad_norm": e["grad_norm"]} for s, e in steps.items()}
+        gaps = _gap(run, reference)
+        assert max(gaps.values()) <= 1e-4, gaps
+
+
 @pytest.mark.timeout(300)
 def test_a_slice_and_its_copy_both_lost_stop_the_job_naming_them(tmp_path: Path) -> None:
     """Three members in a ring of copies (w2 keeps w1's, w3 keeps w2's, w1 keeps w3's): SIGKILL of w1

@@ -269,6 +269,8 @@ def test_a_pinned_layout_cuts_members_to_its_degrees() -> None:
     three = make_plan(c, GRAPH, None, limits=limits, pin=parse_pin("fsdp=3"))
     assert three.plan is not None and three.plan.dp_shard == 3 and set(three.plan.members) == {"d2", "d3", "d4"}
     assert "not in the pinned layout" in three.standby_why and sum(three.plan.shares) == 40
+    hybrid = make_plan(c, GRAPH, None, limits=limits, pin=parse_pin("fsdp=2"))  # 2 replicas of 2 shards
+    assert hybrid.plan is not None and hybrid.plan.layout.describe() == "dp_replicate=2 x dp_shard=2"
     replicas = make_plan(c, GRAPH, None, limits=limits, pin=parse_pin("fsdp=1"))
     assert replicas.plan is not None and replicas.plan.dp_shard == 1 and len(replicas.plan.members) == 5
     too_many = make_plan(c, GRAPH, None, limits=limits, pin=parse_pin("fsdp=6"))

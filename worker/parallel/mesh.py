@@ -25,26 +25,32 @@ from torch.distributed.device_mesh import DeviceMesh
 __all__ = ["forget", "mesh_of", "register"]
 
 
-def register(backend: Any, store: Any, rank: int, world: int, epoch: int, device: torch.device) -> dist.ProcessGroup:
-    """Wrap the epoch's raw backend as a registered ProcessGroup and make it the default group."""
+def register(backend: Any, store: Any, rank: int, world: int, epoch: int, device: torch.device, *,
+             part: str = "", ranks: list[int] | None = None) -> dist.ProcessGroup:
+    """Wrap a raw backend of the epoch as a registered ProcessGroup. The epoch's whole group (no
+    `part`) becomes the default group; a sub-group (`part` names it, `ranks` its members' ranks in
+    the whole group, in its own rank order) is only registered, as `new_group` would."""
     nccl = device.type == "cuda"
     kind = dist.ProcessGroup.BackendType.NCCL if nccl else dist.ProcessGroup.BackendType.GLOO
     pg = dist.ProcessGroup(store, rank, world)
     pg._set_default_backend(kind)
     pg._register_backend(torch.device(device.type), kind, backend)
-    name = c10d.GroupName(f"adaptrain-epoch{epoch}")
+    name = c10d.GroupName(f"adaptrain-epoch{epoch}{'-' + part if part else ''}")
     pg._set_group_name(name)
+    members = ranks if ranks is not None else list(range(world))
     c10d._register_pg_in_world(pg, backend_name="nccl" if nccl else "gloo", store=store, group_name=name,
                                backend_config=f"{device.type}:{'nccl' if nccl else 'gloo'}",
-                               rank_mapping={r: r for r in range(world)})
-    c10d._update_default_pg(pg)
+                               rank_mapping={global_rank: r for r, global_rank in enumerate(members)})
+    if not part:
+        c10d._update_default_pg(pg)
     return pg
 
 
 def mesh_of(pg: dist.ProcessGroup, device: torch.device, epoch: int, shape: tuple[int, ...] = (),
             sub_groups: list[dist.ProcessGroup] | None = None) -> DeviceMesh:
-    """A 1-D mesh over the whole group, or (with `sub_groups`, one per dimension, as made by the
-    caller with the epoch's timeout) a mesh of `shape`, e.g. (dp_replicate, dp_shard) for HSDP.
+    """A 1-D mesh over the whole group, or (with `sub_groups`: this member's group along each
+    dimension, made by the caller with the epoch's timeout) a mesh of `shape`: (dp_replicate,
+    dp_shard) for HSDP, ranks row-major.
 
     The dimension names carry the epoch: DeviceMesh equality ignores the groups (it compares ranks,
     device type and names), and DTensor caches redistribution plans by mesh, so without it a new
