@@ -92,6 +92,11 @@ class Job:
     eval_every: int | None = None
     """Evaluate after every this many steps (needs `eval_dataset`)."""
 
+    compute_dtype: str | None = None
+    """Mixed precision: "bfloat16" or "float16" for the forward and backward, with the master
+    parameters, optimizer state and gradient reduction kept in float32 (sharded layouts: FSDP2's
+    `MixedPrecisionPolicy`; replicated: `torch.autocast`). Default None: the model's own dtypes."""
+
     blocks: tuple[str, ...] | None = None
     """The model's blocks, by module path (`"transformer.h.3"`) or class name (`"GPT2Block"`): the
     units a sharded layout gathers one at a time and a pipeline cuts between. Default: found by
@@ -131,6 +136,8 @@ class Job:
                 raise JobError("Job.eval_dataset must have __len__ and __getitem__(ids), like Job.dataset")
             if len(self.eval_dataset) == 0:
                 raise JobError("Job.eval_dataset is empty")
+        if self.compute_dtype not in (None, "bfloat16", "float16"):
+            raise JobError(f"Job.compute_dtype must be None, 'bfloat16' or 'float16', got {self.compute_dtype!r:.80}")
         if self.blocks is not None and (isinstance(self.blocks, str) or not all(
                 isinstance(b, str) and b for b in self.blocks) or not self.blocks):
             raise JobError(f"Job.blocks must be a tuple of module paths or class names, got {self.blocks!r:.80}")

@@ -17,6 +17,7 @@ continue from one consistent step: no step is lost or applied twice.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from plan.layout import Layout
@@ -326,8 +328,10 @@ class Trainer:
                                                            self.device, part=name, ranks=ranks))
                 mesh = meshes.mesh_of(self.registered, self.device, g.epoch,
                                       (g.layout.dp_replicate, g.layout.dp_shard), self.sub_groups)
+            mp = (MixedPrecisionPolicy(param_dtype=getattr(torch, self.job.compute_dtype), reduce_dtype=torch.float32)
+                  if self.job.compute_dtype else None)
             self.sharded = apply_fsdp(self.job, self.units(), g.layout, g.rank, mesh, local, self.device,
-                                      wait=lambda work, buf: self._wait(g, work, buf))
+                                      mp_policy=mp, wait=lambda work, buf: self._wait(g, work, buf))
             self.sharded_at = (g.layout, g.rank)
             self.model, self.optimizer = self.sharded.model, self.sharded.optimizer
             self.copies = Copies.of(g.layout, self.name, local, self.tensors)
@@ -406,7 +410,9 @@ class Trainer:
         if len(ids):
             inputs, targets = job.dataset[ids]
             inputs, targets = inputs.to(self.device), targets.to(self.device)
-            loss = job.loss(self.model(inputs), targets)
+            with self._autocast():
+                outputs = self.model(inputs)
+            loss = job.loss(outputs, targets)
             (loss / G).backward()  # type: ignore[no-untyped-call]
             loss_sum = loss.detach()  # stays on the device: no sync before the all-reduce
         compute_s = time.perf_counter() - t0
@@ -438,9 +444,9 @@ class Trainer:
         if job.grad_clip is not None:  # as torch.nn.utils.clip_grad_norm_ does in one process
             grads.mul_(min(1.0, job.grad_clip / (grad_norm + 1e-6)))
         offset = 0
-        for p in self.params:
+        for p in self.params:  # (a parameter that is not float32 gets its gradient in its own dtype)
             n = p.numel()
-            p.grad = buf[offset:offset + n].view_as(p)
+            p.grad = buf[offset:offset + n].view_as(p).to(p.dtype)
             offset += n
         multiplier = job.lr_multiplier(self.step)
         for group, base in zip(self.optimizer.param_groups, self.base_lrs):
@@ -540,6 +546,12 @@ class Trainer:
                 self._save_gathered(g, requested, final=False)
         agreed = round(float(buf[2])) == len(g.members)
         return pending if agreed and pending is not None else None
+
+    def _autocast(self) -> Any:
+        """The replicated forward under `Job.compute_dtype` (a no-op without one)."""
+        dtype = self.job.compute_dtype
+        return torch.autocast(self.device.type, dtype=getattr(torch, dtype), enabled=dtype is not None) \
+            if dtype else contextlib.nullcontext()
 
     def _after_step(self, g: Group, loss: float, samples: int, compute_s: float, comm_s: float, step_s: float,
                     lr: float, grad_norm: float) -> None:

@@ -218,6 +218,42 @@ def test_hsdp_2x2_is_exact(tmp_path: Path) -> None:
         assert max(gaps.values()) <= 1e-4, gaps
 
 
+BF16_JOB = """
+import dataclasses, importlib.util
+spec = importlib.util.spec_from_file_location("gpt_example", {path!r})
+gpt = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gpt)
+
+def job():
+    return dataclasses.replace(gpt.job_short(), compute_dtype="bfloat16")
+"""
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("layout", ["dp=1", "fsdp=1"], ids=["sharded", "replicated"])
+def test_bf16_compute_keeps_float32_master_state(tmp_path: Path, layout: str) -> None:
+    """`Job.compute_dtype="bfloat16"`: sharded (FSDP2's MixedPrecisionPolicy, float32 reduction) and
+    replicated (autocast) both train, with float32 parameters and optimizer state: the loss follows
+    the float32 single-process curve within bf16's precision, and the model written at the end is
+    float32."""
+    job_file = tmp_path / "bf16_job.py"
+    job_file.write_text(BF16_JOB.format(path=JOB.rsplit(":", 1)[0]))
+    reference = single_process()
+    with LocalJob(f"{job_file}:job", tmp_path / "run", min_workers=2, coordinator_args=["--layout", layout]) as job:
+        job.start()
+        job.add_worker("w1")
+        job.add_worker("w2")
+        exits = job.wait_workers(400)
+        assert exits == {"w1": 0, "w2": 0}, {n: job.tail(n) for n in exits}
+        steps = {e["step"]: e for e in job.events() if e["kind"] == "step"}
+    assert sorted(steps) == list(range(1, NUM_STEPS + 1))
+    worst = max(abs(steps[k]["loss"] - reference[k]["loss"]) / reference[k]["loss"] for k in reference)
+    assert 0 < worst <= 0.05, f"bf16 compute: {worst:.2e} from the float32 curve (0 would mean no bf16 at all)"
+    import torch
+    state = torch.load(tmp_path / "run" / "final" / "model.pt", weights_only=True)
+    assert {v.dtype for v in state.values() if v.is_floating_point()} == {torch.float32}
+
+
 @pytest.mark.timeout(300)
 def test_a_slice_and_its_copy_both_lost_stop_the_job_naming_them(tmp_path: Path) -> None:
     """Three members in a ring of copies (w2 keeps w1's, w3 keeps w2's, w1 keeps w3's): SIGKILL of w1

@@ -331,3 +331,19 @@ def test_the_coordinator_refuses_a_job_whose_schedule_fails_with_the_step_and_re
         "               lr_schedule=lambda step: 1.0 - step / 60)\n")
     with pytest.raises(JobRefused, match=r"lr_schedule returned -0\.6499\d* at step 99: it must be a finite number"):
         inspect_job(f"{bad}:job")
+
+
+def test_compute_dtype_and_blocks_are_checked() -> None:
+    from torch import nn
+
+    def make(**kw: object) -> Job:
+        return Job(model=lambda: nn.Linear(2, 1), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                   dataset=torch.utils.data.TensorDataset(torch.zeros(4, 2), torch.zeros(4, 1)),
+                   loss=lambda o, t: ((o - t) ** 2).sum(), global_batch=2, num_steps=1, **kw)  # type: ignore[arg-type]
+
+    assert make(compute_dtype="bfloat16").compute_dtype == "bfloat16"
+    with pytest.raises(JobError, match="compute_dtype must be None, 'bfloat16' or 'float16'"):
+        make(compute_dtype="int8")
+    assert make(blocks=("layers.0", "Block")).blocks == ("layers.0", "Block")
+    with pytest.raises(JobError, match="Job.blocks must be a tuple"):
+        make(blocks=())
