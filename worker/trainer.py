@@ -43,7 +43,7 @@ from worker.comm import Superseded
 from worker.job import Job, sample_ids, share_slice
 from worker.parallel import mesh as meshes
 from worker.parallel.fsdp import Sharded, apply_fsdp, extract
-from worker.parallel.replicated import apply_replicated
+from worker.parallel.replicated import GradBuckets, apply_replicated
 from worker.parallel.copies import Copies
 from worker.parallel.slices import PARAM, LocalState, from_module
 from worker.parallel.update import GRAD, apply_update
@@ -106,6 +106,7 @@ class Trainer:
         self.registered: dist.ProcessGroup | None = None
         self.sub_groups: list[dist.ProcessGroup] = []  # HSDP: this member's replica and shard groups
         self._units: list[str] | None = None
+        self._buckets: GradBuckets | None = None  # the replicated step's gradient buckets
         # Redundancy of a sharded layout: who keeps a copy of my slices, whose slices I keep a copy
         # of (and that copy), whether this step's gradients are held but not applied, and the
         # clipping coefficient of the last step applied (for a roll forward after a failure).
@@ -335,6 +336,9 @@ class Trainer:
             self.sharded_at = (g.layout, g.rank)
             self.model, self.optimizer = self.sharded.model, self.sharded.optimizer
             self.copies = Copies.of(g.layout, self.name, local, self.tensors)
+            if self._buckets is not None:  # the replica they hooked is gone
+                self._buckets.close()
+                self._buckets = None
         else:
             replica = apply_replicated(self.job, local, self.device)
             self.model, self.optimizer = replica.model, replica.optimizer
@@ -406,6 +410,8 @@ class Trainer:
         ids = sample_ids(job.seed, self.step, len(job.dataset), G)[share_slice(g.shares, g.rank)]
         for p in self.params:
             p.grad = None
+        buckets = self._grad_buckets()
+        buckets.start(lambda b: g.pg.allreduce([b]))  # each bucket goes as soon as the backward fills it
         loss_sum: torch.Tensor | float = 0.0
         if len(ids):
             inputs, targets = job.dataset[ids]
@@ -424,30 +430,24 @@ class Trainer:
             time.sleep((factor - 1.0) * compute_s)
             compute_s = time.perf_counter() - t0
 
-        buf = torch.empty(self.numel + 2, dtype=torch.float32, device=self.device)
-        offset = 0
-        for p in self.params:
-            n = p.numel()
-            if p.grad is None:
-                buf[offset:offset + n].zero_()
-            else:
-                buf[offset:offset + n].copy_(p.grad.reshape(-1))
-            offset += n
-        buf[self.numel] = loss_sum
-        buf[self.numel + 1] = 1.0 if pending is not None else 0.0
+        # The vote and the loss: the switch to a planned delta all replicas hold, and the loss sum.
+        buf = torch.zeros(2, dtype=torch.float32, device=self.device)
+        buf[0] = loss_sum
+        buf[1] = 1.0 if pending is not None else 0.0
         t_comm = time.perf_counter()
-        self._wait(g, g.pg.allreduce([buf]), buf)
+        works = [*buckets.finish(), (g.pg.allreduce([buf]), buf)]
+        for work, out in works:
+            self._wait(g, work, out)
         comm_s = time.perf_counter() - t_comm
 
-        grads = buf[:self.numel]
-        grad_norm = float(torch.linalg.vector_norm(grads, dtype=torch.float64))  # the global gradient, every parameter
+        summed = [out for _, out in works[:-1]]
+        grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(b, dtype=torch.float64)
+                                                                for b in summed])))  # every parameter
         if job.grad_clip is not None:  # as torch.nn.utils.clip_grad_norm_ does in one process
-            grads.mul_(min(1.0, job.grad_clip / (grad_norm + 1e-6)))
-        offset = 0
-        for p in self.params:  # (a parameter that is not float32 gets its gradient in its own dtype)
-            n = p.numel()
-            p.grad = buf[offset:offset + n].view_as(p).to(p.dtype)
-            offset += n
+            coefficient = min(1.0, job.grad_clip / (grad_norm + 1e-6))
+            for b in summed:
+                b.mul_(coefficient)
+        buckets.assign()
         multiplier = job.lr_multiplier(self.step)
         for group, base in zip(self.optimizer.param_groups, self.base_lrs):
             group["lr"] = base * multiplier
@@ -455,13 +455,20 @@ class Trainer:
         self.optimizer.step()
         self.step += 1
         self.final_writer = self.step == job.num_steps and g.rank == 0
-        self._after_step(g, float(buf[self.numel]) / G, len(ids), compute_s, comm_s, time.perf_counter() - t0,
-                         lr, grad_norm)
+        self._after_step(g, float(buf[0]) / G, len(ids), compute_s, comm_s, time.perf_counter() - t0, lr, grad_norm)
         requested = self.agent.take_save()
         if requested is not None:  # `ctl save PATH`: at this step boundary
             self._save(requested, final=False)
-        agreed = round(float(buf[self.numel + 1])) == len(g.members)
+        agreed = round(float(buf[1])) == len(g.members)
         return pending if agreed and pending is not None else None
+
+    def _grad_buckets(self) -> GradBuckets:
+        """The gradient buckets of the current replica's parameters (rebuilt with the model)."""
+        if self._buckets is None or self._buckets.params is not self.params:
+            if self._buckets is not None:
+                self._buckets.close()
+            self._buckets = GradBuckets(self.params)
+        return self._buckets
 
     def _train_step_sharded(self, g: Group, sharded: Sharded) -> PlanDelta | None:
         """One exact step with FSDP2: each member computes its slice of the batch (a member with no

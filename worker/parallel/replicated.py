@@ -49,3 +49,87 @@ def apply_replicated(job: Job, local: LocalState, device: torch.device) -> Repli
 
 def extract_replicated(replica: Replica, step: int) -> LocalState:
     return from_module(step, replica.model, replica.optimizer)
+
+
+# --- gradient buckets: communication overlapped with the backward ---------------------------------
+
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
+
+
+class GradBuckets:
+    """Gradients all-reduced in buckets as the backward produces them, as DDP does, instead of one
+    flat all-reduce after the whole backward (measured before: 0.906x the samples/s of torchrun +
+    DDP on the 10M-parameter GPT).
+
+    Parameters are grouped, in reverse registration order (the order the backward reaches them), into
+    buckets of about `bucket_bytes`; a hook on each parameter's gradient accumulation launches a
+    bucket's all-reduce (on a fresh float32 buffer: an abandoned op that completes late writes into
+    memory nobody reads) the moment its last gradient is in. `finish` launches what the backward did
+    not reach (a member with no samples, unused parameters: zeros) and returns every (work, buffer)
+    for the caller's abortable wait; `assign` then hands each parameter its summed gradient.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], bucket_bytes: int = BUCKET_BYTES) -> None:
+        self.params = params
+        self.buckets: list[list[int]] = []
+        size = 0
+        for i in reversed(range(len(params))):
+            if not self.buckets or size >= bucket_bytes:
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(i)
+            size += params[i].numel() * 4
+        self.owner = {i: b for b, members in enumerate(self.buckets) for i in members}
+        self._launch: Any = None
+        self._remaining: list[int] = []
+        self.works: list[tuple[Any, torch.Tensor] | None] = []
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook(i))  # type: ignore[no-untyped-call]
+                         for i, p in enumerate(params)]
+
+    def start(self, launch: Any) -> None:
+        """A new step: `launch(buffer) -> work` starts one bucket's all-reduce."""
+        self._launch = launch
+        self._remaining = [len(b) for b in self.buckets]
+        self.works = [None] * len(self.buckets)
+
+    def _hook(self, index: int) -> Any:
+        def ready(_: torch.Tensor) -> None:
+            if self._launch is None:
+                return
+            b = self.owner[index]
+            self._remaining[b] -= 1
+            if self._remaining[b] == 0:
+                self._start(b)
+        return ready
+
+    def _start(self, b: int) -> None:
+        parts = []
+        for i in self.buckets[b]:
+            p = self.params[i]
+            parts.append(p.grad.reshape(-1).float() if p.grad is not None
+                         else torch.zeros(p.numel(), dtype=torch.float32, device=p.device))
+        buf = torch.cat(parts)
+        self.works[b] = (self._launch(buf), buf)
+
+    def finish(self) -> list[tuple[Any, torch.Tensor]]:
+        """Launch the buckets the backward did not complete; every bucket's (work, buffer)."""
+        for b, started in enumerate(self.works):
+            if started is None:
+                self._start(b)
+        self._launch = None
+        return [w for w in self.works if w is not None]
+
+    def assign(self) -> None:
+        """Give every parameter its summed gradient (in its own dtype) from the waited buffers."""
+        for members, work in zip(self.buckets, self.works):
+            assert work is not None
+            buf, offset = work[1], 0
+            for i in members:
+                p = self.params[i]
+                p.grad = buf[offset:offset + p.numel()].view_as(p).to(p.dtype)
+                offset += p.numel()
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
