@@ -34,6 +34,7 @@ def main() -> None:
     p.add_argument("--events", required=True, help="JSON-lines file to append events to")
     p.add_argument("--ckpt", help="checkpoint file (rank 0 writes it every step); none: no checkpoints")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: the job's)")
     p.add_argument("--timeout", type=float, default=30.0, help="gloo process group timeout, seconds")
     a = p.parse_args()
     fd = os.open(a.events, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -68,7 +69,8 @@ def main() -> None:
     G = job.global_batch
     shares = [G // world + (1 if r < G % world else 0) for r in range(world)]
     log("resumed", step=step, rank=rank, world=world)
-    while step < job.num_steps:
+    last = a.steps or job.num_steps
+    while step < last:
         ids = sample_ids(job.seed, step, len(job.dataset), G)[share_slice(shares, rank)]
         inputs, targets = job.dataset[ids]
         optimizer.zero_grad(set_to_none=True)

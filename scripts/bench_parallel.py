@@ -50,7 +50,7 @@ def _free_port() -> int:
 
 def _samples_per_s(steps: list[dict[str, Any]], first: int, last: int, batch: int) -> float:
     ts = {e["step"]: e["ts"] for e in steps}
-    return batch * (last - first) / (ts[last] - ts[first])
+    return float(batch * (last - first) / (ts[last] - ts[first]))
 
 
 def _peak_rss(pids: list[int]) -> list[int]:
@@ -88,12 +88,14 @@ def adaptrain_throughput(job_ref: str, n: int, layout: str, warmup: int, steps: 
             "layout": next(e["layout"] for e in reversed(events) if e["kind"] == "plan" and e.get("layout"))}
 
 
-def torchrun_throughput(job_ref: str, n: int, warmup: int, steps: int, workdir: Path) -> dict[str, Any]:
+def torchrun_throughput(job_ref: str, n: int, warmup: int, steps: int, workdir: Path, *,
+                        script: str = "_torchrun_fsdp.py") -> dict[str, Any]:
+    """torchrun --standalone with N processes of `script` (FSDP2, or _torchrun_job.py: DDP)."""
     batch, _ = _job_info(job_ref)
     workdir.mkdir(parents=True, exist_ok=True)
     events = workdir / "torchrun.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={n}",
-           str(ROOT / "scripts" / "_torchrun_fsdp.py"), "--job", job_ref, "--events", str(events),
+           str(ROOT / "scripts" / script), "--job", job_ref, "--events", str(events),
            "--steps", str(warmup + steps)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     with (workdir / "torchrun.log").open("wb") as log:
@@ -110,7 +112,7 @@ def torchrun_throughput(job_ref: str, n: int, warmup: int, steps: int, workdir: 
                 os.killpg(proc.pid, signal.SIGKILL)
     if proc.returncode != 0:
         raise RuntimeError(f"torchrun failed ({proc.returncode}): {(workdir / 'torchrun.log').read_text()[-2000:]}")
-    run = read_jsonl(events)
+    run = [e for e in read_jsonl(events) if e.get("kind") == "step"]
     return {"samples_per_s": _samples_per_s(run, warmup, warmup + steps, batch), "peak_rss_bytes": peak}
 
 
@@ -210,12 +212,13 @@ def join_and_kill(job_ref: str, n: int, workdir: Path, sections: tuple[str, ...]
 def table(r: dict[str, Any]) -> str:
     lines = [f"bench_parallel: {r['settings']['job']} ({r['settings']['machine']})", ""]
     if "throughput" in r:
-        lines.append(f"{'workers':>8} {'replicated':>12} {'sharded':>12} {'torchrun+FSDP2':>15} {'sharded/torchrun':>17}"
-                     f" {'peak MB repl':>13} {'peak MB shard':>14}")
+        lines.append(f"{'workers':>8} {'replicated':>11} {'torchrun+DDP':>13} {'repl/DDP':>9} {'sharded':>9}"
+                     f" {'torchrun+FSDP2':>15} {'shard/FSDP2':>12} {'peak MB repl':>13} {'peak MB shard':>14}")
         for n, row in sorted(r["throughput"].items()):
-            rep, sh, tr = row["replicated"], row["sharded"], row["torchrun_fsdp2"]
-            lines.append(f"{n:>8} {rep['samples_per_s']:>12.1f} {sh['samples_per_s']:>12.1f} {tr['samples_per_s']:>15.1f}"
-                         f" {sh['samples_per_s'] / tr['samples_per_s']:>17.3f}"
+            rep, sh, tr, ddp = row["replicated"], row["sharded"], row["torchrun_fsdp2"], row["torchrun_ddp"]
+            lines.append(f"{n:>8} {rep['samples_per_s']:>11.1f} {ddp['samples_per_s']:>13.1f}"
+                         f" {rep['samples_per_s'] / ddp['samples_per_s']:>9.3f} {sh['samples_per_s']:>9.1f}"
+                         f" {tr['samples_per_s']:>15.1f} {sh['samples_per_s'] / tr['samples_per_s']:>12.3f}"
                          f" {max(rep['peak_rss_bytes']) / 2**20:>13.0f} {max(sh['peak_rss_bytes']) / 2**20:>14.0f}")
         lines.append("  (samples/s; peak = the largest worker's VmHWM)")
     if "reshard" in r:
@@ -271,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
                     "replicated": adaptrain_throughput(job_ref, n, "fsdp=1", a.warmup, a.steps, work / f"rep{n}"),
                     "sharded": adaptrain_throughput(job_ref, n, "dp=1", a.warmup, a.steps, work / f"shard{n}"),
                     "torchrun_fsdp2": torchrun_throughput(job_ref, n, a.warmup, a.steps, work / f"torchrun{n}"),
+                    "torchrun_ddp": torchrun_throughput(job_ref, n, a.warmup, a.steps, work / f"ddp{n}",
+                                                        script="_torchrun_job.py"),
                 }
         if "reshard" in sections:
             print("reshard and raw p2p ...", flush=True)
