@@ -143,7 +143,6 @@ if rank == 1: print(json.dumps(rates[1:]))
 
 def reshard_join(job_ref: str, workdir: Path) -> dict[str, Any]:
     """2 -> 3 members, sharded, in real processes: what the newcomer received and how fast."""
-    from plan.graph import Graph  # noqa: F401  (the harness reads the graph file)
     from worker.graph import capture_graph
     from worker.job import load_job, resolve_job_ref
 

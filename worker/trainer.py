@@ -22,6 +22,7 @@ import dataclasses
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -171,9 +172,13 @@ class Trainer:
     def _save(self, directory: str, *, final: bool) -> None:
         """Write the model and optimizer state to `directory` at this step boundary (replicas are
         identical: one member writes) and tell the coordinator how it went."""
+        self._write(directory, final, lambda path: save_model(self.model, self.optimizer, path))
+
+    def _write(self, directory: str, final: bool, write: Callable[[Path], int]) -> None:
+        """Write the model with `write(path) -> bytes` and tell the coordinator how it went."""
         path = Path(directory)
         try:
-            size = save_model(self.model, self.optimizer, path)
+            size = write(path)
         except OSError as e:
             self._log(f"could not write the model to {path}: {e}")
             self.agent.send(Saved(name=self.name, step=self.step, path=str(path), bytes=0, error=str(e)[:500],
@@ -607,16 +612,7 @@ class Trainer:
         optimizer_state = {"state": {index[fqn]: st for fqn, st in by_name["state"].items()},
                            "param_groups": [{**grp, "params": [index[f] for f in grp["params"]]}
                                             for grp in by_name["param_groups"]]}
-        path = Path(directory)
-        try:
-            size = save_state(model_state, optimizer_state, path)
-        except OSError as e:
-            self._log(f"could not write the model to {path}: {e}")
-            self.agent.send(Saved(name=self.name, step=self.step, path=str(path), bytes=0, error=str(e)[:500],
-                                  final=final))
-            return
-        self._log(f"wrote the model after step {self.step} to {path} ({size / 1e6:.1f} MB)")
-        self.agent.send(Saved(name=self.name, step=self.step, path=str(path), bytes=size, error="", final=final))
+        self._write(directory, final, lambda path: save_state(model_state, optimizer_state, path))
 
     def _evaluate(self, g: Group) -> None:
         """Every member sums the loss over its contiguous part of the held-out set (split like the

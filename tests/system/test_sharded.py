@@ -24,6 +24,14 @@ from localjob import LocalJob
 from test_recipe import JOB, NUM_STEPS, _check_the_trained_model, _gap, single_process
 
 
+def _assert_exact(events: list[dict[str, Any]], reference: dict[int, dict[str, float]]) -> None:
+    """Every step once, its loss, learning rate and gradient norm within 1e-4 of the single-process run."""
+    steps = {e["step"]: e for e in events if e["kind"] == "step"}
+    run = {s: {"loss": e["loss"], "lr": e["lr"], "grad_norm": e["grad_norm"]} for s, e in steps.items()}
+    gaps = _gap(run, reference)
+    assert max(gaps.values()) <= 1e-4, gaps
+
+
 def _plans(job: LocalJob) -> list[dict[str, Any]]:
     return [e for e in job.events() if e["kind"] == "plan" and e.get("layout")]
 
@@ -53,17 +61,15 @@ def test_a_sharded_job_is_exact_through_a_join_and_a_drain(tmp_path: Path) -> No
         assert exits == {"w1": 0, "w2": 0, "w3": 0}, {n: job.tail(n) for n in exits}
         assert job.wait_coordinator(30) == 0
         events = job.events()
-        steps = {e["step"]: e for e in events if e["kind"] == "step"}
-        run = {s: {"loss": e["loss"], "lr": e["lr"], "grad_norm": e["grad_norm"]} for s, e in steps.items()}
-        gaps = _gap(run, reference)
-        assert max(gaps.values()) <= 1e-4, gaps
+        _assert_exact(events, reference)
         for plan in _plans(job):
             layout = plan["layout"]
             assert (layout["dp_replicate"], layout["dp_shard"]) == (1, len(layout["members"])), layout
         assert "w1" not in drained["layout"]["members"]  # (under load the planner may bench w2 too)
         reshards = {e["epoch"]: e for e in events if e["kind"] == "reshard"}
         assert reshards[joined["epoch"]]["bytes"] > 0, "the newcomer received its slices"
-        assert steps[max(steps)]["epoch"] >= drained["epoch"]
+        last = max((e for e in events if e["kind"] == "step"), key=lambda e: e["step"])
+        assert last["epoch"] >= drained["epoch"]
         printed = (tmp_path / "coordinator.out").read_text() if (tmp_path / "coordinator.out").exists() else ""
         _check_the_trained_model(tmp_path, [e for e in events if e["kind"] == "finished"], printed, trained)
 
@@ -93,10 +99,7 @@ def test_a_shard_holder_killed_mid_step_loses_nothing(tmp_path: Path, phase: str
         assert job.wait_coordinator(30) == 0
         events = job.events()
         assert not [e for e in events if e["kind"] == "state_lost"]
-        steps = {e["step"]: e for e in events if e["kind"] == "step"}
-        run = {s: {"loss": e["loss"], "lr": e["lr"], "grad_norm": e["grad_norm"]} for s, e in steps.items()}
-        gaps = _gap(run, reference)
-        assert max(gaps.values()) <= 1e-4, gaps
+        _assert_exact(events, reference)
 
 
 @pytest.mark.timeout(400)
@@ -121,10 +124,7 @@ def test_a_stopped_shard_holder_is_planned_out_and_rejoins(tmp_path: Path) -> No
         assert exits == {"w1": 0, "w2": 0, "w3": 0}, {n: job.tail(n) for n in exits}
         assert job.wait_coordinator(30) == 0
         events = job.events()
-        steps = {e["step"]: e for e in events if e["kind"] == "step"}
-        run = {s: {"loss": e["loss"], "lr": e["lr"], "grad_norm": e["grad_norm"]} for s, e in steps.items()}
-        gaps = _gap(run, reference)
-        assert max(gaps.values()) <= 1e-4, gaps
+        _assert_exact(events, reference)
         assert "fenced" in job.tail("w2", 200)
 
 
@@ -162,10 +162,7 @@ def test_a_model_no_worker_can_replicate_trains_sharded_in_micro_batches(tmp_pat
         exits = job.wait_workers(400)
         assert exits == {"w1": 0, "w2": 0, "w3": 0, "w4": -signal.SIGKILL, "w5": 0}, {n: job.tail(n) for n in exits}
         events = job.events()
-        steps = {e["step"]: e for e in events if e["kind"] == "step"}
-        run = {s: {"loss": e["loss"], "lr": e["lr"], "grad_norm": e["grad_norm"]} for s, e in steps.items()}
-        gaps = _gap(run, reference)
-        assert max(gaps.values()) <= 1e-4, gaps
+        _assert_exact(events, reference)
         assert not [e for e in events if e["kind"] == "state_lost"]
 
 
@@ -191,10 +188,7 @@ def test_a_step_some_members_applied_is_rolled_forward_by_the_others(tmp_path: P
         assert exits == {"w1": 0, "w2": -signal.SIGKILL, "w3": 0}, {n: job.tail(n) for n in exits}
         assert "rolled step 12 forward" in (tmp_path / "w3.log").read_text()
         events = job.events()
-        steps = {e["step"]: e for e in events if e["kind"] == "step"}
-        run = {s: {"loss": e["loss"], "lr": e["lr"], "grad_norm": e["grad_norm"]} for s, e in steps.items()}
-        gaps = _gap(run, reference)
-        assert max(gaps.values()) <= 1e-4, gaps
+        _assert_exact(events, reference)
         assert not [e for e in events if e["kind"] == "state_lost"]
 
 
@@ -212,10 +206,7 @@ def test_hsdp_2x2_is_exact(tmp_path: Path) -> None:
         events = job.events()
         layouts = [e["layout"] for e in events if e["kind"] == "plan" and e.get("layout")]
         assert layouts and all((lay["dp_replicate"], lay["dp_shard"]) == (2, 2) for lay in layouts), layouts
-        steps = {e["step"]: e for e in events if e["kind"] == "step"}
-        run = {s: {"loss": e["loss"], "lr": e["lr"], "grad_norm": e["grad_norm"]} for s, e in steps.items()}
-        gaps = _gap(run, reference)
-        assert max(gaps.values()) <= 1e-4, gaps
+        _assert_exact(events, reference)
 
 
 BF16_JOB = """
