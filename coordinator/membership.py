@@ -250,7 +250,8 @@ def _acked(state: State, ack: Ack, config: Config, now: float) -> Result:
         return state, []
     state = replace(state, acked=state.acked | {ack.name},
                     reshard_bytes=state.reshard_bytes + ack.reshard_bytes,
-                    reshard_s=max(state.reshard_s, ack.reshard_s))
+                    reshard_s=max(state.reshard_s, ack.reshard_s),
+                    reshard_largest_sender=max(state.reshard_largest_sender, ack.reshard_largest_sender))
     if state.pending:
         return state, []
     state = replace(state, running=frozenset(),
@@ -261,7 +262,8 @@ def _acked(state: State, ack: Ack, config: Config, now: float) -> Result:
     effects: list[Effect] = [Send(n, Stop(reason=w.leaving)) for n, w in state.workers.items()
                              if w.leaving is not None and n not in plan.members]
     effects += [Log("reshard", {"epoch": state.epoch, "bytes": state.reshard_bytes,
-                                             "seconds": round(state.reshard_s, 4)})]
+                                "seconds": round(state.reshard_s, 4),
+                                "largest_sender_bytes": state.reshard_largest_sender})]
     if state.replan_wanted is not None:
         state, more = replan(state, config, state.replan_wanted, abort=False, now=now)
         effects += more

@@ -118,7 +118,8 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
     tracker = steps.start(epoch, new.members, new.predicted_step_s, {c.name: c.compute_s for c in new.costs}, hosts,
                           loads=loads, legacy=not calm)
     state = replace(state, workers=workers, delta=delta, epoch=epoch, plan=new, result=result, tracker=tracker,
-                    acked=frozenset(), reshard_bytes=0, reshard_s=0.0, running=frozenset(holders), changed=(),
+                    acked=frozenset(), reshard_bytes=0, reshard_s=0.0, reshard_largest_sender=0, running=frozenset(holders),
+                    changed=(),
                     kept=None, calibrating=guessed,
                     replan_wanted=f"{handoff} handed off" if handoff else None)
     effects: list[Effect] = [Planned(result, epoch, reason), *benched]

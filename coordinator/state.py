@@ -62,6 +62,7 @@ class State:
     running: frozenset[str] = frozenset()
     reshard_bytes: int = 0  # summed over the acks of `epoch`
     reshard_s: float = 0.0  # slowest ack of `epoch`
+    reshard_largest_sender: int = 0  # bytes the busiest sender of `epoch`'s reshard sent
     replan_wanted: str | None = None  # a planned change waiting for the current one to land
     standby: frozenset[str] = frozenset()  # ready workers the latest plan left out
     changed: tuple[str, ...] = ()  # what changed since the latest plan (speeds), said by the next re-plan

@@ -160,7 +160,8 @@ class Ack:
     """Worker -> coordinator: the worker formed the group of `epoch` and holds state at `step`.
 
     `reshard_bytes`/`reshard_s` say how much state it received (0 for a member already up to date)
-    and how long forming the group and moving state took.
+    and how long forming the group and moving state took; `reshard_largest_sender` the bytes of the
+    member that sent the most in this epoch's reshard (every member knows the whole transfer list).
     """
 
     name: str
@@ -168,6 +169,7 @@ class Ack:
     step: int
     reshard_bytes: int
     reshard_s: float
+    reshard_largest_sender: int = 0
 
     def __post_init__(self) -> None:
         check_name(self.name)

@@ -108,6 +108,7 @@ class Trainer:
         self.sub_groups: list[dist.ProcessGroup] = []  # HSDP: this member's replica and shard groups
         self._units: list[str] | None = None
         self._buckets: GradBuckets | None = None  # the replicated step's gradient buckets
+        self.largest_sender = 0  # bytes the busiest sender of the last reshard sent (for the Ack)
         # Redundancy of a sharded layout: who keeps a copy of my slices, whose slices I keep a copy
         # of (and that copy), whether this step's gradients are held but not applied, and the
         # clipping coefficient of the last step applied (for a roll forward after a failure).
@@ -206,6 +207,7 @@ class Trainer:
         """Form the epoch's group and bring every member to one consistent step. A sender (a leaving
         holder of sharded state) takes part in the reshard only, and gets None."""
         t0 = time.perf_counter()
+        self.largest_sender = 0
         senders = [n for n in delta.senders if n not in delta.members]
         ranks = [*delta.members, *senders]
         rank, world = ranks.index(self.name), len(ranks)
@@ -251,6 +253,7 @@ class Trainer:
         self.agent.step = self.step
         seconds = time.perf_counter() - t0
         self.agent.send(Ack(name=self.name, epoch=delta.epoch, step=self.step, reshard_bytes=received,
+                            reshard_largest_sender=self.largest_sender,
                             reshard_s=seconds))
         self._log(f"epoch {delta.epoch} ({delta.reason}): rank {rank}/{world}, share "
                   f"{delta.shares[rank]}/{delta.global_batch}, step {self.step}, formed in {seconds * 1e3:.0f} ms"
@@ -278,6 +281,7 @@ class Trainer:
             for r in behind:
                 for tag, tensor in enumerate([size, packed.skeleton, *packed.buffers]):
                     self._wait(g, g.pg.send([tensor], r, tag))
+            self.largest_sender = state.nbytes(packed) * len(behind)  # the only sender
             return 0
         if g.rank in behind:
             size = torch.zeros(1, dtype=torch.int64, device=self.device)
@@ -300,10 +304,13 @@ class Trainer:
         """Bring this member to exactly its slices of the new layout (`worker.epoch`); the new state
         and the bytes received."""
         local = None if self.stale else self._local_state()
-        new, received, _ = epoch.enter(g.layout, self.tensors, self.name, g.members, local, g.pg,
+        new, received, plan = epoch.enter(g.layout, self.tensors, self.name, g.members, local, g.pg,
                                        lambda work, buf: self._wait(g, work, buf), self.device, self._seed_state,
                                        self._roll_forward, copies=g.layout.sharded and g.layout.dp_replicate == 1)
         self.step, self.stale = new.step, False
+        element_bytes = {fqn: sum(torch.empty(0, dtype=new.dtype(fqn, k)).element_size() for k in keys)
+                         for fqn, keys in new.keys.items()}
+        self.largest_sender = plan.largest_sender(element_bytes)
         return new, received
 
     def _roll_forward(self, local: LocalState, coefficient: float) -> None:

@@ -68,6 +68,7 @@ def test_a_sharded_job_is_exact_through_a_join_and_a_drain(tmp_path: Path) -> No
         assert "w1" not in drained["layout"]["members"]  # (under load the planner may bench w2 too)
         reshards = {e["epoch"]: e for e in events if e["kind"] == "reshard"}
         assert reshards[joined["epoch"]]["bytes"] > 0, "the newcomer received its slices"
+        assert 0 < reshards[joined["epoch"]]["largest_sender_bytes"] <= reshards[joined["epoch"]]["bytes"]
         last = max((e for e in events if e["kind"] == "step"), key=lambda e: e["step"])
         assert last["epoch"] >= drained["epoch"]
         printed = (tmp_path / "coordinator.out").read_text() if (tmp_path / "coordinator.out").exists() else ""
