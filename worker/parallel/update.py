@@ -7,8 +7,9 @@ bytes with Adam) after every step, the owner sends its *gradient* slices to the 
 keeper applies the same update to its copy: the job's own optimizer, built over views of the copy
 (reshaped to the parameters' rows, so a factory that groups parameters by shape groups them alike),
 with the owner's hyper-parameters, learning rate and clipping coefficient. The optimizer's
-arithmetic is element-wise, so the copy follows the owner's slices (the kill tests rebuild a dead
-member's slices from its copy and keep the single-process loss curve; no test compares the bits).
+arithmetic is element-wise, so the copy follows the owner's slices bit for bit
+(tests/unit/test_update.py: slices against the whole parameter's update; the kill tests rebuild a
+dead member's slices from its copy and keep the single-process loss curve).
 
 The same function rolls a step forward: a member whose step was interrupted after every member had
 its gradients (some members completed the step's last all-reduce and applied it, it did not)
