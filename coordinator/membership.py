@@ -138,15 +138,10 @@ def apply(state: State, event: Event, config: Config, *, now: float) -> Result:
         case StateLostReported(msg):
             if state.stopping:
                 return state, []  # said already (every member that found it says it)
-            detail = f"the training state is lost: {msg.detail}"
-            state = replace(state, stopping=True)
-            effects = [Log("state_lost", {"epoch": msg.epoch, "worker": msg.name, "detail": msg.detail})]
-            effects += [Send(n, Stop(reason=detail)) for n in state.workers]
-            return state, effects + _maybe_finished(state)
+            state, effects = _stop(state, f"the training state is lost: {msg.detail}")
+            return state, [Log("state_lost", {"epoch": msg.epoch, "worker": msg.name, "detail": msg.detail}), *effects]
         case StopRequested(reason):
-            state = replace(state, stopping=True)
-            effects = [Send(n, Stop(reason=reason)) for n in state.workers]
-            return state, effects + _maybe_finished(state)
+            return _stop(state, reason)
     raise AssertionError(f"unhandled event {event!r}")
 
 
@@ -327,6 +322,12 @@ def _touch(state: State, name: str, now: float, *, step: int) -> State:
 def _fence(name: str) -> Send:
     return Send(name, Error(code=ERR_STALE_EPOCH,
                             message=f"{name!r} is not a member of the current epoch; join again"))
+
+
+def _stop(state: State, reason: str) -> Result:
+    """Stop the job: every worker is told why; the coordinator finishes once they are gone."""
+    state = replace(state, stopping=True)
+    return state, [*(Send(n, Stop(reason=reason)) for n in state.workers), *_maybe_finished(state)]
 
 
 def _maybe_finished(state: State) -> list[Effect]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 import time
 from datetime import timedelta
@@ -79,17 +78,10 @@ def main() -> None:
         assert not plan.missing, plan.describe_missing()
         raw.allreduce([torch.zeros(1)]).wait()  # everyone formed the group: time the reshard alone
         t0 = time.perf_counter()
-        if os.environ.get("HARNESS_PROFILE") == me:
-            import cProfile
-            prof = cProfile.Profile()
-            prof.enable()
         local, got = execute(plan, me, {n: i for i, n in enumerate(group)}, local if me in before else None,
                              after.get(me, {}), [n for n in group if n in before], raw,
                              lambda work, buf: work.wait(), device)
         seconds = time.perf_counter() - t0
-        if os.environ.get("HARNESS_PROFILE") == me:
-            prof.disable()
-            prof.dump_stats(str(out / f"profile{e}-{me}.prof"))
         _dump(out / f"start{e}-{me}.pt", local)
         reshard.append({"epoch": e, "received": got, "seconds": seconds,
                         "sent": plan.sent.get(me, 0), "bytes": plan.bytes_moved({t.name: 12 for t in tensors})})

@@ -4,5 +4,7 @@
   execution of a reshard plan over point-to-point ops;
 * `mesh`: the epoch's group registered with c10d, and its DeviceMesh;
 * `fsdp`: the sharded executor (FSDP2's `fully_shard` per unit), built from a LocalState;
-* (the replicated executor lives in `worker.trainer` until the trainer is split).
+* `replicated`: the replicated executor's state (a plain module) and its gradient buckets;
+* `copies`, `update`: the ring of copies of a sharded layout, and the optimizer applied to slices.
+(The two steps themselves are still `worker.trainer`'s.)
 """

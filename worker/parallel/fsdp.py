@@ -89,17 +89,21 @@ def apply_fsdp(job: Job, units: Sequence[str], layout: Layout, rank: int, mesh: 
     return Sharded(model=model, optimizer=optimizer, mesh=mesh)
 
 
-class AbortableAllGather(AllGather):
-    """FSDP2's all-gather, waited for by the trainer's abortable wait: a member stopped mid-step
-    (SIGSTOP) would otherwise hold every other member in gloo for the whole group timeout. Each
-    call gathers into a fresh buffer (`allocate`), so an abandoned gather that completes late
-    writes into memory nobody reads."""
+class _FreshBuffers:
+    """Every call's output in a buffer of its own: an abandoned op that completes late writes into
+    memory nobody reads."""
 
     def __init__(self, wait: Wait) -> None:
         self._wait = wait
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
+
+
+class AbortableAllGather(_FreshBuffers, AllGather):
+    """FSDP2's all-gather, waited for by the trainer's abortable wait: a member stopped mid-step
+    (SIGSTOP) would otherwise hold every other member in gloo for the whole group timeout. Each
+    call gathers into a fresh buffer (`_FreshBuffers`)."""
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> dist.Work | None:
@@ -108,14 +112,8 @@ class AbortableAllGather(AllGather):
         return None
 
 
-class AbortableReduceScatter(ReduceScatter):
+class AbortableReduceScatter(_FreshBuffers, ReduceScatter):
     """FSDP2's reduce-scatter, waited for like `AbortableAllGather`."""
-
-    def __init__(self, wait: Wait) -> None:
-        self._wait = wait
-
-    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: Any, async_op: bool = False) -> dist.Work | None:
