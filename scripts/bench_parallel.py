@@ -40,6 +40,7 @@ from localjob import LocalJob, read_jsonl  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("throughput", "reshard", "join", "kill")
+JOINS = 3  # reshard: the newcomer's receive is measured over this many joins (the median is reported)
 
 
 def _free_port() -> int:
@@ -116,29 +117,34 @@ def torchrun_throughput(job_ref: str, n: int, warmup: int, steps: int, workdir: 
     return {"samples_per_s": _samples_per_s(run, warmup, warmup + steps, batch), "peak_rss_bytes": peak}
 
 
-def raw_p2p(workdir: Path, megabytes: int = 100) -> dict[str, Any]:
-    """Two processes, `batch_isend_irecv` of 200 fp32 tensors (`megabytes` in all), 5 times: GB/s."""
+def raw_p2p(workdir: Path, megabytes: int = 100, senders: int = 1) -> dict[str, Any]:
+    """`batch_isend_irecv` of 200 fp32 tensors (`megabytes` in all) from `senders` processes (each
+    its part) to one receiver, 6 times (the first not counted): the receiver's GB/s."""
     code = f"""
 import sys, time, json, torch, torch.distributed as dist
 from datetime import timedelta
-rank, port = int(sys.argv[1]), int(sys.argv[2])
-store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timedelta(seconds=60))
-dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+rank, port, world = int(sys.argv[1]), int(sys.argv[2]), {senders} + 1
+store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timedelta(seconds=60))
+dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
 ts = [torch.ones({megabytes} * 2**20 // 4 // 200) for _ in range(200)]
+me = [t for i, t in enumerate(ts) if i % {senders} == rank]
 rates = []
 for _ in range(6):
     dist.barrier(); t0 = time.perf_counter()
-    ops = [dist.P2POp(dist.isend if rank == 0 else dist.irecv, t, 1 - rank) for t in ts]
+    if rank < {senders}:
+        ops = [dist.P2POp(dist.isend, t, {senders}) for t in me]
+    else:
+        ops = [dist.P2POp(dist.irecv, t, i % {senders}) for i, t in enumerate(ts)]
     for w in dist.batch_isend_irecv(ops): w.wait()
     rates.append({megabytes} * 2**20 / (time.perf_counter() - t0))
-if rank == 1: print(json.dumps(rates[1:]))
+if rank == {senders}: print(json.dumps(rates[1:]))
 """
     port = _free_port()
     procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(port)], stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True) for r in (0, 1)]
+                              stderr=subprocess.DEVNULL, text=True) for r in range(senders + 1)]
     out = [p.communicate(timeout=300)[0] for p in procs]
-    rates = json.loads(out[1].strip().splitlines()[-1])
-    return {"bytes": megabytes * 2**20, "bytes_per_s": statistics.median(rates)}
+    rates = json.loads(out[senders].strip().splitlines()[-1])
+    return {"bytes": megabytes * 2**20, "senders": senders, "bytes_per_s": statistics.median(rates)}
 
 
 def reshard_join(job_ref: str, workdir: Path) -> dict[str, Any]:
@@ -161,8 +167,10 @@ def reshard_join(job_ref: str, workdir: Path) -> dict[str, Any]:
     path, name = job_ref.split(":")
     scenario.write_text(json.dumps({"processes": ["a", "b", "c"], "job": str(Path(path).resolve().relative_to(ROOT)),
                                     "job_name": name, "graph": str(graph), "port": _free_port(),
+                                    # c joins, is drained, joins again, ...: JOINS joins measured
                                     "epochs": [{"layout": layout(["a", "b"]), "steps": 1},
-                                               {"layout": layout(["a", "b", "c"]), "steps": 1}]}))
+                                               *[{"layout": layout(m), "steps": 1} for _ in range(JOINS)
+                                                 for m in (["a", "b", "c"], ["a", "b"])]]}))
     harness = ROOT / "tests" / "system" / "parallel_harness.py"
     procs = [subprocess.Popen([sys.executable, str(harness), str(scenario), n, str(workdir)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for n in ("a", "b", "c")]
@@ -170,10 +178,16 @@ def reshard_join(job_ref: str, workdir: Path) -> dict[str, Any]:
     for p, text in zip(procs, outs):
         if p.returncode != 0:
             raise RuntimeError(text[-2000:])
-    c = json.loads((workdir / "c.json").read_text())["reshard"][0]
-    sent = [json.loads((workdir / f"{n}.json").read_text())["reshard"][-1] for n in ("a", "b")]
-    return {"received_bytes": c["received"], "seconds": c["seconds"], "bytes_per_s": c["received"] / c["seconds"],
-            "state_bytes": c["bytes"], "largest_sender_elements": max(s["sent"] for s in sent)}
+    runs = {n: {r["epoch"]: r for r in json.loads((workdir / f"{n}.json").read_text())["reshard"]} for n in "abc"}
+    joins = [e for e in sorted(runs["c"]) if runs["c"][e]["received"] > 0]
+    rates = [runs["c"][e]["received"] / runs["c"][e]["seconds"] for e in joins]
+    whole = [max(runs[n][e]["seconds"] for n in "abc" if e in runs[n]) for e in joins]
+    first = runs["c"][joins[0]]
+    return {"received_bytes": first["received"], "joins": len(joins),
+            "seconds": statistics.median(runs["c"][e]["seconds"] for e in joins),
+            "bytes_per_s": statistics.median(rates), "all_bytes_per_s": rates,
+            "slowest_member_s": statistics.median(whole), "state_bytes": first["bytes"],
+            "largest_sender_elements": max(runs[n][joins[0]]["sent"] for n in "ab")}
 
 
 def join_and_kill(job_ref: str, n: int, workdir: Path, sections: tuple[str, ...]) -> dict[str, Any]:
@@ -223,9 +237,14 @@ def table(r: dict[str, Any]) -> str:
     if "reshard" in r:
         rs, p2p = r["reshard"], r["raw_p2p"]
         lines.append("")
-        lines.append(f"reshard 2->3 (newcomer): {rs['received_bytes'] / 1e6:.1f} MB in {rs['seconds'] * 1e3:.0f} ms = "
-                     f"{rs['bytes_per_s'] / 1e9:.2f} GB/s; raw p2p {p2p['bytes_per_s'] / 1e9:.2f} GB/s "
-                     f"-> {rs['bytes_per_s'] / p2p['bytes_per_s']:.2f}x")
+        lines.append(f"reshard 2->3 (newcomer, median of {rs['joins']} joins): {rs['received_bytes'] / 1e6:.1f} MB in "
+                     f"{rs['seconds'] * 1e3:.0f} ms = {rs['bytes_per_s'] / 1e9:.2f} GB/s; raw p2p "
+                     f"{p2p['bytes_per_s'] / 1e9:.2f} GB/s -> {rs['bytes_per_s'] / p2p['bytes_per_s']:.2f}x; "
+                     f"the slowest member done in {rs['slowest_member_s'] * 1e3:.0f} ms")
+        two = r.get("raw_p2p_two_senders")
+        if two:
+            lines.append(f"  raw p2p with the join's shape (two senders -> one receiver, three processes): "
+                         f"{two['bytes_per_s'] / 1e9:.2f} GB/s -> {rs['bytes_per_s'] / two['bytes_per_s']:.2f}x")
     if "join" in r:
         j = r["join"]
         lines.append(f"join (sharded): plan -> first step {j['plan_to_first_step_s']:.2f} s; "
@@ -246,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--quick", action="store_true", help="the small GPT, 2 workers, fewer steps (minutes)")
     p.add_argument("--out", type=Path, default=Path("bench-out/parallel.json"))
+    p.add_argument("--keep", type=Path, default=None, metavar="DIR",
+                   help="run the jobs in DIR and keep their logs and events there (default: a temporary "
+                        "directory, removed at the end)")
     a = p.parse_args(argv)
     sections = tuple(s.strip() for s in a.sections.split(","))
     unknown = set(sections) - set(SECTIONS)
@@ -264,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
                                            "sections": list(sections),
                                            "machine": f"{os.cpu_count()} cores, torch threads 1"}}
     with tempfile.TemporaryDirectory(prefix="bench-parallel-") as tmp:
-        work = Path(tmp)
+        work = Path(tmp) if a.keep is None else a.keep
+        work.mkdir(parents=True, exist_ok=True)
         if "throughput" in sections:
             result["throughput"] = {}
             for n in counts:
@@ -279,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         if "reshard" in sections:
             print("reshard and raw p2p ...", flush=True)
             result["raw_p2p"] = raw_p2p(work / "p2p")
+            result["raw_p2p_two_senders"] = raw_p2p(work / "p2p2", senders=2)  # the join's own shape
             result["reshard"] = reshard_join(a.job, work / "reshard")
         if "join" in sections or "kill" in sections:
             print("join and kill ...", flush=True)

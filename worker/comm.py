@@ -63,6 +63,19 @@ def form_group(store: Any, epoch: int, rank: int, world: int, device: torch.devi
     return box["pg"]
 
 
+class AllOf:
+    """Several works waited for as one (in order), so that a reshard's hundreds of messages cost one
+    thread hand-off in `Waiter.wait`, not one each; it keeps their buffers alive meanwhile."""
+
+    def __init__(self, works: list[tuple[Any, Any]]) -> None:
+        self.works = works
+
+    def wait(self) -> bool:
+        for work, _ in self.works:
+            work.wait()
+        return True
+
+
 @dataclass(slots=True)
 class _Wait:
     """One wait handed to a helper thread. While the helper is blocked in it, the helper holds

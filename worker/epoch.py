@@ -1,8 +1,8 @@
 """Entering an epoch whose layout involves sharded state: who holds what, and the reshard into the
 new layout.
 
-Every member states what it holds (its step, and the element ranges of every parameter it has,
-or nothing: a newcomer, a fenced worker), in two all-gathers over the epoch's raw group (sizes, then
+Every member states what it holds (its step, the element ranges of every parameter it has and the
+structure of its whole-state part, or nothing: a newcomer, a fenced worker), in two all-gathers over the epoch's raw group (sizes, then
 the padded descriptions). The holders are the members at the highest step (one that fell a step
 behind, or was fenced, holds nothing current). From that, every member derives the same transfer
 list (`plan.reshard.plan_reshard`: the new layout's slices, each needed byte once, sources balanced),
@@ -34,18 +34,21 @@ class StateLost(RuntimeError):
 
 
 def describe(tensors: Sequence[TensorShape], local: LocalState | None) -> torch.Tensor:
-    """int64 [step, pending, then per tensor (in `tensors` order): n, lo1, hi1, ..., lo_n, hi_n];
-    step -1: nothing; pending 1: the gradients of step + 1 are held, not applied."""
+    """int64 [step, pending, n, the n bytes of the whole-state skeleton packed 8 to a word, then per
+    tensor (in `tensors` order): n, lo1, hi1, ..., lo_n, hi_n]; step -1: nothing; pending 1: the
+    gradients of step + 1 are held, not applied."""
     if local is None:
-        return torch.tensor([-1, 0], dtype=torch.int64)
-    out = [local.step, int(local.pending)]
+        return torch.tensor([-1, 0, 0], dtype=torch.int64)
+    whole = slices.skeleton(local)
+    words = torch.frombuffer(bytearray(whole + bytes(-len(whole) % 8)), dtype=torch.int64)
+    out = [local.step, int(local.pending), len(whole)]
     held = local.holdings()
     for t in tensors:
         ranges = held.get(t.name, [])
         out.append(len(ranges))
         for lo, hi in ranges:
             out += [lo, hi]
-    return torch.tensor(out, dtype=torch.int64)
+    return torch.cat([torch.tensor(out[:3], dtype=torch.int64), words, torch.tensor(out[3:], dtype=torch.int64)])
 
 
 def read(tensors: Sequence[TensorShape], data: list[int]) -> tuple[int, dict[str, list[tuple[int, int]]]]:
@@ -53,7 +56,7 @@ def read(tensors: Sequence[TensorShape], data: list[int]) -> tuple[int, dict[str
     if step < 0:
         return step, {}
     out: dict[str, list[tuple[int, int]]] = {}
-    at = 2
+    at = 3 + -(-data[2] // 8)
     for t in tensors:
         n = data[at]
         at += 1
@@ -62,6 +65,12 @@ def read(tensors: Sequence[TensorShape], data: list[int]) -> tuple[int, dict[str
         if ranges:
             out[t.name] = ranges
     return step, out
+
+
+def skeleton(data: list[int]) -> bytes:
+    """The whole-state skeleton a description carries (b"" for a member with nothing)."""
+    n = data[2]
+    return torch.tensor(data[3:3 + -(-n // 8)], dtype=torch.int64).numpy().tobytes()[:n]
 
 
 def exchange(pg: Any, rank: int, world: int, mine: torch.Tensor, wait: Wait) -> list[list[int]]:
@@ -112,8 +121,10 @@ def enter(layout: Layout, tensors: Sequence[TensorShape], me: str, ranks: Sequen
         described = [describe(tensors, local).tolist()] * len(ranks)
     best = max(d[0] for d in described)
     behind = [r for r, d in enumerate(described) if d[0] == best - 1 and d[1]]
+    # The lowest-ranked member at the newest step: it sends the whole-state part to those without
+    # state (its skeleton is current; one rolled forward below described the step before).
+    root = min(r for r, d in enumerate(described) if d[0] == best)
     if behind and best >= 1:  # someone applied the interrupted step: the others roll it forward
-        root = min(r for r, d in enumerate(described) if d[0] == best)
         coefficient = torch.tensor([local.coefficient if local is not None and rank == root else 0.0],
                                    dtype=torch.float64)
         wait(pg.broadcast(coefficient, root), None)
@@ -127,7 +138,7 @@ def enter(layout: Layout, tensors: Sequence[TensorShape], me: str, ranks: Sequen
     _, holders, after, plan = plan_entry(layout, tensors, described, ranks, copies=copies)
     mine = local if me in holders else None
     new, received = slices.execute(plan, me, {n: i for i, n in enumerate(ranks)}, mine, after.get(me, {}),
-                                   holders, pg, wait, device)
+                                   holders, pg, wait, device, whole=skeleton(described[root]), sender=ranks[root])
     return new, received, plan
 
 

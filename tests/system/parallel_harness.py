@@ -33,6 +33,7 @@ from worker.job import load_job, sample_ids  # noqa: E402
 from worker.parallel import mesh as meshes  # noqa: E402
 from worker.parallel.fsdp import Sharded, apply_fsdp, extract  # noqa: E402
 from worker.parallel.replicated import Replica, apply_replicated, extract_replicated  # noqa: E402
+from worker import epoch as epoch_entry  # noqa: E402
 from worker.parallel.slices import LocalState, execute, from_module  # noqa: E402
 
 
@@ -76,11 +77,16 @@ def main() -> None:
         after = holdings(layout, tensors)
         plan = plan_reshard(before, after)
         assert not plan.missing, plan.describe_missing()
+        senders = [n for n in group if n in before]
+        # The holders' whole-state skeleton, as the worker learns it (worker.epoch's description).
+        mine = local if me in before else None
+        described = epoch_entry.exchange(raw, rank, len(group), epoch_entry.describe(tensors, mine),
+                                         lambda work, buf: work.wait())
+        whole = epoch_entry.skeleton(described[group.index(senders[0])])
         raw.allreduce([torch.zeros(1)]).wait()  # everyone formed the group: time the reshard alone
         t0 = time.perf_counter()
-        local, got = execute(plan, me, {n: i for i, n in enumerate(group)}, local if me in before else None,
-                             after.get(me, {}), [n for n in group if n in before], raw,
-                             lambda work, buf: work.wait(), device)
+        local, got = execute(plan, me, {n: i for i, n in enumerate(group)}, mine, after.get(me, {}), senders, raw,
+                             lambda work, buf: work.wait(), device, whole=whole)
         seconds = time.perf_counter() - t0
         _dump(out / f"start{e}-{me}.pt", local)
         reshard.append({"epoch": e, "received": got, "seconds": seconds,

@@ -8,11 +8,13 @@ the optimizer's other per-parameter state (Adam's `step`), its hyper-parameters,
 buffers. An executor (`worker.parallel.replicated`, `worker.parallel.fsdp`) is built from a
 LocalState and gives one back (`extract`), so any layout can follow any other.
 
-`execute` runs the transfers of one member: every pair of members exchanges one flat buffer per
-dtype (the transfer list is sorted the same everywhere, so both sides know the buffer's layout), all
-sends and receives are posted before any is waited for (no ordering deadlock), and each wait goes
-through the caller's abortable `wait`. A member that holds nothing (a newcomer) first receives the
-whole-state part from the lowest-ranked holder, as a small `worker.state` skeleton.
+`execute` runs the transfers of one member: one message per companion of each transfer, sent from a
+view of what is held and received in place into the new state's fresh buffers, so nothing is copied
+to pack or to assemble (the transfer list is sorted the same everywhere, so both sides number a
+pair's messages alike). All sends and receives are posted before any is waited for (no ordering
+deadlock), and each wait goes through the caller's abortable `wait`. A member that holds nothing (a
+newcomer) also receives the whole-state part's tensors from the lowest-ranked holder, in the same
+round; their structure (`skeleton`) reached it before, in the description all-gather.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ import torch
 
 from plan.reshard import Range, ReshardPlan, Transfer
 from worker import state as packing
+from worker.comm import AllOf
 
 PARAM = "param"  # the companion key of the parameter itself
-META_TAG, DATA_TAG = 1, 8  # p2p tags: the whole-state skeleton (size, bytes), then one per dtype
+META_TAG, DATA_TAG = 1, 1 << 16  # p2p tags: the whole-state part's tensors, then the data
 
 
 @dataclass(slots=True)
@@ -121,60 +124,64 @@ def from_module(step: int, model: torch.nn.Module, optimizer: torch.optim.Optimi
 # --- executing a reshard ---------------------------------------------------------------------------------
 
 
+def skeleton(local: LocalState) -> bytes:
+    """The whole-state part's structure (keys, dtypes, hyper-parameters, tensor shapes), what a
+    member without state needs before it can receive anything; its tensors follow in `execute`."""
+    return bytes(packing.pack(local.whole(), torch.device("cpu")).skeleton.numpy())
+
+
 def execute(plan: ReshardPlan, me: str, ranks: Mapping[str, int], local: LocalState | None,
             needed: Mapping[str, Sequence[Range]], holders: Sequence[str], pg: Any,
-            wait: Callable[[Any, torch.Tensor | None], None], device: torch.device) -> tuple[LocalState, int]:
+            wait: Callable[[Any, torch.Tensor | None], None], device: torch.device,
+            whole: bytes = b"", sender: str | None = None) -> tuple[LocalState, int]:
     """Run `me`'s part of `plan`; returns the new LocalState (exactly the ranges `needed`) and the
-    bytes received. `holders`: the members whose state is current (they send the whole-state part to
-    the others, the lowest-ranked one doing it); `local`: this member's state, None if it has none."""
+    bytes received. `holders`: the members whose state is current; `sender` (default: the
+    lowest-ranked holder) sends the whole-state part's tensors to the others; `local`: this member's
+    state, None if it has none; `whole`: the sender's `skeleton`, which a member without state needs
+    (every member learns it in the description all-gather before, so its receives go out with the
+    data's)."""
     received = 0
-    sender = min(holders, key=lambda n: ranks[n])
+    sender = sender or min(holders, key=lambda n: ranks[n])
+    works: list[tuple[Any, torch.Tensor]] = []
     if local is None or me not in holders:
-        size = torch.zeros(1, dtype=torch.int64)
-        wait(pg.recv([size], ranks[sender], META_TAG), None)
-        skeleton = torch.empty(int(size.item()), dtype=torch.uint8)
-        wait(pg.recv([skeleton], ranks[sender], META_TAG + 1), None)
-        meta = packing.read_meta(skeleton)
-        received += int(size.item())
+        if not whole:
+            raise ValueError(f"{me} holds no current state and was not given the holders' skeleton")
+        meta = packing.read_meta(torch.frombuffer(bytearray(whole), dtype=torch.uint8))
         bufs = packing.empty_buffers(meta, torch.device("cpu"))
-        for tag, buf in enumerate(bufs, start=META_TAG + 2):
-            wait(pg.recv([buf], ranks[sender], tag), None)
-            received += buf.numel() * buf.element_size()
-        whole = packing.unpack(meta, bufs)
-        local = LocalState.from_whole(whole)  # what this member held is stale: it keeps nothing of it
+        for tag, buf in enumerate(bufs, start=META_TAG):
+            works.append((pg.recv([buf], ranks[sender], tag), buf))
+        received += len(whole) + sum(b.numel() * b.element_size() for b in bufs)
+        # What this member held is stale: it keeps nothing of it. The tensors of the whole-state
+        # part are views of `bufs`, filled when their receives complete.
+        local = LocalState.from_whole(packing.unpack(meta, bufs))
     elif me == sender:
         behind = sorted((n for n in ranks if n not in holders), key=lambda n: ranks[n])
         if behind:
             packed = packing.pack(local.whole(), torch.device("cpu"))
-            size = torch.tensor([packed.skeleton.numel()], dtype=torch.int64)
             for n in behind:
-                wait(pg.send([size], ranks[n], META_TAG), None)
-                wait(pg.send([packed.skeleton], ranks[n], META_TAG + 1), None)
-                for tag, buf in enumerate(packed.buffers, start=META_TAG + 2):
-                    wait(pg.send([buf], ranks[n], tag), None)
+                for tag, buf in enumerate(packed.buffers, start=META_TAG):
+                    works.append((pg.send([buf], ranks[n], tag), buf))
     assert local is not None
     sends, recvs = plan.for_member(me)
-    dtypes = _dtypes(local)
-    works: list[tuple[Any, torch.Tensor]] = []
+    incoming = _ranges(recvs)
+    new, fresh = _allocate(local, needed, incoming, device)
+    # Every message is one companion of one transfer: a view of what is held (sent as it lies, no
+    # packing copy) or of where it belongs in the new state (received in place into a fresh buffer,
+    # never into live state, so an abandoned receive writes nowhere that matters). Both sides number
+    # a pair's messages alike, from the plan's order.
     for peer, transfers in _by_peer(sends, lambda t: t.dst).items():
-        for d, buf in enumerate(_pack(local, transfers, dtypes)):
-            works.append((pg.send([buf], ranks[peer], DATA_TAG + d), buf))
-    inbox: dict[str, list[torch.Tensor]] = {}
+        for tag, (t, key) in enumerate(_messages(local, transfers), start=DATA_TAG):
+            out = local.read(t.tensor, key, t.lo, t.hi)
+            works.append((pg.send([out], ranks[peer], tag), out))
     for peer, transfers in _by_peer(recvs, lambda t: t.src).items():
-        inbox[peer] = [torch.empty(n, dtype=dt, device=device) for dt, n in zip(dtypes, _sizes(local, transfers, dtypes))]
-        for d, buf in enumerate(inbox[peer]):
-            if buf.numel():
-                works.append((pg.recv([buf], ranks[peer], DATA_TAG + d), buf))
-    for work, buf in works:
-        wait(work, buf)
-    arrived = _unpack(local, recvs, inbox, dtypes)
-    received += sum(t.numel() * t.element_size() for bufs in inbox.values() for t in bufs)
-    return _assemble(local, needed, arrived, device), received
-
-
-def _dtypes(local: LocalState) -> list[torch.dtype]:
-    """Every companion's dtype, in one order every member derives alike (from the whole-state part)."""
-    return sorted({getattr(torch, name) for per in local.dtypes.values() for name in per.values()}, key=str)
+        for tag, (t, key) in enumerate(_messages(local, transfers), start=DATA_TAG):
+            buf = _view(new, t.tensor, key, t.lo, t.hi)
+            works.append((pg.recv([buf], ranks[peer], tag), buf))
+            received += buf.numel() * buf.element_size()
+    wait(AllOf(works), None)
+    # Local copies last: the peers wait on this member's messages, not on them.
+    _fill_held(local, fresh, incoming)
+    return new, received
 
 
 def _by_peer(transfers: list[Transfer], peer: Callable[[Transfer], str]) -> dict[str, list[Transfer]]:
@@ -184,55 +191,73 @@ def _by_peer(transfers: list[Transfer], peer: Callable[[Transfer], str]) -> dict
     return dict(out)
 
 
-def _sizes(local: LocalState, transfers: list[Transfer], dtypes: list[torch.dtype]) -> list[int]:
-    sizes = [0] * len(dtypes)
+def _messages(local: LocalState, transfers: list[Transfer]) -> list[tuple[Transfer, str]]:
+    return [(t, key) for t in transfers if t.elements for key in local.keys[t.tensor]]
+
+
+def _ranges(transfers: Sequence[Transfer]) -> dict[str, list[Range]]:
+    out: dict[str, list[Range]] = defaultdict(list)
     for t in transfers:
-        for key in local.keys[t.tensor]:
-            sizes[dtypes.index(local.dtype(t.tensor, key))] += t.elements
-    return sizes
+        out[t.tensor].append((t.lo, t.hi))
+    return dict(out)
 
 
-def _pack(local: LocalState, transfers: list[Transfer], dtypes: list[torch.dtype]) -> list[torch.Tensor]:
-    parts: list[list[torch.Tensor]] = [[] for _ in dtypes]
-    for t in transfers:
-        for key in local.keys[t.tensor]:
-            chunk = local.read(t.tensor, key, t.lo, t.hi)
-            parts[dtypes.index(chunk.dtype)].append(chunk)
-    return [torch.cat(p) if p else torch.empty(0, dtype=dt) for p, dt in zip(parts, dtypes)]
-
-
-def _unpack(local: LocalState, transfers: list[Transfer], inbox: Mapping[str, list[torch.Tensor]],
-            dtypes: list[torch.dtype]) -> dict[str, list[Piece]]:
-    offsets: dict[tuple[str, int], int] = defaultdict(int)
-    out: dict[str, list[Piece]] = defaultdict(list)
-    for t in transfers:
-        data = {}
-        for key in local.keys[t.tensor]:
-            d = dtypes.index(local.dtype(t.tensor, key))
-            at = offsets[(t.src, d)]
-            data[key] = inbox[t.src][d][at:at + t.elements]
-            offsets[(t.src, d)] = at + t.elements
-        out[t.tensor].append(Piece(t.lo, t.hi, data))
-    return out
-
-
-def _assemble(local: LocalState, needed: Mapping[str, Sequence[Range]], arrived: Mapping[str, list[Piece]],
-              device: torch.device) -> LocalState:
-    """The new state: exactly the `needed` ranges, from what was held and what arrived."""
+def _allocate(local: LocalState, needed: Mapping[str, Sequence[Range]], incoming: Mapping[str, list[Range]],
+              device: torch.device) -> tuple[LocalState, list[tuple[str, Piece]]]:
+    """The new state's pieces, exactly the `needed` ranges, and those of them that are fresh buffers.
+    A range that one held piece covers and nothing arrives for is that piece's view (no copy); any
+    other is a fresh buffer, filled by the receives and `_fill_held`."""
     out = LocalState(step=local.step, keys=local.keys, dtypes=local.dtypes, scalars=local.scalars, hyper=local.hyper,
                      buffers=local.buffers)
+    fresh: list[tuple[str, Piece]] = []
     for fqn, ranges in needed.items():
-        sources = sorted([*local.pieces.get(fqn, []), *arrived.get(fqn, [])], key=lambda p: p.lo)
-        both = LocalState(step=0, keys=local.keys, dtypes=local.dtypes, pieces={fqn: _disjoint(sources)})
         out.pieces[fqn] = []
         for lo, hi in ranges:
             if hi <= lo:
                 continue
-            data = {}
-            for key in local.keys[fqn]:
-                chunk = both.read(fqn, key, lo, hi)
-                data[key] = chunk if chunk.device == device else chunk.to(device)
-            out.pieces[fqn].append(Piece(lo, hi, data))
+            held = _covering(local.pieces.get(fqn, []), lo, hi)
+            if held is not None and not any(a < hi and lo < b for a, b in incoming.get(fqn, [])):
+                piece = Piece(lo, hi, {k: v[lo - held.lo:hi - held.lo].to(device) for k, v in held.data.items()})
+            else:
+                piece = Piece(lo, hi, {k: torch.empty(hi - lo, dtype=local.dtype(fqn, k), device=device)
+                                       for k in local.keys[fqn]})
+                fresh.append((fqn, piece))
+            out.pieces[fqn].append(piece)
+    return out, fresh
+
+
+def _covering(pieces: Sequence[Piece], lo: int, hi: int) -> Piece | None:
+    return next((p for p in pieces if p.lo <= lo and hi <= p.hi), None)
+
+
+def _view(state: LocalState, fqn: str, key: str, lo: int, hi: int) -> torch.Tensor:
+    """Elements [lo, hi) of `fqn`'s companion `key` inside the one new piece that holds them."""
+    piece = _covering(state.pieces[fqn], lo, hi)
+    if piece is None:
+        raise KeyError(f"{fqn}[{lo}:{hi}] is received but lies in no needed range")
+    return piece.data[key][lo - piece.lo:hi - piece.lo]
+
+
+def _fill_held(local: LocalState, fresh: list[tuple[str, Piece]], incoming: Mapping[str, list[Range]]) -> None:
+    """Copy into the fresh pieces what this member held of them (every part not received)."""
+    for fqn, piece in fresh:
+        for h in _disjoint(sorted(local.pieces.get(fqn, []), key=lambda p: p.lo)):
+            for a, b in _gaps(max(piece.lo, h.lo), min(piece.hi, h.hi), incoming.get(fqn, [])):
+                for key, dst in piece.data.items():
+                    dst[a - piece.lo:b - piece.lo].copy_(h.data[key][a - h.lo:b - h.lo])
+
+
+def _gaps(lo: int, hi: int, taken: Sequence[Range]) -> list[Range]:
+    """The parts of [lo, hi) that no range in `taken` covers."""
+    out, at = [], lo
+    for a, b in sorted(taken):
+        if b <= at or a >= hi:
+            continue
+        if a > at:
+            out.append((at, a))
+        at = max(at, b)
+    if at < hi:
+        out.append((at, hi))
     return out
 
 
