@@ -10,7 +10,14 @@ batch split as evenly as it goes). Each child of the model that holds parameters
 unit, then the root, as adaptrain shards the GPT example. FSDP2 averages gradients over ranks, so
 each rank backpropagates `loss_sum * world / global_batch`: the full global batch's gradient.
 
---events gets one JSON object a line (rank 0 only): step{step,loss,world,ts}.
+--events gets one JSON object a line (rank 0 only): step{step,loss,world,ts}, and start{step,ts} when a
+process group is up and the state is loaded.
+
+--checkpoint DIR --checkpoint-every N: what a torchrun elastic user does so that a restart (after
+a worker dies, torchrun stops every worker and starts them all again) does not start over: every
+N steps a `torch.distributed.checkpoint` (DCP) save of the sharded model and optimizer to
+DIR/step-N (written to a temporary name, renamed by rank 0 when all ranks are done), and at start
+the newest one is loaded.
 """
 
 from __future__ import annotations
@@ -28,11 +35,16 @@ def main() -> None:
     p.add_argument("--events", required=True, help="JSON-lines file to append events to")
     p.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: the job's)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--checkpoint", default="", help="directory of DCP checkpoints (default: none)")
+    p.add_argument("--checkpoint-every", type=int, default=10)
     a = p.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
     import torch
     import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.fsdp import fully_shard
 
     from worker.job import load_job, resolve_job_ref, sample_ids, share_slice
@@ -52,7 +64,17 @@ def main() -> None:
     shares = [G // world + (1 if r < G % world else 0) for r in range(world)]
     steps = a.steps or job.num_steps
     fd = os.open(a.events, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if rank == 0 else -1
-    for step in range(steps):
+    begin = 0
+    saved = sorted((d for d in os.listdir(a.checkpoint) if d.startswith("step-") and d[5:].isdigit()),
+                   key=lambda d: int(d[5:])) if a.checkpoint and os.path.isdir(a.checkpoint) else []
+    if saved:  # a restart: continue from the newest checkpoint
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp_load({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(a.checkpoint, saved[-1]))
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+        begin = int(saved[-1][5:])
+    if rank == 0:
+        os.write(fd, (json.dumps({"ts": time.time(), "kind": "start", "step": begin}) + "\n").encode())
+    for step in range(begin, steps):
         ids = sample_ids(job.seed, step, len(job.dataset), G)[share_slice(shares, rank)]
         inputs, targets = job.dataset[ids]
         optimizer.zero_grad(set_to_none=True)
@@ -62,6 +84,13 @@ def main() -> None:
         if rank == 0:
             os.write(fd, (json.dumps({"ts": time.time(), "kind": "step", "step": step + 1,
                                       "loss": float(loss.detach()) / max(1, len(ids)), "world": world}) + "\n").encode())
+        if a.checkpoint and (step + 1) % a.checkpoint_every == 0:
+            model_state, optim_state = get_state_dict(model, optimizer)
+            path = os.path.join(a.checkpoint, f"step-{step + 1}")
+            dcp_save({"model": model_state, "optim": optim_state}, checkpoint_id=path + ".tmp")
+            dist.barrier()
+            if rank == 0:
+                os.rename(path + ".tmp", path)
     dist.destroy_process_group()
 
 

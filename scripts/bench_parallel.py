@@ -10,9 +10,12 @@ thread per process), on one model (default the 10M-parameter GPT, examples/gpt.p
                parallel_harness.py): the bytes the newcomer receives and how fast, against raw gloo
                p2p between two processes measured in the same run (batch_isend_irecv of 100 MB).
   join         adaptrain sharded, one worker more: from the newcomer's plan (it is planned in as
-               soon as it is ready) to the first step of that epoch.
-  kill         adaptrain sharded: SIGKILL of a member -> the next committed step (its slices come
-               back from the copy its keeper holds).
+               soon as it is ready) to its group formed with its slices, and to the first step of
+               that epoch; and how long the members paused for it.
+  kill         adaptrain sharded: SIGKILL of a member -> training again (its slices come back from
+               the copy its keeper holds) and the next committed step; against torchrun elastic +
+               FSDP2 with a DCP checkpoint every 5 steps (torchrun restarts every worker, which
+               load the newest checkpoint), three workers each.
 
 Goals (issue #11): sharded >= 0.95x torchrun + FSDP2 samples/s; reshard >= 0.7x raw p2p; 10M join
 <= 1 s from ready to first step; kill -> next step <= 0.5 s. Prints a table, writes JSON.
@@ -117,6 +120,48 @@ def torchrun_throughput(job_ref: str, n: int, warmup: int, steps: int, workdir: 
     return {"samples_per_s": _samples_per_s(run, warmup, warmup + steps, batch), "peak_rss_bytes": peak}
 
 
+def torchrun_kill(job_ref: str, n: int, workdir: Path, every: int = 5) -> dict[str, Any]:
+    """torchrun elastic + FSDP2, as a user would run it for spot machines: `--max-restarts`, a DCP
+    checkpoint every `every` steps; SIGKILL of one worker after a checkpoint -> torchrun stops the
+    others and starts all of them again, they load the newest checkpoint -> the next step."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    events = workdir / "torchrun.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={n}",
+           "--max-restarts=1", "--monitor-interval=0.1", str(ROOT / "scripts" / "_torchrun_fsdp.py"),
+           "--job", job_ref, "--events", str(events), "--checkpoint", str(workdir / "checkpoints"),
+           "--checkpoint-every", str(every), "--steps", str(3 * every)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+    def steps() -> list[dict[str, Any]]:
+        return [e for e in read_jsonl(events) if e.get("kind") == "step"] if events.exists() else []
+
+    with (workdir / "torchrun.log").open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 900
+            while max((e["step"] for e in steps()), default=0) < every + 2:  # past the first checkpoint
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"torchrun ended early: {(workdir / 'torchrun.log').read_text()[-2000:]}")
+                time.sleep(0.05)
+            last = max(e["step"] for e in steps())
+            kids = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+            t_kill = time.time()
+            os.kill(int(kids[-1]), signal.SIGKILL)
+            while not [e for e in steps() if e["ts"] > t_kill and e["step"] > last]:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"torchrun did not recover: {(workdir / 'torchrun.log').read_text()[-2000:]}")
+                time.sleep(0.05)
+            nxt = min((e for e in steps() if e["ts"] > t_kill and e["step"] > last), key=lambda e: e["ts"])
+            start = next(e for e in read_jsonl(events) if e.get("kind") == "start" and e["ts"] > t_kill)
+            first = min((e for e in steps() if e["ts"] > t_kill), key=lambda e: e["ts"])
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    return {"kill_to_resumed_s": start["ts"] - t_kill, "kill_to_next_step_s": nxt["ts"] - t_kill,
+            "kill_to_first_step_s": first["ts"] - t_kill, "redone_steps": last - start["step"],
+            "checkpoint_every": every}
+
+
 def raw_p2p(workdir: Path, megabytes: int = 100, senders: int = 1) -> dict[str, Any]:
     """`batch_isend_irecv` of 200 fp32 tensors (`megabytes` in all) from `senders` processes (each
     its part) to one receiver, 6 times (the first not counted): the receiver's GB/s."""
@@ -205,8 +250,15 @@ def join_and_kill(job_ref: str, n: int, workdir: Path, sections: tuple[str, ...]
                                   600, "the newcomer planned in")
             first = job.wait_event(lambda e: e["kind"] == "step" and e["epoch"] == plan["epoch"], 600, "its first step")
             reshard = job.wait_event(lambda e: e["kind"] == "reshard" and e["epoch"] == plan["epoch"], 60, "reshard")
-            out["join"] = {"plan_to_first_step_s": first["ts"] - plan["ts"], "reshard_bytes": reshard["bytes"],
-                           "reshard_s": reshard["seconds"]}
+            before = max((e for e in job.events() if e["kind"] == "step" and e["epoch"] < plan["epoch"]),
+                         key=lambda e: e["step"])
+            # The newcomer is planned in the moment it is ready. The members finish the step they are
+            # in and the one that votes the switch; then the group forms and the slices move (the
+            # pause: the time between the old epoch's last step and the new one's first, less that
+            # step's own time); then the first step of the new epoch commits.
+            out["join"] = {"plan_to_first_step_s": first["ts"] - plan["ts"], "plan_to_formed_s": reshard["ts"] - plan["ts"],
+                           "pause_s": first["ts"] - before["ts"] - first["step_s"], "step_s": first["step_s"],
+                           "reshard_bytes": reshard["bytes"], "reshard_s": reshard["seconds"]}
         if "kill" in sections:
             job.wait_step(max(job.steps()) + 2, 600)
             last = max(job.steps())
@@ -215,7 +267,12 @@ def join_and_kill(job_ref: str, n: int, workdir: Path, sections: tuple[str, ...]
             nxt = job.wait_event(lambda e: e["kind"] == "step" and e["step"] > last and e["ts"] > t_kill, 600,
                                  "the next committed step")
             failed = job.wait_event(lambda e: e["kind"] == "failed", 60, "failed")
+            resumed = job.wait_event(lambda e: e["kind"] == "reshard" and e["epoch"] == nxt["epoch"], 60, "reshard")
+            # Training resumes when every survivor has formed the new group and rebuilt the dead
+            # member's slices from the copies (the `reshard` event); the next step commits one step
+            # time later (the step the kill interrupted is done again).
             out["kill"] = {"kill_to_next_step_s": nxt["ts"] - t_kill, "failure_noticed_s": failed["ts"] - t_kill,
+                           "kill_to_resumed_s": resumed["ts"] - t_kill, "step_s": nxt["step_s"],
                            "lost": any(e["kind"] == "state_lost" for e in job.events())}
         job.ctl("stop")
         job.wait_coordinator(60)
@@ -247,12 +304,21 @@ def table(r: dict[str, Any]) -> str:
                          f"{two['bytes_per_s'] / 1e9:.2f} GB/s -> {rs['bytes_per_s'] / two['bytes_per_s']:.2f}x")
     if "join" in r:
         j = r["join"]
-        lines.append(f"join (sharded): plan -> first step {j['plan_to_first_step_s']:.2f} s; "
-                     f"reshard {j['reshard_bytes'] / 1e6:.1f} MB in {j['reshard_s']:.2f} s")
+        lines.append(f"join (sharded): ready (planned) -> group formed and slices moved {j['plan_to_formed_s']:.2f} s, "
+                     f"-> first step {j['plan_to_first_step_s']:.2f} s (a step: {j['step_s']:.2f} s); the members "
+                     f"paused {j['pause_s']:.2f} s")
+        lines.append(f"  reshard {j['reshard_bytes'] / 1e6:.1f} MB; the slowest member's entry took "
+                     f"{j['reshard_s']:.2f} s (the newcomer's: from its plan, through the members' steps)")
     if "kill" in r:
         k = r["kill"]
-        lines.append(f"kill (sharded): -> next committed step {k['kill_to_next_step_s']:.2f} s "
-                     f"(noticed {k['failure_noticed_s'] * 1e3:.0f} ms); state lost: {k['lost']}")
+        lines.append(f"kill (sharded): noticed {k['failure_noticed_s'] * 1e3:.0f} ms, training again (group formed, "
+                     f"slices rebuilt from the copies) {k['kill_to_resumed_s']:.2f} s, next committed step "
+                     f"{k['kill_to_next_step_s']:.2f} s (a step: {k['step_s']:.2f} s); state lost: {k['lost']}")
+    if "torchrun_kill" in r:
+        t = r["torchrun_kill"]
+        lines.append(f"kill (torchrun elastic + FSDP2, DCP checkpoint every {t['checkpoint_every']} steps): all "
+                     f"restarted and the checkpoint loaded {t['kill_to_resumed_s']:.2f} s, next new step "
+                     f"{t['kill_to_next_step_s']:.2f} s ({t['redone_steps']} steps done again)")
     return "\n".join(lines)
 
 
@@ -307,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
         if "join" in sections or "kill" in sections:
             print("join and kill ...", flush=True)
             result.update(join_and_kill(job_ref, 3, work / "joinkill", sections))
+        if "kill" in sections:
+            print("torchrun elastic kill ...", flush=True)
+            result["torchrun_kill"] = torchrun_kill(job_ref, 3, work / "torchrun-kill")
     print(table(result))
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1))

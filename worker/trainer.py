@@ -391,12 +391,17 @@ class Trainer:
         self._build()
         return from_module(0, self.model, self.optimizer)
 
+    def use_graph(self, graph: Any) -> None:
+        """The model's graph as captured at start (`worker.graph.capture_graph`): its units."""
+        self._units = [layer.name for layer in graph.layers]
+
     def units(self) -> list[str]:
         """The model's units (its blocks) as graph capture finds them, for FSDP2's wrapping."""
-        if self._units is None:
+        if self._units is None:  # not captured at start (it failed there): try again, let it raise
             from worker.graph import capture_graph
 
-            self._units = [layer.name for layer in capture_graph(self.job).layers]
+            self.use_graph(capture_graph(self.job))
+        assert self._units is not None
         return self._units
 
     def _state(self) -> dict[str, Any]:
@@ -418,7 +423,6 @@ class Trainer:
             return self._train_step_sharded(g, self.sharded)
         t0 = time.perf_counter()
         job, G = self.job, self.job.global_batch
-        pending = self.agent.pending_planned(g.epoch)
         ids = sample_ids(job.seed, self.step, len(job.dataset), G)[share_slice(g.shares, g.rank)]
         for p in self.params:
             p.grad = None
@@ -443,6 +447,9 @@ class Trainer:
             compute_s = time.perf_counter() - t0
 
         # The vote and the loss: the switch to a planned delta all replicas hold, and the loss sum.
+        # Asked now, not at the step's start: a delta that arrived during the compute is voted on
+        # in this step (a join waits about half a step less).
+        pending = self.agent.pending_planned(g.epoch)
         buf = torch.zeros(2, dtype=torch.float32, device=self.device)
         buf[0] = loss_sum
         buf[1] = 1.0 if pending is not None else 0.0
@@ -489,7 +496,6 @@ class Trainer:
         norm (over every shard) and the switch vote."""
         t0 = time.perf_counter()
         job, G = self.job, self.job.global_batch
-        pending = self.agent.pending_planned(g.epoch)
         start, stop = g.layout.batch_slice(g.rank)
         ids = sample_ids(job.seed, self.step, len(job.dataset), G)[start:stop]
         sharded.optimizer.zero_grad(set_to_none=True)
@@ -532,6 +538,7 @@ class Trainer:
         squares = sum((gr.double().pow(2).sum() for gr in grads), torch.zeros((), dtype=torch.float64))
         # The vote: the switch to a planned delta, and a `ctl save` every member has (the gather
         # that writes it is a collective: all of them take it at the same step boundary).
+        pending = self.agent.pending_planned(g.epoch)
         buf = torch.stack([loss_sum.cpu(), squares.cpu() / g.layout.dp_replicate,
                            torch.tensor(1.0 if pending is not None else 0.0, dtype=torch.float64),
                            torch.tensor(1.0 if self.agent.save_waiting() else 0.0, dtype=torch.float64)]).to(self.device)
