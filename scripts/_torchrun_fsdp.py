@@ -52,7 +52,14 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     src = resolve_job_ref(a.job)
     job = load_job(src.source, src.name, filename=src.ref)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    # Each restart's group on its own key prefix: torchrun keeps one store across restarts, and a
+    # restarted gloo group that reads the previous round's addresses cannot connect (pytorch#167288).
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,  # type: ignore[attr-defined]
+                          os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and rank == 0,
+                          timedelta(seconds=60))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}/", store), rank=rank,  # type: ignore[attr-defined]
+                            world_size=world, timeout=timedelta(seconds=60))
     torch.manual_seed(job.seed)
     model = job.model()
     for child in model.children():
