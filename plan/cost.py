@@ -127,6 +127,14 @@ def sharded_comm_s(graph: Graph, shards: int, link: Link, *, copies: bool = True
     return units + refresh + allreduce_s(24, shards, link)
 
 
+def hsdp_comm_s(graph: Graph, replicas: int, shards: int, link: Link) -> float:
+    """Communication of one HSDP step (`replicas` rows of `shards`): the sharded step within a row,
+    without copies (the other rows hold every shard), plus the all-reduce of each gradient shard
+    across the rows."""
+    return (sharded_comm_s(graph, shards, link, copies=False)
+            + allreduce_s(graph.param_bytes / max(shards, 1), replicas, link))
+
+
 def pipeline_step_s(stage_s_per_micro_batch: Sequence[float], micro_batches: int,
                     boundary_bytes: Sequence[float] = (), link: Link | None = None) -> float:
     """One 1F1B pipeline step: (m + p − 1) × the slowest stage's forward + backward time per

@@ -158,6 +158,11 @@ def make_plan(cluster: Cluster, graph: Graph | None, previous: Plan | None, *, l
     degrees the operator fixed (`--layout`); the members are then cut to a number they divide."""
     result = _make_plan(cluster, graph, previous, limits=limits, holders=holders)
     if pin is not None:
+        if result.plan is None and graph is not None and pin.dp_shard != 1:
+            # No replica fits, but the pin allows sharding: the members that can hold a shard.
+            sharded = _sharded(_context(cluster, graph, previous, limits, holders))
+            if sharded is not None:
+                result = replace(result, plan=sharded, status="optimal", reason="no replica fits")
         return _pinned(cluster, graph, result, pin, limits) if result.plan is not None else result
     if graph is None or limits.policy == "even":
         return result
@@ -252,7 +257,23 @@ def _pinned(cluster: Cluster, graph: Graph | None, result: PlanResult, pin: Layo
     shares = assign([speeds[m] for m in kept], [d[m].overhead_s for m in kept], [float(limits.global_batch)] * len(kept),
                     limits.global_batch) or split_shares(limits.global_batch, [speeds[m] for m in kept])
     dp_shard = shards if shards is not None else size // (replicas or size)
-    plan = replace(predict(cluster, graph, kept, shares), dp_shard=dp_shard)
+    if dp_shard > 1 and graph is not None:
+        # Sharded or HSDP: each member must hold its shard (and, fully sharded, a copy of another's)
+        # beside at least one sample's activations; a share that does not fit runs as micro-batches.
+        full = dp_shard == size
+        static = sharded_static_bytes(graph, dp_shard, copies=full, optimizer_state_factor=graph.optimizer_state_factor)
+        caps = {m: samples_that_fit(d[m].memory_bytes, static, graph.activation_bytes) for m in kept}
+        short = [m for m in kept if (caps[m] or 0) < 1]
+        if short:
+            return PlanResult(plan=None, status="infeasible",
+                              reason=f"--layout {pin.describe()} does not fit: a member needs {static / 2**20:.1f} MiB "
+                                     f"for its shard{' and a copy of another' if full else ''} plus "
+                                     f"{graph.activation_bytes / 2**10:.1f} KiB per sample; "
+                                     f"{', '.join(f'{m} has {d[m].memory_bytes / 2**20:.1f} MiB' for m in short)}")
+        micro = [0 if s <= (caps[m] or 0) else int(caps[m] or 0) for m, s in zip(kept, shares)]
+        plan = predict_sharded(cluster, graph, kept, shares, micro, replicas=size // dp_shard)
+    else:
+        plan = replace(predict(cluster, graph, kept, shares), dp_shard=dp_shard)
     cut = tuple(m for m in members if m not in kept)
     why = f"{result.reason}; layout pinned by --layout {pin.describe()}: {plan.layout.describe()}"
     return replace(result, plan=plan, reason=why, standby=result.standby + cut,

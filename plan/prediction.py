@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from plan.cluster import Cluster
-from plan.cost import allreduce_s, memory_bytes, sharded_comm_s, sharded_static_bytes
+from plan.cost import allreduce_s, hsdp_comm_s, memory_bytes, sharded_comm_s, sharded_static_bytes
 from plan.graph import Graph
 from plan.layout import Layout
 
@@ -84,26 +84,30 @@ def predict(cluster: Cluster, graph: Graph | None, members: Sequence[str], share
 
 
 def predict_sharded(cluster: Cluster, graph: Graph, members: Sequence[str], shares: Sequence[int],
-                    micro: Sequence[int] = ()) -> Plan:
-    """`members` sharding the state between them (FSDP2, a ring of copies), with their shares (run
-    as micro-batches of `micro` samples where given): the compute of `predict`, the sharded step's
-    communication, and each member's memory (its shard, plus one micro-batch's activations)."""
+                    micro: Sequence[int] = (), *, replicas: int = 1) -> Plan:
+    """`members` sharding the state between them (FSDP2, a ring of copies), or, with `replicas` > 1,
+    HSDP: that many rows, each sharding the state (no copies: the rows hold every shard), with their
+    shares (run as micro-batches of `micro` samples where given): the compute of `predict`, the
+    step's communication, and each member's memory (its shard, plus one micro-batch's activations)."""
     base = predict(cluster, graph, members, shares)
     n = len(members)
-    comm = sharded_comm_s(graph, n, cluster.link(members))
-    static = sharded_static_bytes(graph, n, optimizer_state_factor=graph.optimizer_state_factor)
+    if replicas < 1 or n % replicas:
+        raise ValueError(f"{n} members do not split into {replicas} replicas")
+    shards = n // replicas
+    link = cluster.link(members)
+    comm = sharded_comm_s(graph, n, link) if replicas == 1 else hsdp_comm_s(graph, replicas, shards, link)
+    static = sharded_static_bytes(graph, shards, copies=replicas == 1, optimizer_state_factor=graph.optimizer_state_factor)
     busiest = max((c.compute_s + c.overhead_s for c in base.costs), default=0.0)
     micro = tuple(micro) or (0,) * n
     costs = tuple(replace(c, memory_bytes=static + graph.activation_bytes * (m or c.samples))
                   for c, m in zip(base.costs, micro))
-    return replace(base, predicted_step_s=busiest + comm, comm_s=comm, costs=costs, dp_shard=n,
+    return replace(base, predicted_step_s=busiest + comm, comm_s=comm, costs=costs, dp_shard=shards,
                    micro=micro if any(micro) else ())
 
 
 def repredict(cluster: Cluster, graph: Graph | None, plan: Plan) -> Plan:
     """`plan`'s members, shares and layout, predicted again (new speeds, fitted constants)."""
     if plan.dp_shard > 1 and graph is not None:
-        if plan.dp_shard == len(plan.members):
-            return predict_sharded(cluster, graph, plan.members, plan.shares, plan.micro)
-        return replace(predict(cluster, graph, plan.members, plan.shares), dp_shard=plan.dp_shard)
+        return predict_sharded(cluster, graph, plan.members, plan.shares, plan.micro,
+                               replicas=len(plan.members) // plan.dp_shard)
     return predict(cluster, graph, plan.members, plan.shares)

@@ -275,3 +275,31 @@ def test_a_pinned_layout_cuts_members_to_its_degrees() -> None:
     assert replicas.plan is not None and replicas.plan.dp_shard == 1 and len(replicas.plan.members) == 5
     too_many = make_plan(c, GRAPH, None, limits=limits, pin=parse_pin("fsdp=6"))
     assert too_many.plan is None and "needs 6 members" in too_many.reason
+
+
+def test_a_pinned_sharded_layout_is_predicted_as_sharded_and_refused_when_it_does_not_fit() -> None:
+    """A pinned layout is predicted by its own cost (gathers and reduce-scatters; HSDP without the
+    copies, with the all-reduce across replicas) and holds its members' memory to account: a pin
+    whose shard does not fit is refused with the reason; one that fits only sharded is planned
+    even though no replica fits."""
+    from plan.cost import hsdp_comm_s, sharded_comm_s, sharded_static_bytes
+    from plan.layout import parse_pin
+    blocks = tuple(Layer(name=f"b{i}", kind="block", forward_flops=1e6, param_bytes=4 * MB, activation_bytes=1000)
+                   for i in range(8))
+    graph = Graph(blocks, optimizer_state_bytes=64 * MB)  # 128 MB of state: no replica fits 70 MB
+    limits = PlanLimits(global_batch=32)
+    # Fully sharded over 4 a member holds 64 MB (its quarter, two units gathered, a copy of another's
+    # quarter); HSDP 2 x 2 would need 72 MB (its half, two units).
+    tight = cluster(*(device(f"d{i}", 100.0, memory=70 * MB) for i in range(4)))
+    full = make_plan(tight, graph, None, limits=limits, pin=parse_pin("dp=1"))
+    assert full.plan is not None and full.plan.dp_shard == 4, full.reason
+    link = tight.link(full.plan.members)
+    assert full.plan.comm_s == pytest.approx(sharded_comm_s(graph, 4, link))
+    assert all(c.memory_bytes >= sharded_static_bytes(graph, 4) for c in full.plan.costs)
+    hybrid = make_plan(tight, graph, None, limits=limits, pin=parse_pin("dp=2,fsdp=2"))
+    assert hybrid.plan is None and "does not fit" in hybrid.reason and "d0 has 66.8 MiB" in hybrid.reason
+    roomy = cluster(*(device(f"d{i}", 100.0, memory=1 << 34) for i in range(4)))
+    hybrid = make_plan(roomy, graph, None, limits=limits, pin=parse_pin("dp=2,fsdp=2"))
+    assert hybrid.plan is not None and hybrid.plan.layout.describe() == "dp_replicate=2 x dp_shard=2"
+    assert hybrid.plan.comm_s == pytest.approx(hsdp_comm_s(graph, 2, 2, roomy.link(hybrid.plan.members)))
+    assert all(c.memory_bytes >= sharded_static_bytes(graph, 2, copies=False) for c in hybrid.plan.costs)
