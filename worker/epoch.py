@@ -1,13 +1,19 @@
-"""Entering an epoch whose layout involves sharded state: who holds what, and the reshard into the
-new layout.
+"""Entering an epoch: bringing every member to one consistent step, in either of two ways.
 
-Every member states what it holds (its step, the element ranges of every parameter it has and the
-structure of its whole-state part, or nothing: a newcomer, a fenced worker), in two all-gathers over the epoch's raw group (sizes, then
-the padded descriptions). The holders are the members at the highest step (one that fell a step
-behind, or was fenced, holds nothing current). From that, every member derives the same transfer
-list (`plan.reshard.plan_reshard`: the new layout's slices, each needed byte once, sources balanced),
-and runs its part of it (`worker.parallel.slices.execute`). State that no holder has is `StateLost`:
-the worker tells the coordinator, which stops the job naming it; nothing trains on made-up state.
+Replicated to replicated (`reconcile`, the fast path): the model stays where it is. The members
+all-reduce their step counters; the lowest rank with the most steps sends its whole state (model,
+optimizer, step: `worker.state`, a skeleton and one flat buffer per dtype) to every rank that is
+behind, new or stale, so all continue from one step: no step is lost or applied twice.
+
+Any epoch with sharded state on either side (`enter`): who holds what, and the reshard into the new
+layout. Every member states what it holds (its step, the element ranges of every parameter it has
+and the structure of its whole-state part, or nothing: a newcomer, a fenced worker), in two
+all-gathers over the epoch's raw group (sizes, then the padded descriptions). The holders are the
+members at the highest step (one that fell a step behind, or was fenced, holds nothing current).
+From that, every member derives the same transfer list (`plan.reshard.plan_reshard`: the new
+layout's slices, each needed byte once, sources balanced), and runs its part of it
+(`worker.parallel.slices.execute`). State that no holder has is `StateLost`: the worker tells the
+coordinator, which stops the job naming it; nothing trains on made-up state.
 
 Why all-gather rather than the coordinator's word: after an abandoned epoch the members may hold
 different layouts (a failure can strike mid-reshard, when some members assembled their new slices
@@ -23,6 +29,7 @@ import torch
 
 from plan.layout import Layout
 from plan.reshard import Holdings, ReshardPlan, TensorShape, copy_ring, holdings, plan_reshard
+from worker import state
 from worker.parallel import slices
 from worker.parallel.slices import LocalState
 
@@ -140,6 +147,45 @@ def enter(layout: Layout, tensors: Sequence[TensorShape], me: str, ranks: Sequen
     new, received = slices.execute(plan, me, {n: i for i, n in enumerate(ranks)}, mine, after.get(me, {}),
                                    holders, pg, wait, device, whole=skeleton(described[root]), sender=ranks[root])
     return new, received, plan
+
+
+def reconcile(pg: Any, rank: int, world: int, step: int, whole: Callable[[], dict[str, Any]], wait: Wait,
+              device: torch.device, *, restart: Callable[[], None],
+              load: Callable[[dict[str, Any]], None]) -> tuple[int, int]:
+    """All-reduce step counters (`step`: this rank's, -1 when it holds nothing current); the lowest
+    rank with the most steps sends its state (`whole()`) to every rank that is behind (or new, or
+    stale), which `load`s it; when nobody has state, this rank `restart`s from the seed. Returns
+    (the bytes this rank received, the bytes it sent: the only sender is the largest)."""
+    steps = torch.zeros(world, dtype=torch.float64, device=device)
+    steps[rank] = step
+    wait(pg.allreduce([steps]), None)
+    counts = [int(s) for s in steps.tolist()]
+    best = max(counts)
+    if best < 0:  # nobody has state: start over from the seed
+        restart()
+        return 0, 0
+    source = counts.index(best)
+    behind = [r for r, s in enumerate(counts) if s < best]
+    if rank == source and behind:
+        packed = state.pack(whole(), device)
+        size = torch.tensor([packed.skeleton.numel()], dtype=torch.int64, device=device)
+        for r in behind:
+            for tag, tensor in enumerate([size, packed.skeleton, *packed.buffers]):
+                wait(pg.send([tensor], r, tag), None)
+        return 0, state.nbytes(packed) * len(behind)  # the only sender
+    if rank in behind:
+        size = torch.zeros(1, dtype=torch.int64, device=device)
+        wait(pg.recv([size], source, 0), None)
+        structure = torch.empty(int(size.item()), dtype=torch.uint8, device=device)  # the packed skeleton
+        wait(pg.recv([structure], source, 1), None)
+        meta = state.read_meta(structure)
+        buffers = state.empty_buffers(meta, device)
+        for tag, buf in enumerate(buffers, start=2):
+            wait(pg.recv([buf], source, tag), None)
+        # Unpack on the CPU: optimizers keep some state (Adam's step) there.
+        load(state.unpack(meta, [b.cpu() for b in buffers]))
+        return int(size.item()) + sum(b.numel() * b.element_size() for b in buffers), 0
+    return 0, 0
 
 
 def _drop_pending(local: LocalState) -> None:

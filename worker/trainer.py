@@ -1,23 +1,26 @@
-"""The training loop of one worker: exact data parallelism across epochs that come and go.
+"""The loop of one worker: train the current epoch step by step, and enter each epoch the
+coordinator plans so that every member continues from one consistent state.
 
-Each epoch has its own gloo group, formed through the coordinator's store. Per step a replica
-computes the summed loss of its contiguous slice of the step's global batch, divides by the global
-batch size, and all-reduces (SUM) one flat buffer holding the gradients, the loss sum and a
-"switch" flag. So every replica applies the full-batch gradient, and every replica learns the same
-two facts at once: the global loss, and whether all of them hold the next planned delta. When all
-do, they switch epochs right after that step, with no extra round trip (the agreed step boundary).
+`Trainer.run` takes one event through each package once. The agent (`worker.agent`) delivers a
+planned delta (a join, a leave, a failure, a re-plan); `_enter` forms the epoch's group
+(`worker.group`), brings every member to one consistent step (`worker.epoch`: the replicated fast
+path sends whole states, an epoch with sharded state on either side reshards slices), builds the
+layout's executor from this member's `LocalState` (`worker.parallel`) and acks; then the steps run
+(`worker.step`) until all members vote, in a step's all-reduce, to switch to the next delta at that
+step boundary. What every step ends with stays here: the step report, the digest, saving, and the
+evaluation when it is due (`worker.evaluate`).
 
 Failures: every collective is issued asynchronously on a buffer used once, and waited for by a
 `comm.Waiter` that the agent wakes when an abort arrives. A superseded collective is not waited for
 (gloo can block for its whole timeout): it is left to end in the background, and the step is
-abandoned with no state touched. In the next epoch the survivors all-reduce their step counters; the lowest rank with
-the most steps sends its state (model, optimizer, step) to every rank that is behind or new, so all
-continue from one consistent step: no step is lost or applied twice.
+abandoned (`Superseded`). The next epoch's entry starts from what each member holds, so that all
+continue from one consistent step: no step is lost or applied twice. A failed rendezvous is tried
+again after `RETRY_S`; a fenced worker drops its state and takes the survivors'; a planned-out
+holder of sharded state hands its slices over before it goes.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -31,44 +34,29 @@ import torch
 
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor
 
 from plan.layout import Layout
 from plan.reshard import TensorShape
-from plan.shares import split_shares
-from transport import Ack, EvalReport, Leave, PlanDelta, Saved, StateLost, StepReport
+from transport import Ack, Leave, PlanDelta, Saved, StateLost, StepReport
 from transport.security import ClientKeys
-from worker import comm, epoch, state
+from worker import comm, epoch
+from worker import group as groups
+from worker import step as steps
 from worker.agent import Agent
 from worker.comm import Superseded
-from worker.job import Job, sample_ids, share_slice
-from worker.parallel import mesh as meshes
+from worker.evaluate import evaluate
+from worker.group import Group
+from worker.job import Job
 from worker.parallel.fsdp import Sharded, apply_fsdp, extract
 from worker.parallel.replicated import GradBuckets, apply_replicated
 from worker.parallel.copies import Copies
 from worker.parallel.slices import PARAM, LocalState, from_module
 from worker.parallel.update import GRAD, apply_update
 from worker.save import save_model, save_state
+from worker.step import local_grad
 from worker.store import CoordinatorStore
 
 RETRY_S = 0.5  # pause before forming an epoch's group again after a failed rendezvous
-EVAL_CHUNK = 256  # held-out samples evaluated at once (bounds the memory of an evaluation)
-
-
-@dataclass(slots=True)
-class Group:
-    epoch: int
-    pg: Any  # dist.ProcessGroupGloo or ProcessGroupNCCL
-    store: CoordinatorStore  # kept alive as long as the group that was formed through it
-    rank: int
-    members: list[str]
-    shares: list[int]
-    layout: Layout
-    micro: list[int] = dataclasses.field(default_factory=list)  # per member: samples per pass (0: the whole share)
-
-    def __post_init__(self) -> None:
-        if len(self.micro) != len(self.shares):
-            self.micro = [0] * len(self.shares)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -101,13 +89,13 @@ class Trainer:
         self.epoch_tried = 0  # the newest epoch this worker entered or tried to enter
         self.final_writer = False  # rank 0 of the group that committed the last step: it writes the model
         # Sharded layouts (worker.parallel): the FSDP2 executor of the current sharded epoch, with the
-        # layout and rank it was built for, and its group as registered with c10d.
+        # layout and rank it was built for, and its groups as registered with c10d (`worker.group.mesh`:
+        # the whole group, then HSDP's replica and shard groups of this member).
         self.sharded: Sharded | None = None
         self.sharded_at: tuple[Layout, int] | None = None
-        self.registered: dist.ProcessGroup | None = None
-        self.sub_groups: list[dist.ProcessGroup] = []  # HSDP: this member's replica and shard groups
+        self.registered: list[dist.ProcessGroup] = []
         self._units: list[str] | None = None
-        self._buckets: GradBuckets | None = None  # the replicated step's gradient buckets
+        self.buckets: GradBuckets | None = None  # the replicated step's gradient buckets (`worker.step`)
         self.largest_sender = 0  # bytes the busiest sender of the last reshard sent (for the Ack)
         # Redundancy of a sharded layout: who keeps a copy of my slices, whose slices I keep a copy
         # of (and that copy), whether this step's gradients are held but not applied, and the
@@ -136,11 +124,11 @@ class Trainer:
         group: Group | None = None
         while True:
             if self.agent.take_fenced():
-                self._log("fenced: dropping local state, will take the survivors'")
+                self.log("fenced: dropping local state, will take the survivors'")
                 group, self.stale = None, True
             if self.step >= self.job.num_steps:
                 if self.final_writer and self.config.final_dir and self.sharded is None:
-                    self._save(self.config.final_dir, final=True)
+                    self.save(self.config.final_dir, final=True)
                 return self._leave("finished")
             stop = self.agent.stop_reason()
             if stop is not None:  # "drained" comes once the plan without us is in place
@@ -153,7 +141,7 @@ class Trainer:
                 try:
                     delta = self._train_step(group)  # a planned delta all ranks agreed to switch to
                 except Superseded:
-                    self._log(f"epoch {group.epoch} abandoned at step {self.step}")
+                    self.log(f"epoch {group.epoch} abandoned at step {self.step}")
                     group = None
                     continue
             if delta is None:
@@ -170,7 +158,7 @@ class Trainer:
                 self._standby(delta)
                 group = None
 
-    def _save(self, directory: str, *, final: bool) -> None:
+    def save(self, directory: str, *, final: bool) -> None:
         """Write the model and optimizer state to `directory` at this step boundary (replicas are
         identical: one member writes) and tell the coordinator how it went."""
         self._write(directory, final, lambda path: save_model(self.model, self.optimizer, path))
@@ -181,18 +169,18 @@ class Trainer:
         try:
             size = write(path)
         except OSError as e:
-            self._log(f"could not write the model to {path}: {e}")
+            self.log(f"could not write the model to {path}: {e}")
             self.agent.send(Saved(name=self.name, step=self.step, path=str(path), bytes=0, error=str(e)[:500],
                                   final=final))
             return
-        self._log(f"wrote the model after step {self.step} to {path} ({size / 1e6:.1f} MB)")
+        self.log(f"wrote the model after step {self.step} to {path} ({size / 1e6:.1f} MB)")
         self.agent.send(Saved(name=self.name, step=self.step, path=str(path), bytes=size, error="", final=final))
 
     def _standby(self, delta: PlanDelta) -> None:
         """Planned out without asking to leave (drained, or more workers than the plan uses):
         keep the process and wait for the next plan (or a Stop)."""
         self.agent.epoch = delta.epoch
-        self._log(f"not in epoch {delta.epoch} ({delta.reason}): on standby")
+        self.log(f"not in epoch {delta.epoch} ({delta.reason}): on standby")
 
     def _leave(self, reason: str) -> str:
         self.agent.say_goodbye(Leave(name=self.name, reason=reason))
@@ -215,37 +203,34 @@ class Trainer:
                                  timeout_s=self.config.group_timeout_s, keys=self.config.keys)
         superseded = lambda: self.agent.superseded(delta.epoch)  # noqa: E731
         try:
-            pg = comm.form_group(store, delta.epoch, rank, world, self.device,
-                                 timeout_s=self.config.group_timeout_s, superseded=superseded)
-            layout = Layout.from_dict(dataclasses.asdict(delta.layout))
-            group = Group(epoch=delta.epoch, pg=pg, store=store, rank=rank, members=ranks,
-                          shares=list(delta.shares), layout=layout, micro=list(delta.micro_batch))
-            if layout.sharded or self.sharded is not None or senders:
+            group = groups.form(store, delta, ranks, rank, self.device, timeout_s=self.config.group_timeout_s,
+                                superseded=superseded)
+            if group.layout.sharded or self.sharded is not None or senders:
                 # Any epoch with sharded state on either side goes through the slice reshard.
                 local, received = self._reshard(group)
                 if self.name not in delta.members:
                     self._drop_state()
-                    self._log(f"epoch {delta.epoch}: handed over my slices ({local.nbytes()} bytes kept)")
+                    self.log(f"epoch {delta.epoch}: handed over my slices ({local.nbytes()} bytes kept)")
                     return None
                 if senders:  # the senders are done: the members train in a group of their own
-                    pg = comm.form_group(store, delta.epoch, rank, len(delta.members), self.device,
-                                         timeout_s=self.config.group_timeout_s, superseded=superseded, part="train/")
-                    group = Group(epoch=delta.epoch, pg=pg, store=store, rank=rank, members=list(delta.members),
-                                  shares=list(delta.shares), layout=layout, micro=list(delta.micro_batch))
+                    group = groups.without_senders(group, delta, self.device, timeout_s=self.config.group_timeout_s,
+                                                   superseded=superseded)
                 self._build_executor(group, local)
             else:  # replicated to replicated keeps the model and sends whole states (the fast path)
-                received = self._reconcile(group)
+                received, self.largest_sender = epoch.reconcile(
+                    group.pg, group.rank, len(group.members), -1 if self.stale else self.step, self._state,
+                    lambda work, buf: self.wait(group, work, buf), self.device, restart=self._restart, load=self._load)
         except epoch.StateLost as e:
-            self._log(f"epoch {delta.epoch}: the training state is lost: {e}")
+            self.log(f"epoch {delta.epoch}: the training state is lost: {e}")
             self.agent.send(StateLost(name=self.name, epoch=delta.epoch, detail=str(e)[:1000]))
             self._drop_state()
             return None
         except Superseded:
-            self._log(f"epoch {delta.epoch} superseded while forming")
+            self.log(f"epoch {delta.epoch} superseded while forming")
             return None
         except RuntimeError as e:  # e.g. a peer never came to the rendezvous: the coordinator
             # re-sends the plan to a member that lost it, or re-plans; try again until then.
-            self._log(f"could not form epoch {delta.epoch} ({str(e).splitlines()[0]}); retrying")
+            self.log(f"could not form epoch {delta.epoch} ({str(e).splitlines()[0]}); retrying")
             self.epoch_tried = delta.epoch - 1
             time.sleep(RETRY_S)
             return None
@@ -255,57 +240,28 @@ class Trainer:
         self.agent.send(Ack(name=self.name, epoch=delta.epoch, step=self.step, reshard_bytes=received,
                             reshard_largest_sender=self.largest_sender,
                             reshard_s=seconds))
-        self._log(f"epoch {delta.epoch} ({delta.reason}): rank {rank}/{world}, share "
-                  f"{delta.shares[rank]}/{delta.global_batch}, step {self.step}, formed in {seconds * 1e3:.0f} ms"
-                  + (f", received {received / 1e6:.1f} MB" if received else ""))
+        self.log(f"epoch {delta.epoch} ({delta.reason}): rank {rank}/{world}, share "
+                 f"{delta.shares[rank]}/{delta.global_batch}, step {self.step}, formed in {seconds * 1e3:.0f} ms"
+                 + (f", received {received / 1e6:.1f} MB" if received else ""))
         return group
 
-    def _reconcile(self, g: Group) -> int:
-        """All-reduce step counters; the lowest rank with the most steps sends its state to every
-        rank that is behind (or new, or stale). Returns the bytes this rank received."""
-        world = len(g.members)
-        steps = torch.zeros(world, dtype=torch.float64, device=self.device)
-        steps[g.rank] = -1 if self.stale else self.step
-        self._wait(g, g.pg.allreduce([steps]))
-        counts = [int(s) for s in steps.tolist()]
-        best = max(counts)
-        if best < 0:  # nobody has state: start over from the seed
-            self._build()
-            self.stale = False
-            return 0
-        source = counts.index(best)
-        behind = [r for r, s in enumerate(counts) if s < best]
-        if g.rank == source and behind:
-            packed = state.pack(self._state(), self.device)
-            size = torch.tensor([packed.skeleton.numel()], dtype=torch.int64, device=self.device)
-            for r in behind:
-                for tag, tensor in enumerate([size, packed.skeleton, *packed.buffers]):
-                    self._wait(g, g.pg.send([tensor], r, tag))
-            self.largest_sender = state.nbytes(packed) * len(behind)  # the only sender
-            return 0
-        if g.rank in behind:
-            size = torch.zeros(1, dtype=torch.int64, device=self.device)
-            self._wait(g, g.pg.recv([size], source, 0))
-            skeleton = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-            self._wait(g, g.pg.recv([skeleton], source, 1))
-            meta = state.read_meta(skeleton)
-            buffers = state.empty_buffers(meta, self.device)
-            for tag, buf in enumerate(buffers, start=2):
-                self._wait(g, g.pg.recv([buf], source, tag))
-            # Unpack on the CPU: optimizers keep some state (Adam's step) there.
-            received = state.unpack(meta, [b.cpu() for b in buffers])
-            self.model.load_state_dict(received["model"])
-            self.optimizer.load_state_dict(received["optimizer"])
-            self.step, self.stale = int(received["step"]), False
-            return int(size.item()) + sum(b.numel() * b.element_size() for b in buffers)
-        return 0
+    def _restart(self) -> None:
+        """Nobody has state: start over from the seed."""
+        self._build()
+        self.stale = False
+
+    def _load(self, received: dict[str, Any]) -> None:
+        """Take the whole state (`_state`) that the lowest rank with the most steps sent."""
+        self.model.load_state_dict(received["model"])
+        self.optimizer.load_state_dict(received["optimizer"])
+        self.step, self.stale = int(received["step"]), False
 
     def _reshard(self, g: Group) -> tuple[LocalState, int]:
         """Bring this member to exactly its slices of the new layout (`worker.epoch`); the new state
         and the bytes received."""
         local = None if self.stale else self._local_state()
         new, received, plan = epoch.enter(g.layout, self.tensors, self.name, g.members, local, g.pg,
-                                       lambda work, buf: self._wait(g, work, buf), self.device, self._seed_state,
+                                       lambda work, buf: self.wait(g, work, buf), self.device, self._seed_state,
                                        self._roll_forward, copies=g.layout.sharded and g.layout.dp_replicate == 1)
         self.step, self.stale = new.step, False
         element_bytes = {fqn: sum(torch.empty(0, dtype=new.dtype(fqn, k)).element_size() for k in keys)
@@ -319,38 +275,25 @@ class Trainer:
         updated = apply_update(self.job.optimizer, local, local.pieces, self.shapes,
                                lambda i: self.base_lrs[i] * self.job.lr_multiplier(k), coefficient)
         local.step, local.pending, local.coefficient = k + 1, False, coefficient
-        self._log(f"rolled step {k + 1} forward on {updated} slices (others applied it before the failure)")
+        self.log(f"rolled step {k + 1} forward on {updated} slices (others applied it before the failure)")
 
     def _build_executor(self, g: Group, local: LocalState) -> None:
         """The layout's executor from this member's slices: FSDP2 on the group for a sharded layout,
         a plain replica otherwise."""
         self._forget_groups()
         if g.layout.sharded:
-            prefixed = dist.PrefixStore(f"epoch{g.epoch}/", g.store)  # type: ignore[attr-defined]
-            self.registered = meshes.register(g.pg, prefixed, g.rank, len(g.members), g.epoch, self.device)
-            mesh = meshes.mesh_of(self.registered, self.device, g.epoch)
-            if g.layout.dp_replicate > 1:  # HSDP: a 2-D mesh of this member's replica row and shard column
-                for part, ranks in (("replicate", g.layout.replicate_group(g.rank)),
-                                    ("shard", g.layout.shard_group(g.rank))):
-                    name = f"{part}{ranks[0]}"
-                    raw = comm.form_group(g.store, g.epoch, ranks.index(g.rank), len(ranks), self.device,
-                                          timeout_s=self.config.group_timeout_s,
-                                          superseded=lambda: self.agent.superseded(g.epoch), part=f"{name}/")
-                    sub_store = dist.PrefixStore(f"epoch{g.epoch}/{name}/", g.store)  # type: ignore[attr-defined]
-                    self.sub_groups.append(meshes.register(raw, sub_store, ranks.index(g.rank), len(ranks), g.epoch,
-                                                           self.device, part=name, ranks=ranks))
-                mesh = meshes.mesh_of(self.registered, self.device, g.epoch,
-                                      (g.layout.dp_replicate, g.layout.dp_shard), self.sub_groups)
+            mesh = groups.mesh(g, self.device, self.registered, timeout_s=self.config.group_timeout_s,
+                               superseded=lambda: self.agent.superseded(g.epoch))
             mp = (MixedPrecisionPolicy(param_dtype=getattr(torch, self.job.compute_dtype), reduce_dtype=torch.float32)
                   if self.job.compute_dtype else None)
             self.sharded = apply_fsdp(self.job, self.units(), g.layout, g.rank, mesh, local, self.device,
-                                      mp_policy=mp, wait=lambda work, buf: self._wait(g, work, buf))
+                                      mp_policy=mp, wait=lambda work, buf: self.wait(g, work, buf))
             self.sharded_at = (g.layout, g.rank)
             self.model, self.optimizer = self.sharded.model, self.sharded.optimizer
             self.copies = Copies.of(g.layout, self.name, local, self.tensors)
-            if self._buckets is not None:  # the replica they hooked is gone
-                self._buckets.close()
-                self._buckets = None
+            if self.buckets is not None:  # the replica they hooked is gone
+                self.buckets.close()
+                self.buckets = None
         else:
             replica = apply_replicated(self.job, local, self.device)
             self.model, self.optimizer = replica.model, replica.optimizer
@@ -359,9 +302,8 @@ class Trainer:
 
     def _forget_groups(self) -> None:
         """Unregister the last sharded epoch's groups (their backends end on their own)."""
-        for pg in [self.registered, *self.sub_groups]:
-            meshes.forget(pg)
-        self.registered, self.sub_groups, self.sharded, self.sharded_at = None, [], None, None
+        groups.forget(self.registered)
+        self.sharded, self.sharded_at = None, None
 
     def _drop_state(self) -> None:
         """This member holds nothing current any more (it handed its slices over, or they are lost)."""
@@ -378,7 +320,7 @@ class Trainer:
             if self.pending:  # the interrupted step's gradients, kept for a roll forward
                 for fqn, p in self.sharded.model.named_parameters():
                     for piece in local.pieces.get(fqn, []):
-                        grad = _local_grad(p)
+                        grad = local_grad(p)
                         piece.data[GRAD] = (grad.reshape(-1) if grad is not None
                                             else torch.zeros_like(piece.data[PARAM]))
             for fqn, pieces in self.copies.pieces(self.pending).items():
@@ -407,180 +349,24 @@ class Trainer:
     def _state(self) -> dict[str, Any]:
         return {"step": self.step, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
 
-    def _wait(self, g: Group, work: Any, buf: torch.Tensor | None = None) -> None:
+    def wait(self, g: Group, work: Any, buf: torch.Tensor | None = None) -> None:
         try:
             self.waiter.wait(g.pg, work, superseded=lambda: self.agent.superseded(g.epoch), buf=buf)
         except Superseded as e:
             if e.args:
-                self._log(f"epoch {g.epoch}: {e.args[0]}")
+                self.log(f"epoch {g.epoch}: {e.args[0]}")
             raise
 
-    # --- one step ------------------------------------------------------------------------------
+    # --- one step (`worker.step`) -------------------------------------------------------------
 
     def _train_step(self, g: Group) -> PlanDelta | None:
         """One exact data-parallel step; returns the delta to switch to when all ranks agreed."""
         if self.sharded is not None:
-            return self._train_step_sharded(g, self.sharded)
-        t0 = time.perf_counter()
-        job, G = self.job, self.job.global_batch
-        ids = sample_ids(job.seed, self.step, len(job.dataset), G)[share_slice(g.shares, g.rank)]
-        for p in self.params:
-            p.grad = None
-        buckets = self._grad_buckets()
-        buckets.start(lambda b: g.pg.allreduce([b]))  # each bucket goes as soon as the backward fills it
-        loss_sum: torch.Tensor | float = 0.0
-        if len(ids):
-            inputs, targets = job.dataset[ids]
-            inputs, targets = inputs.to(self.device), targets.to(self.device)
-            with self._autocast():
-                outputs = self.model(inputs)
-            loss = job.loss(outputs, targets)
-            (loss / G).backward()  # type: ignore[no-untyped-call]
-            loss_sum = loss.detach()  # stays on the device: no sync before the all-reduce
-        compute_s = time.perf_counter() - t0
-        factor = self.agent.slowdown
-        if factor > 1.0 and len(ids):  # the --slowdown test knob: stretch this step's compute
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-                compute_s = time.perf_counter() - t0
-            time.sleep((factor - 1.0) * compute_s)
-            compute_s = time.perf_counter() - t0
+            return steps.sharded(self, g, self.sharded)
+        return steps.replicated(self, g)
 
-        # The vote and the loss: the switch to a planned delta all replicas hold, and the loss sum.
-        # Asked now, not at the step's start: a delta that arrived during the compute is voted on
-        # in this step (a join waits about half a step less).
-        pending = self.agent.pending_planned(g.epoch)
-        buf = torch.zeros(2, dtype=torch.float32, device=self.device)
-        buf[0] = loss_sum
-        buf[1] = 1.0 if pending is not None else 0.0
-        t_comm = time.perf_counter()
-        works = [*buckets.finish(), (g.pg.allreduce([buf]), buf)]
-        for work, out in works:
-            self._wait(g, work, out)
-        comm_s = time.perf_counter() - t_comm
-
-        summed = [out for _, out in works[:-1]]
-        grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(b, dtype=torch.float64)
-                                                                for b in summed])))  # every parameter
-        if job.grad_clip is not None:  # as torch.nn.utils.clip_grad_norm_ does in one process
-            coefficient = min(1.0, job.grad_clip / (grad_norm + 1e-6))
-            for b in summed:
-                b.mul_(coefficient)
-        buckets.assign()
-        multiplier = job.lr_multiplier(self.step)
-        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
-            group["lr"] = base * multiplier
-        lr = self.base_lrs[0] * multiplier if self.base_lrs else 0.0
-        self.optimizer.step()
-        self.step += 1
-        self.final_writer = self.step == job.num_steps and g.rank == 0
-        self._after_step(g, float(buf[0]) / G, len(ids), compute_s, comm_s, time.perf_counter() - t0, lr, grad_norm)
-        requested = self.agent.take_save()
-        if requested is not None:  # `ctl save PATH`: at this step boundary
-            self._save(requested, final=False)
-        agreed = round(float(buf[1])) == len(g.members)
-        return pending if agreed and pending is not None else None
-
-    def _grad_buckets(self) -> GradBuckets:
-        """The gradient buckets of the current replica's parameters (rebuilt with the model)."""
-        if self._buckets is None or self._buckets.params is not self.params:
-            if self._buckets is not None:
-                self._buckets.close()
-            self._buckets = GradBuckets(self.params)
-        return self._buckets
-
-    def _train_step_sharded(self, g: Group, sharded: Sharded) -> PlanDelta | None:
-        """One exact step with FSDP2: each member computes its slice of the batch (a member with no
-        samples still takes part in every gather and reduce-scatter), gradients are summed into their
-        shards by FSDP2's hooks, and one small all-reduce gives the global loss, the global gradient
-        norm (over every shard) and the switch vote."""
-        t0 = time.perf_counter()
-        job, G = self.job, self.job.global_batch
-        start, stop = g.layout.batch_slice(g.rank)
-        ids = sample_ids(job.seed, self.step, len(job.dataset), G)[start:stop]
-        sharded.optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        # Micro-batches: every member runs as many forward/backward passes as the member that needs
-        # the most (each pass gathers the units), with no samples once its own share is done.
-        size = g.micro[g.rank] or len(ids) or 1
-        passes = max((-(-s // (m or s)) if s else 1) for s, m in zip(g.shares, g.micro))
-        try:
-            for i in range(passes):
-                chunk = ids[i * size:(i + 1) * size]
-                if len(chunk):
-                    inputs, targets = job.dataset[chunk]
-                    loss = job.loss(sharded.model(inputs.to(self.device)), targets.to(self.device))
-                    self._pause("forward")
-                    (loss / G).backward()  # type: ignore[no-untyped-call]
-                    loss_sum = loss_sum + loss.detach().double()
-                else:  # no samples left: the collectives of the pass still need this member
-                    inputs, targets = job.dataset[torch.arange(1)]
-                    (job.loss(sharded.model(inputs.to(self.device)), targets.to(self.device)) * 0).backward()  # type: ignore[no-untyped-call]
-        except Superseded:
-            raise
-        except Exception as e:
-            if _is_comm_error(e) or self.agent.superseded(g.epoch):
-                raise Superseded(f"the step's gathers failed: {str(e).splitlines()[0][:200]}") from None
-            raise
-        compute_s = time.perf_counter() - t0
-        factor = self.agent.slowdown
-        if factor > 1.0 and len(ids):  # the --slowdown test knob
-            time.sleep((factor - 1.0) * compute_s)
-            compute_s = time.perf_counter() - t0
-        self._pause("backward")
-        # Every member gets its copy's gradients: from here on the step may be rolled forward.
-        self.copies.exchange(((p.to_local() if isinstance(p, DTensor) else p, _local_grad(p))
-                              for _, p in sharded.model.named_parameters()),
-                             g.members, g.pg, lambda work, buf: self._wait(g, work, buf), self.device)
-        self._pause("exchange")
-        self.pending = True
-        grads = [gr for p in self.params if (gr := _local_grad(p)) is not None]
-        squares = sum((gr.double().pow(2).sum() for gr in grads), torch.zeros((), dtype=torch.float64))
-        # The vote: the switch to a planned delta, and a `ctl save` every member has (the gather
-        # that writes it is a collective: all of them take it at the same step boundary).
-        pending = self.agent.pending_planned(g.epoch)
-        buf = torch.stack([loss_sum.cpu(), squares.cpu() / g.layout.dp_replicate,
-                           torch.tensor(1.0 if pending is not None else 0.0, dtype=torch.float64),
-                           torch.tensor(1.0 if self.agent.save_waiting() else 0.0, dtype=torch.float64)]).to(self.device)
-        t_comm = time.perf_counter()
-        self._wait(g, g.pg.allreduce([buf]), buf)
-        comm_s = time.perf_counter() - t_comm
-        grad_norm = float(buf[1].sqrt())
-        self._pause("optimizer")
-        if self.config.pause_at == ("abandon", self.step + 1):
-            self._log(f"abandoning step {self.step + 1} after its all-reduce (--pause-at)")
-            raise Superseded
-        coefficient = 1.0
-        if job.grad_clip is not None:
-            coefficient = min(1.0, job.grad_clip / (grad_norm + 1e-6))
-            for gr in grads:
-                gr.mul_(coefficient)
-        multiplier = job.lr_multiplier(self.step)
-        for group, base in zip(sharded.optimizer.param_groups, self.base_lrs):
-            group["lr"] = base * multiplier
-        lr = self.base_lrs[0] * multiplier if self.base_lrs else 0.0
-        sharded.optimizer.step()
-        self.copies.update(job.optimizer, self.shapes, lambda i: self.base_lrs[i] * multiplier, coefficient)
-        self.pending, self.coefficient = False, coefficient
-        self.step += 1
-        self._after_step(g, float(buf[0]) / G, len(ids), compute_s, comm_s, time.perf_counter() - t0, lr, grad_norm)
-        if self.step == job.num_steps and self.config.final_dir:  # every member gathers; rank 0 writes
-            self._save_gathered(g, self.config.final_dir, final=True)
-        if round(float(buf[3])) == len(g.members):
-            requested = self.agent.take_save()
-            if requested is not None:
-                self._save_gathered(g, requested, final=False)
-        agreed = round(float(buf[2])) == len(g.members)
-        return pending if agreed and pending is not None else None
-
-    def _autocast(self) -> Any:
-        """The replicated forward under `Job.compute_dtype` (a no-op without one)."""
-        dtype = self.job.compute_dtype
-        return torch.autocast(self.device.type, dtype=getattr(torch, dtype), enabled=dtype is not None) \
-            if dtype else contextlib.nullcontext()
-
-    def _after_step(self, g: Group, loss: float, samples: int, compute_s: float, comm_s: float, step_s: float,
-                    lr: float, grad_norm: float) -> None:
+    def after_step(self, g: Group, loss: float, samples: int, compute_s: float, comm_s: float, step_s: float,
+                   lr: float, grad_norm: float) -> None:
         """What every step ends with, in any layout: the digest (when asked), the report to the
         coordinator (and the --trace-steps line), the log line, and the evaluation when it is due."""
         job = self.job
@@ -589,7 +375,7 @@ class Trainer:
         every = self.config.digest_every
         if every and (self.step % every == 0 or self.step == job.num_steps):
             digest = self.digest()
-            self._log(f"digest step {self.step} {digest}")
+            self.log(f"digest step {self.step} {digest}")
         report = StepReport(name=self.name, epoch=g.epoch, step=self.step, loss=loss, samples=samples,
                             global_batch=job.global_batch, compute_s=compute_s, comm_s=comm_s, step_s=step_s,
                             digest=digest, lr=lr, grad_norm=grad_norm)
@@ -598,18 +384,12 @@ class Trainer:
             with open(self.config.trace_path, "a") as trace:
                 trace.write(json.dumps({"ts": time.time(), **dataclasses.asdict(report)}) + "\n")
         if self.config.log_every and self.step % self.config.log_every == 0:
-            self._log(f"step {self.step}/{job.num_steps} loss {loss:.4f} ({step_s * 1e3:.0f} ms, "
-                      f"epoch {g.epoch}, {g.layout.describe()})")
+            self.log(f"step {self.step}/{job.num_steps} loss {loss:.4f} ({step_s * 1e3:.0f} ms, "
+                     f"epoch {g.epoch}, {g.layout.describe()})")
         if job.eval_every and (self.step % job.eval_every == 0 or self.step == job.num_steps):
-            self._evaluate(g)
+            evaluate(self, g)
 
-    def _pause(self, phase: str) -> None:
-        """The --pause-at knob: sleep where a test wants to kill or stop this worker."""
-        if self.config.pause_at == (phase, self.step + 1):
-            self._log(f"pausing at {phase} of step {self.step + 1} (--pause-at)")
-            time.sleep(60)
-
-    def _save_gathered(self, g: Group, directory: str, *, final: bool) -> None:
+    def save_gathered(self, g: Group, directory: str, *, final: bool) -> None:
         """Gather the full model and optimizer state from the shards (every member), rank 0 writes."""
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                              get_optimizer_state_dict)
@@ -628,47 +408,6 @@ class Trainer:
                                             for grp in by_name["param_groups"]]}
         self._write(directory, final, lambda path: save_state(model_state, optimizer_state, path))
 
-    def _evaluate(self, g: Group) -> None:
-        """Every member sums the loss over its contiguous part of the held-out set (split like the
-        batch, by the epoch's shares), the sums are all-reduced, and rank 0 reports the mean. A
-        failure in between abandons it: every member that saw it says it was skipped."""
-        job = self.job
-        total = len(job.eval_dataset)
-        busy = [r for r, s in enumerate(g.shares) if s > 0] or [0]  # members with samples split it
-        counts = [0] * len(g.shares)
-        for r, n in zip(busy, split_shares(total, [float(max(g.shares[r], 1)) for r in busy])):
-            counts[r] = n
-        part = share_slice(counts, g.rank)
-        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
-        # Sharded: every member runs as many forwards as the busiest one (each gathers the units).
-        rounds = -(-max(counts) // EVAL_CHUNK) if self.sharded is not None else -(-(part.stop - part.start) // EVAL_CHUNK)
-        if rounds:
-            self.model.eval()
-            try:
-                with torch.no_grad():
-                    for i in range(rounds):
-                        start = part.start + i * EVAL_CHUNK
-                        ids = torch.arange(start, min(start + EVAL_CHUNK, part.stop))
-                        if not len(ids):  # a forward for the others' gathers, counted nowhere
-                            self.model(job.eval_dataset[torch.arange(1)][0].to(self.device))
-                            continue
-                        inputs, targets = job.eval_dataset[ids]
-                        outputs = self.model(inputs.to(self.device))
-                        sums[0] += job.loss(outputs, targets.to(self.device)).double()
-                        sums[1] += len(ids)
-            finally:
-                self.model.train()
-        try:
-            self._wait(g, g.pg.allreduce([sums]), sums)
-        except Superseded:
-            self.agent.send(EvalReport(name=self.name, step=self.step, loss=0.0, samples=0,
-                                       skipped=f"a failure interrupted it (epoch {g.epoch} abandoned)"))
-            raise
-        if g.rank == 0:
-            loss, samples = float(sums[0] / sums[1]), int(sums[1])
-            self.agent.send(EvalReport(name=self.name, step=self.step, loss=loss, samples=samples, skipped=""))
-            self._log(f"eval after step {self.step}: loss {loss:.4f} over {samples} held-out samples")
-
     def digest(self) -> str:
         """A hash of the whole model's parameters (sharded: gathered, so every member must ask)."""
         h = hashlib.sha256()
@@ -677,19 +416,6 @@ class Trainer:
             h.update(full.detach().cpu().contiguous().numpy().tobytes())
         return h.hexdigest()[:16]
 
-    def _log(self, text: str) -> None:
+    def log(self, text: str) -> None:
         print(f"[{self.name}] {text}", flush=True)
 
-
-def _is_comm_error(e: BaseException) -> bool:
-    """An error from the data plane (a peer gone mid-collective), not from the job's own code."""
-    text = str(e).lower()
-    return isinstance(e, dist.DistError) or any(w in text for w in ("gloo", "nccl", "connection", "peer", "timed out"))
-
-
-def _local_grad(p: torch.Tensor) -> torch.Tensor | None:
-    """A parameter's gradient, this member's shard of it when sharded (DTensor)."""
-    grad = p.grad
-    if grad is None:
-        return None
-    return grad.to_local() if isinstance(grad, DTensor) else grad

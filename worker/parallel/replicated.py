@@ -1,7 +1,7 @@
 """The replicated executor's state: a plain module and optimizer holding every element, built from a
 `LocalState` and given back as one (`worker.parallel.slices.from_module`), so a replicated epoch
 can follow a sharded one and the other way round. (Its step, with the gradient all-reduce, is
-`worker.trainer`'s until the trainer is split.)"""
+`worker.step.replicated`.)"""
 
 from __future__ import annotations
 

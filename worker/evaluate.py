@@ -1,0 +1,68 @@
+"""The held-out loss, at the step boundaries the job asks for (`Job.eval_every`, and the last step).
+
+It runs in the epoch's group, right after a step: each member sums the loss over its contiguous
+part of the held-out set (split like the batch, by the epoch's shares, among the members that have
+samples), in chunks of `EVAL_CHUNK` samples to bound its memory, and one all-reduce of (loss sum,
+samples) gives rank 0 the mean to report (`EvalReport`). In a sharded layout every member runs as
+many forwards as the busiest one, since each forward gathers the units. The all-reduce is abortable
+like a step's; a failure abandons the evaluation with the epoch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from plan.shares import split_shares
+from transport import EvalReport
+from worker.comm import Superseded
+from worker.group import Group
+from worker.job import share_slice
+
+if TYPE_CHECKING:
+    from worker.trainer import Trainer
+
+EVAL_CHUNK = 256  # held-out samples evaluated at once (bounds the memory of an evaluation)
+
+
+def evaluate(t: Trainer, g: Group) -> None:
+    """Every member sums the loss over its contiguous part of the held-out set (split like the
+    batch, by the epoch's shares), the sums are all-reduced, and rank 0 reports the mean. A
+    failure in between abandons it: every member that saw it says it was skipped."""
+    job = t.job
+    total = len(job.eval_dataset)
+    busy = [r for r, s in enumerate(g.shares) if s > 0] or [0]  # members with samples split it
+    counts = [0] * len(g.shares)
+    for r, n in zip(busy, split_shares(total, [float(max(g.shares[r], 1)) for r in busy])):
+        counts[r] = n
+    part = share_slice(counts, g.rank)
+    sums = torch.zeros(2, dtype=torch.float64, device=t.device)
+    # Sharded: every member runs as many forwards as the busiest one (each gathers the units).
+    rounds = -(-max(counts) // EVAL_CHUNK) if t.sharded is not None else -(-(part.stop - part.start) // EVAL_CHUNK)
+    if rounds:
+        t.model.eval()
+        try:
+            with torch.no_grad():
+                for i in range(rounds):
+                    start = part.start + i * EVAL_CHUNK
+                    ids = torch.arange(start, min(start + EVAL_CHUNK, part.stop))
+                    if not len(ids):  # a forward for the others' gathers, counted nowhere
+                        t.model(job.eval_dataset[torch.arange(1)][0].to(t.device))
+                        continue
+                    inputs, targets = job.eval_dataset[ids]
+                    outputs = t.model(inputs.to(t.device))
+                    sums[0] += job.loss(outputs, targets.to(t.device)).double()
+                    sums[1] += len(ids)
+        finally:
+            t.model.train()
+    try:
+        t.wait(g, g.pg.allreduce([sums]), sums)
+    except Superseded:
+        t.agent.send(EvalReport(name=t.name, step=t.step, loss=0.0, samples=0,
+                                skipped=f"a failure interrupted it (epoch {g.epoch} abandoned)"))
+        raise
+    if g.rank == 0:
+        loss, samples = float(sums[0] / sums[1]), int(sums[1])
+        t.agent.send(EvalReport(name=t.name, step=t.step, loss=loss, samples=samples, skipped=""))
+        t.log(f"eval after step {t.step}: loss {loss:.4f} over {samples} held-out samples")

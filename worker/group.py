@@ -1,0 +1,100 @@
+"""The lifecycle of an epoch's groups on one worker: formed when the epoch is entered, registered
+with c10d when its layout is sharded, forgotten when the next sharded executor is built or the
+state is dropped.
+
+`form` builds the epoch's raw group over every rank of the delta: its members, then the senders (the
+leaving holders of sharded state that only take part in the reshard). Once the reshard is done the
+members train in a group of their own (`without_senders`, the store's "train/" part), so a
+sender's exit can never stall a step.
+
+`mesh` turns the epoch's group into the DeviceMesh FSDP2 wants (`worker.parallel.mesh`): the whole
+group registered as the default group, and for HSDP this member's replica and shard sub-groups,
+formed with the epoch's timeout and registered too. Every group it registers is recorded as it is
+registered (in the caller's list), so that one formed before a failure part way is still forgotten
+(`forget`); their backends are left alone (a hung op on them ends at its own timeout).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from plan.layout import Layout
+from transport import PlanDelta
+from worker import comm
+from worker.parallel import mesh as meshes
+from worker.store import CoordinatorStore
+
+
+@dataclass(slots=True)
+class Group:
+    """An epoch's group as this worker sees it: its raw backend, this worker's rank in it, and the
+    plan's members (by rank), shares, layout and micro-batches."""
+
+    epoch: int
+    pg: Any  # dist.ProcessGroupGloo or ProcessGroupNCCL
+    store: CoordinatorStore  # kept alive as long as the group that was formed through it
+    rank: int
+    members: list[str]
+    shares: list[int]
+    layout: Layout
+    micro: list[int] = dataclasses.field(default_factory=list)  # per member: samples per pass (0: the whole share)
+
+    def __post_init__(self) -> None:
+        if len(self.micro) != len(self.shares):
+            self.micro = [0] * len(self.shares)
+
+
+def form(store: CoordinatorStore, delta: PlanDelta, ranks: list[str], rank: int, device: torch.device, *,
+         timeout_s: float, superseded: Callable[[], bool]) -> Group:
+    """The epoch's group over `ranks` (the delta's members, then its senders), this worker at `rank`."""
+    pg = comm.form_group(store, delta.epoch, rank, len(ranks), device, timeout_s=timeout_s, superseded=superseded)
+    layout = Layout.from_dict(dataclasses.asdict(delta.layout))
+    return Group(epoch=delta.epoch, pg=pg, store=store, rank=rank, members=ranks,
+                 shares=list(delta.shares), layout=layout, micro=list(delta.micro_batch))
+
+
+def without_senders(g: Group, delta: PlanDelta, device: torch.device, *, timeout_s: float,
+                    superseded: Callable[[], bool]) -> Group:
+    """The senders are done: the members' own group, formed through the same store ("train/")."""
+    pg = comm.form_group(g.store, delta.epoch, g.rank, len(delta.members), device,
+                         timeout_s=timeout_s, superseded=superseded, part="train/")
+    return Group(epoch=delta.epoch, pg=pg, store=g.store, rank=g.rank, members=list(delta.members),
+                 shares=list(delta.shares), layout=g.layout, micro=list(delta.micro_batch))
+
+
+def mesh(g: Group, device: torch.device, registered: list[dist.ProcessGroup], *, timeout_s: float,
+         superseded: Callable[[], bool]) -> DeviceMesh:
+    """The DeviceMesh of a sharded layout over the epoch's group: 1-D over the members, or 2-D
+    (dp_replicate, dp_shard) for HSDP. Appends every group it registers to `registered` (the whole
+    group first), as it registers it."""
+    prefixed = dist.PrefixStore(f"epoch{g.epoch}/", g.store)  # type: ignore[attr-defined]
+    whole = meshes.register(g.pg, prefixed, g.rank, len(g.members), g.epoch, device)
+    registered.append(whole)
+    out = meshes.mesh_of(whole, device, g.epoch)
+    if g.layout.dp_replicate > 1:  # HSDP: a 2-D mesh of this member's replica row and shard column
+        sub_groups: list[dist.ProcessGroup] = []
+        for part, ranks in (("replicate", g.layout.replicate_group(g.rank)),
+                            ("shard", g.layout.shard_group(g.rank))):
+            name = f"{part}{ranks[0]}"
+            raw = comm.form_group(g.store, g.epoch, ranks.index(g.rank), len(ranks), device,
+                                  timeout_s=timeout_s, superseded=superseded, part=f"{name}/")
+            sub_store = dist.PrefixStore(f"epoch{g.epoch}/{name}/", g.store)  # type: ignore[attr-defined]
+            sub_groups.append(meshes.register(raw, sub_store, ranks.index(g.rank), len(ranks), g.epoch,
+                                              device, part=name, ranks=ranks))
+            registered.append(sub_groups[-1])
+        out = meshes.mesh_of(whole, device, g.epoch, (g.layout.dp_replicate, g.layout.dp_shard), sub_groups)
+    return out
+
+
+def forget(registered: list[dist.ProcessGroup]) -> None:
+    """Unregister the last sharded epoch's groups (their backends end on their own)."""
+    for pg in registered:
+        meshes.forget(pg)
+    registered.clear()

@@ -1,0 +1,224 @@
+"""One exact training step, in each layout: every member applies the full-batch gradient, and
+every member learns two facts at once from the step's all-reduce: the global loss, and whether all
+of them hold the next planned delta (the switch vote). When all do, they switch epochs right after
+that step, with no extra round trip (the agreed step boundary).
+
+`replicated`: a replica computes the summed loss of its contiguous slice of the step's global batch,
+divides by the global batch size, and all-reduces (SUM) its gradients in buckets, each sent as soon
+as the backward fills it (`worker.parallel.replicated.GradBuckets`), then one small buffer with the
+loss sum and the vote. `sharded`: FSDP2 on the epoch's registered group (`worker.parallel.fsdp`),
+micro-batches in lockstep, the copies' gradient exchange (from then on the step may be rolled
+forward: `Trainer.pending`), and one all-reduce of the loss, the squared gradient norm, the vote and
+a pending `ctl save`.
+
+Both functions take the `Trainer` and update its fields (step, pending, coefficient, final_writer)
+in an order that fault tolerance depends on; keep it. A collective is waited for with the trainer's
+abortable `wait`; a superseded one raises `Superseded`, and the step is abandoned with no state
+touched. Sharded, once the gradient exchange is done the step's gradients are held (`pending`): the
+next epoch's entry rolls the step forward if any member applied it (`worker.epoch.enter`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from transport import PlanDelta
+from worker.comm import Superseded
+from worker.group import Group
+from worker.job import sample_ids, share_slice
+from worker.parallel.fsdp import Sharded
+from worker.parallel.replicated import GradBuckets
+
+if TYPE_CHECKING:
+    from worker.trainer import Trainer
+
+
+def replicated(t: Trainer, g: Group) -> PlanDelta | None:
+    """One exact data-parallel step of a replica; returns the delta to switch to when all ranks agreed."""
+    t0 = time.perf_counter()
+    job, G = t.job, t.job.global_batch
+    ids = sample_ids(job.seed, t.step, len(job.dataset), G)[share_slice(g.shares, g.rank)]
+    for p in t.params:
+        p.grad = None
+    buckets = _grad_buckets(t)
+    buckets.start(lambda b: g.pg.allreduce([b]))  # each bucket goes as soon as the backward fills it
+    loss_sum: torch.Tensor | float = 0.0
+    if len(ids):
+        inputs, targets = job.dataset[ids]
+        inputs, targets = inputs.to(t.device), targets.to(t.device)
+        with _autocast(t):
+            outputs = t.model(inputs)
+        loss = job.loss(outputs, targets)
+        (loss / G).backward()  # type: ignore[no-untyped-call]
+        loss_sum = loss.detach()  # stays on the device: no sync before the all-reduce
+    compute_s = time.perf_counter() - t0
+    factor = t.agent.slowdown
+    if factor > 1.0 and len(ids):  # the --slowdown test knob: stretch this step's compute
+        if t.device.type == "cuda":
+            torch.cuda.synchronize(t.device)
+            compute_s = time.perf_counter() - t0
+        time.sleep((factor - 1.0) * compute_s)
+        compute_s = time.perf_counter() - t0
+
+    # The vote and the loss: the switch to a planned delta all replicas hold, and the loss sum.
+    # Asked now, not at the step's start: a delta that arrived during the compute is voted on
+    # in this step (a join waits about half a step less).
+    pending = t.agent.pending_planned(g.epoch)
+    buf = torch.zeros(2, dtype=torch.float32, device=t.device)
+    buf[0] = loss_sum
+    buf[1] = 1.0 if pending is not None else 0.0
+    t_comm = time.perf_counter()
+    works = [*buckets.finish(), (g.pg.allreduce([buf]), buf)]
+    for work, out in works:
+        t.wait(g, work, out)
+    comm_s = time.perf_counter() - t_comm
+
+    summed = [out for _, out in works[:-1]]
+    grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(b, dtype=torch.float64)
+                                                            for b in summed])))  # every parameter
+    if job.grad_clip is not None:  # as torch.nn.utils.clip_grad_norm_ does in one process
+        coefficient = min(1.0, job.grad_clip / (grad_norm + 1e-6))
+        for b in summed:
+            b.mul_(coefficient)
+    buckets.assign()
+    multiplier = job.lr_multiplier(t.step)
+    for group, base in zip(t.optimizer.param_groups, t.base_lrs):
+        group["lr"] = base * multiplier
+    lr = t.base_lrs[0] * multiplier if t.base_lrs else 0.0
+    t.optimizer.step()
+    t.step += 1
+    t.final_writer = t.step == job.num_steps and g.rank == 0
+    t.after_step(g, float(buf[0]) / G, len(ids), compute_s, comm_s, time.perf_counter() - t0, lr, grad_norm)
+    requested = t.agent.take_save()
+    if requested is not None:  # `ctl save PATH`: at this step boundary
+        t.save(requested, final=False)
+    agreed = round(float(buf[1])) == len(g.members)
+    return pending if agreed and pending is not None else None
+
+
+def sharded(t: Trainer, g: Group, sharded: Sharded) -> PlanDelta | None:
+    """One exact step with FSDP2: each member computes its slice of the batch (a member with no
+    samples still takes part in every gather and reduce-scatter), gradients are summed into their
+    shards by FSDP2's hooks, and one small all-reduce gives the global loss, the global gradient
+    norm (over every shard) and the switch vote."""
+    t0 = time.perf_counter()
+    job, G = t.job, t.job.global_batch
+    start, stop = g.layout.batch_slice(g.rank)
+    ids = sample_ids(job.seed, t.step, len(job.dataset), G)[start:stop]
+    sharded.optimizer.zero_grad(set_to_none=True)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=t.device)
+    # Micro-batches: every member runs as many forward/backward passes as the member that needs
+    # the most (each pass gathers the units), with no samples once its own share is done.
+    size = g.micro[g.rank] or len(ids) or 1
+    passes = max((-(-s // (m or s)) if s else 1) for s, m in zip(g.shares, g.micro))
+    try:
+        for i in range(passes):
+            chunk = ids[i * size:(i + 1) * size]
+            if len(chunk):
+                inputs, targets = job.dataset[chunk]
+                loss = job.loss(sharded.model(inputs.to(t.device)), targets.to(t.device))
+                _pause(t, "forward")
+                (loss / G).backward()  # type: ignore[no-untyped-call]
+                loss_sum = loss_sum + loss.detach().double()
+            else:  # no samples left: the collectives of the pass still need this member
+                inputs, targets = job.dataset[torch.arange(1)]
+                (job.loss(sharded.model(inputs.to(t.device)), targets.to(t.device)) * 0).backward()  # type: ignore[no-untyped-call]
+    except Superseded:
+        raise
+    except Exception as e:
+        if _is_comm_error(e) or t.agent.superseded(g.epoch):
+            raise Superseded(f"the step's gathers failed: {str(e).splitlines()[0][:200]}") from None
+        raise
+    compute_s = time.perf_counter() - t0
+    factor = t.agent.slowdown
+    if factor > 1.0 and len(ids):  # the --slowdown test knob
+        time.sleep((factor - 1.0) * compute_s)
+        compute_s = time.perf_counter() - t0
+    _pause(t, "backward")
+    # Every member gets its copy's gradients: from here on the step may be rolled forward.
+    t.copies.exchange(((p.to_local() if isinstance(p, DTensor) else p, local_grad(p))
+                       for _, p in sharded.model.named_parameters()),
+                      g.members, g.pg, lambda work, buf: t.wait(g, work, buf), t.device)
+    _pause(t, "exchange")
+    t.pending = True
+    grads = [gr for p in t.params if (gr := local_grad(p)) is not None]
+    squares = sum((gr.double().pow(2).sum() for gr in grads), torch.zeros((), dtype=torch.float64))
+    # The vote: the switch to a planned delta, and a `ctl save` every member has (the gather
+    # that writes it is a collective: all of them take it at the same step boundary).
+    pending = t.agent.pending_planned(g.epoch)
+    buf = torch.stack([loss_sum.cpu(), squares.cpu() / g.layout.dp_replicate,
+                       torch.tensor(1.0 if pending is not None else 0.0, dtype=torch.float64),
+                       torch.tensor(1.0 if t.agent.save_waiting() else 0.0, dtype=torch.float64)]).to(t.device)
+    t_comm = time.perf_counter()
+    t.wait(g, g.pg.allreduce([buf]), buf)
+    comm_s = time.perf_counter() - t_comm
+    grad_norm = float(buf[1].sqrt())
+    _pause(t, "optimizer")
+    if t.config.pause_at == ("abandon", t.step + 1):
+        t.log(f"abandoning step {t.step + 1} after its all-reduce (--pause-at)")
+        raise Superseded
+    coefficient = 1.0
+    if job.grad_clip is not None:
+        coefficient = min(1.0, job.grad_clip / (grad_norm + 1e-6))
+        for gr in grads:
+            gr.mul_(coefficient)
+    multiplier = job.lr_multiplier(t.step)
+    for group, base in zip(sharded.optimizer.param_groups, t.base_lrs):
+        group["lr"] = base * multiplier
+    lr = t.base_lrs[0] * multiplier if t.base_lrs else 0.0
+    sharded.optimizer.step()
+    t.copies.update(job.optimizer, t.shapes, lambda i: t.base_lrs[i] * multiplier, coefficient)
+    t.pending, t.coefficient = False, coefficient
+    t.step += 1
+    t.after_step(g, float(buf[0]) / G, len(ids), compute_s, comm_s, time.perf_counter() - t0, lr, grad_norm)
+    if t.step == job.num_steps and t.config.final_dir:  # every member gathers; rank 0 writes
+        t.save_gathered(g, t.config.final_dir, final=True)
+    if round(float(buf[3])) == len(g.members):
+        requested = t.agent.take_save()
+        if requested is not None:
+            t.save_gathered(g, requested, final=False)
+    agreed = round(float(buf[2])) == len(g.members)
+    return pending if agreed and pending is not None else None
+
+
+def _grad_buckets(t: Trainer) -> GradBuckets:
+    """The gradient buckets of the current replica's parameters (rebuilt with the model)."""
+    if t.buckets is None or t.buckets.params is not t.params:
+        if t.buckets is not None:
+            t.buckets.close()
+        t.buckets = GradBuckets(t.params)
+    return t.buckets
+
+
+def _autocast(t: Trainer) -> Any:
+    """The replicated forward under `Job.compute_dtype` (a no-op without one)."""
+    dtype = t.job.compute_dtype
+    return torch.autocast(t.device.type, dtype=getattr(torch, dtype), enabled=dtype is not None) \
+        if dtype else contextlib.nullcontext()
+
+
+def _pause(t: Trainer, phase: str) -> None:
+    """The --pause-at knob: sleep where a test wants to kill or stop this worker."""
+    if t.config.pause_at == (phase, t.step + 1):
+        t.log(f"pausing at {phase} of step {t.step + 1} (--pause-at)")
+        time.sleep(60)
+
+
+def _is_comm_error(e: BaseException) -> bool:
+    """An error from the data plane (a peer gone mid-collective), not from the job's own code."""
+    text = str(e).lower()
+    return isinstance(e, dist.DistError) or any(w in text for w in ("gloo", "nccl", "connection", "peer", "timed out"))
+
+
+def local_grad(p: torch.Tensor) -> torch.Tensor | None:
+    """A parameter's gradient, this member's shard of it when sharded (DTensor)."""
+    grad = p.grad
+    if grad is None:
+        return None
+    return grad.to_local() if isinstance(grad, DTensor) else grad
