@@ -19,7 +19,7 @@ from typing import Any
 from transport import PROTOCOL_VERSION, GraphUpload, Leave, check_name
 from transport.security import KEYS_ENV, ROLE_WORKER, ClientKeys, KeysError, keys_dir, load_client_keys
 
-PAUSE_PHASES = ("forward", "backward", "exchange", "optimizer", "abandon")
+PAUSE_PHASES = ("forward", "backward", "exchange", "optimizer", "abandon", "reshard")
 
 EPILOG = """\
 examples:
@@ -75,7 +75,8 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
                         "gradient slices went to the copy's keeper; optimizer: after the step's all-reduce, "
                         "before the update), saying so in the log, so that a test can SIGKILL or SIGSTOP it there; "
                         "abandon: after the all-reduce, drop the step as if its result never arrived (the others "
-                        "apply it: a roll forward follows at the next failure)")
+                        "apply it: a roll forward follows at the next failure); reshard: in the first epoch "
+                        "entered at or after step STEP, after the holdings are known, before any slice moves")
     p.add_argument("--keys", metavar="DIR",
                    help=f"CURVE keys from `coordinator keygen` (server.key + worker.key_secret); default ${KEYS_ENV}; "
                         "none: connect without CURVE (only an --insecure coordinator accepts that)")

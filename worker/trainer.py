@@ -97,6 +97,11 @@ class Trainer:
         self._units: list[str] | None = None
         self.buckets: GradBuckets | None = None  # the replicated step's gradient buckets (`worker.step`)
         self.largest_sender = 0  # bytes the busiest sender of the last reshard sent (for the Ack)
+        self.paused_reshard = False  # the --pause-at reshard knob fires once
+        # What this member held when it entered the current epoch, kept until the epoch's first step
+        # commits: a member that finished its reshard while another died before finishing its own
+        # must not have thrown away the only other copy of the dead member's slices.
+        self.before_reshard: LocalState | None = None
         # Redundancy of a sharded layout: who keeps a copy of my slices, whose slices I keep a copy
         # of (and that copy), whether this step's gradients are held but not applied, and the
         # clipping coefficient of the last step applied (for a roll forward after a failure).
@@ -260,14 +265,25 @@ class Trainer:
         """Bring this member to exactly its slices of the new layout (`worker.epoch`); the new state
         and the bytes received."""
         local = None if self.stale else self._local_state()
+        self.before_reshard = local
         new, received, plan = epoch.enter(g.layout, self.tensors, self.name, g.members, local, g.pg,
                                        lambda work, buf: self.wait(g, work, buf), self.device, self._seed_state,
-                                       self._roll_forward, copies=g.layout.sharded and g.layout.dp_replicate == 1)
+                                       self._roll_forward, copies=g.layout.sharded and g.layout.dp_replicate == 1,
+                                       before_transfers=self._pause_reshard)
         self.step, self.stale = new.step, False
         element_bytes = {fqn: sum(torch.empty(0, dtype=new.dtype(fqn, k)).element_size() for k in keys)
                          for fqn, keys in new.keys.items()}
         self.largest_sender = plan.largest_sender(element_bytes)
         return new, received
+
+    def _pause_reshard(self) -> None:
+        """The --pause-at reshard@STEP knob: sleep before the transfers of the first epoch entered
+        at or after STEP that has state to move (a test kills a source there)."""
+        at = self.config.pause_at
+        if at is not None and at[0] == "reshard" and self.step + 1 >= at[1] and not self.paused_reshard:
+            self.paused_reshard = True
+            self.log(f"pausing at the reshard before step {self.step + 1} (--pause-at)")
+            time.sleep(60)
 
     def _roll_forward(self, local: LocalState, coefficient: float) -> None:
         """Apply the interrupted step to every held slice with the gradients kept for it."""
@@ -309,7 +325,7 @@ class Trainer:
         """This member holds nothing current any more (it handed its slices over, or they are lost)."""
         self._forget_groups()
         self.copies, self.pending = Copies.none(), False
-        self.stale = True
+        self.stale, self.before_reshard = True, None
 
     def _local_state(self) -> LocalState:
         """What this member holds now, as slices (views of the executor's tensors)."""
@@ -325,6 +341,12 @@ class Trainer:
                                             else torch.zeros_like(piece.data[PARAM]))
             for fqn, pieces in self.copies.pieces(self.pending).items():
                 local.pieces[fqn] = sorted([*local.pieces.get(fqn, []), *pieces], key=lambda q: q.lo)
+            before = self.before_reshard
+            if before is not None and before.step == self.step and not self.pending:
+                # The epoch was entered but no step of it has been taken: what was held before its
+                # reshard still counts (another member may have died before it had its new slices).
+                for fqn, pieces in before.pieces.items():
+                    local.pieces[fqn] = sorted([*local.pieces.get(fqn, []), *pieces], key=lambda q: q.lo)
             return local
         return from_module(self.step, self.model, self.optimizer)
 
@@ -371,6 +393,7 @@ class Trainer:
         coordinator (and the --trace-steps line), the log line, and the evaluation when it is due."""
         job = self.job
         self.agent.step = self.step
+        self.before_reshard = None  # a step of this epoch is committed: its holdings are complete
         digest = ""
         every = self.config.digest_every
         if every and (self.step % every == 0 or self.step == job.num_steps):

@@ -104,6 +104,40 @@ def test_a_shard_holder_killed_mid_step_loses_nothing(tmp_path: Path, phase: str
 
 
 @pytest.mark.timeout(400)
+def test_a_source_killed_mid_reshard_is_replanned_from_the_remaining_holders(tmp_path: Path) -> None:
+    """A join to a sharded job, and SIGKILL of a member paused (--pause-at reshard) after the
+    holdings are known and before its slices went to the newcomer: the others are released from
+    the transfers, the next plan moves the dead member's slices from the copies its keeper holds,
+    the newcomer gets its slices from the survivors; no state lost, every step exact."""
+    reference = single_process()
+    with LocalJob(JOB, tmp_path, min_workers=3, coordinator_args=["--layout", "dp=1"]) as job:
+        job.start()
+        job.add_worker("w1", "--slowdown", "3")
+        job.add_worker("w2", "--slowdown", "3", "--pause-at", "reshard@6")
+        job.add_worker("w3", "--slowdown", "3")
+        job.wait_step(5, 180)
+        job.add_worker("w4")
+        joined = job.wait_event(lambda e: e["kind"] == "plan" and "w4" in e["layout"]["members"], 120, "w4 planned in")
+        deadline = time.monotonic() + 60
+        while "pausing at the reshard" not in job.tail("w2") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "pausing at the reshard" in job.tail("w2"), job.tail("w2")
+        assert not [e for e in job.events() if e["kind"] == "reshard" and e["epoch"] == joined["epoch"]], \
+            "the join's reshard cannot be done while a source is paused in it"
+        job.kill("w2")
+        failure = job.wait_event(lambda e: e["kind"] == "plan" and e["reason"] == "failure", 60, "failure plan")
+        assert set(failure["layout"]["members"]) == {"w1", "w3", "w4"}, failure["layout"]
+        resumed = job.wait_event(lambda e: e["kind"] == "reshard" and e["epoch"] == failure["epoch"], 60, "reshard")
+        assert resumed["bytes"] > 0
+        exits = job.wait_workers(300)
+        assert exits == {"w1": 0, "w2": -signal.SIGKILL, "w3": 0, "w4": 0}, {n: job.tail(n) for n in exits}
+        assert job.wait_coordinator(30) == 0
+        events = job.events()
+        assert not [e for e in events if e["kind"] == "state_lost"]
+        _assert_exact(events, reference)
+
+
+@pytest.mark.timeout(400)
 def test_a_stopped_shard_holder_is_planned_out_and_rejoins(tmp_path: Path) -> None:
     """SIGSTOP of a member for longer than the lease: the others, held in FSDP2's gathers, are
     released when the coordinator says so (the gathers and reduce-scatters wait abortably), rebuild
