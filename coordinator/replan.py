@@ -88,6 +88,8 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
         members = (*new.members, handoff)
         new = predict(state.cluster.contended(members) if calm else state.cluster, state.graph, members,
                       (*new.shares, 0))
+        if result.plan.micro:  # the members' micro-batches stay; the one handing off has no samples
+            new = replace(new, micro=(*result.plan.micro, 0))
         result = replace(result, plan=new, reason=f"{result.reason}; {handoff} stays one epoch to hand off")
     benched = _standby_logs(state, result)
     state = replace(state, standby=frozenset(result.standby))

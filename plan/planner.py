@@ -35,7 +35,7 @@ from plan.cost import max_micro_batch, samples_that_fit, sharded_static_bytes, s
 from plan.graph import Graph
 from plan.layout import LayoutPin
 from plan.milp import ENGINES, DeviceClass, DpCosts, map_to_devices, solve_dp
-from plan.prediction import MemberCost, Plan, predict, predict_sharded, repredict
+from plan.prediction import MemberCost, Plan, micro_batched, predict, predict_sharded, repredict
 from plan.shares import assign, split_shares
 
 __all__ = ["Alternative", "MemberCost", "Plan", "PlanLimits", "PlanResult", "assign", "make_plan", "predict",
@@ -101,8 +101,9 @@ class _Ctx:
     limits: PlanLimits
     speeds: Mapping[str, float]
     fixed: Mapping[str, float]  # compute per step that does not grow with the share
-    caps: Mapping[str, float | None]
+    caps: Mapping[str, float | None]  # the most samples of a share (a member that fits one sample runs any share)
     holders: frozenset[str]  # devices that hold the training state now
+    micro_caps: Mapping[str, float | None]  # the most samples trained at once beside the whole state
 
     def ranked(self, members: Sequence[str]) -> list[str]:
         """Rank order: members of the previous plan keep theirs, newcomers follow in name order."""
@@ -123,6 +124,7 @@ class _Ctx:
     def score(self, plan: Plan, description: str) -> Alternative:
         """Predicted step + the switch to it (forming the group, moving state to devices that do
         not hold it; nothing moves before any device holds state) spread over the horizon."""
+        plan = micro_batched(plan, self.graph, self.micro_caps)
         moved = sum(m not in self.holders for m in plan.members) * self.graph.state_bytes if self.holders else 0
         switch = 0.0 if plan.same_assignment(self.previous) else self.cluster.switch_s() + self.cluster.move_s(moved)
         assert plan.predicted_step_s is not None
@@ -133,10 +135,14 @@ class _Ctx:
 def _context(cluster: Cluster, graph: Graph, previous: Plan | None, limits: PlanLimits,
              holders: Collection[str] | None) -> _Ctx:
     speeds = cluster.speeds_for(graph.train_flops)
-    caps = {n: max_micro_batch(graph, d.memory_bytes, graph.optimizer_state_factor) for n, d in cluster.devices.items()}
+    micro_caps = {n: max_micro_batch(graph, d.memory_bytes, graph.optimizer_state_factor)
+                  for n, d in cluster.devices.items()}
+    # A replica that trains one sample at once beside its state runs any share, in micro-batches
+    # (`micro_batched`): memory bounds the micro-batch, speed the share.
+    caps = {n: float(limits.global_batch) if (c or 0) >= 1 else c for n, c in micro_caps.items()}
     held = (previous.members if previous else ()) if holders is None else holders
     holders = frozenset(m for m in held if m in cluster.devices)
-    return _Ctx(cluster, graph, previous, limits, speeds, cluster.fixed_compute(), caps, holders)
+    return _Ctx(cluster, graph, previous, limits, speeds, cluster.fixed_compute(), caps, holders, micro_caps)
 
 
 def score_members(cluster: Cluster, graph: Graph, previous: Plan | None, members: Sequence[str], *,
@@ -157,16 +163,21 @@ def make_plan(cluster: Cluster, graph: Graph | None, previous: Plan | None, *, l
     training state (moving it elsewhere costs); default the previous plan's members. `pin`: layout
     degrees the operator fixed (`--layout`); the members are then cut to a number they divide."""
     result = _make_plan(cluster, graph, previous, limits=limits, holders=holders)
+    if graph is None:
+        return _pinned(cluster, graph, result, pin, limits) if pin is not None and result.plan is not None else result
+    ctx = _context(cluster, graph, previous, limits, holders)
     if pin is not None:
-        if result.plan is None and graph is not None and pin.dp_shard != 1:
+        if result.plan is None and pin.dp_shard != 1:
             # No replica fits, but the pin allows sharding: the members that can hold a shard.
-            sharded = _sharded(_context(cluster, graph, previous, limits, holders))
+            sharded = _sharded(ctx)
             if sharded is not None:
                 result = replace(result, plan=sharded, status="optimal", reason="no replica fits")
-        return _pinned(cluster, graph, result, pin, limits) if result.plan is not None else result
-    if graph is None or limits.policy == "even":
-        return result
-    return _with_sharding(_context(cluster, graph, previous, limits, holders), result)
+        result = _pinned(cluster, graph, result, pin, limits) if result.plan is not None else result
+    elif limits.policy != "even":
+        result = _with_sharding(ctx, result)
+    if result.plan is not None and result.plan.dp_shard == 1:  # a replica's share in micro-batches
+        result = replace(result, plan=micro_batched(result.plan, graph, ctx.micro_caps))
+    return result
 
 
 def _sharded(ctx: _Ctx) -> Plan | None:
@@ -349,7 +360,10 @@ def _solve(ctx: _Ctx, scope: list[str]) -> tuple[Alternative, str, str] | str:
     classes = [DeviceClass(name=cname, available=len(ms),
                            samples_per_s=sum(ctx.speeds[m] for m in ms) / len(ms),
                            memory_bytes=min(cluster.devices[m].memory_bytes for m in ms)) for cname, ms in groups]
-    costs = DpCosts.from_graph(g, cluster.link(scope), optimizer_state_factor=g.optimizer_state_factor)
+    # Every device in scope fits one sample beside its state, and runs a larger share as
+    # micro-batches: memory bounds no share here (the activations per sample count as none).
+    costs = replace(DpCosts.from_graph(g, cluster.link(scope), optimizer_state_factor=g.optimizer_state_factor),
+                    activation_bytes_per_sample=0.0)
     previous_counts = ({cname: sum(m in ctx.holders for m in ms) for cname, ms in groups}
                        if ctx.holders else None)
     result = solve_dp(classes, costs, ctx.limits.global_batch, time_limit_s=ctx.limits.time_limit_s,

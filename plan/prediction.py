@@ -7,7 +7,7 @@ from the cluster's fitted estimates. Pure functions of plain data.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from plan.cluster import Cluster
@@ -105,9 +105,26 @@ def predict_sharded(cluster: Cluster, graph: Graph, members: Sequence[str], shar
                    micro=micro if any(micro) else ())
 
 
+def micro_batched(plan: Plan, graph: Graph | None, caps: Mapping[str, float | None]) -> Plan:
+    """A replicated `plan` whose members run a share larger than their memory's cap (`caps`: the most
+    samples a member trains at once beside its whole state) as micro-batches of that cap: the
+    share is bounded by speed, the micro-batch by memory."""
+    if graph is None or plan.dp_shard > 1:
+        return plan
+    micro = tuple(0 if s <= (caps.get(m) or 0) else int(caps.get(m) or 0) for m, s in zip(plan.members, plan.shares))
+    return _with_micro(plan, graph, micro)
+
+
+def _with_micro(plan: Plan, graph: Graph, micro: tuple[int, ...]) -> Plan:
+    costs = tuple(replace(c, memory_bytes=memory_bytes(graph, m or c.samples, graph.optimizer_state_factor))
+                  for c, m in zip(plan.costs, micro))
+    return replace(plan, costs=costs, micro=micro if any(micro) else ())
+
+
 def repredict(cluster: Cluster, graph: Graph | None, plan: Plan) -> Plan:
     """`plan`'s members, shares and layout, predicted again (new speeds, fitted constants)."""
     if plan.dp_shard > 1 and graph is not None:
         return predict_sharded(cluster, graph, plan.members, plan.shares, plan.micro,
                                replicas=len(plan.members) // plan.dp_shard)
-    return predict(cluster, graph, plan.members, plan.shares)
+    fresh = predict(cluster, graph, plan.members, plan.shares)
+    return _with_micro(fresh, graph, plan.micro) if plan.micro and graph is not None else fresh

@@ -47,16 +47,23 @@ def replicated(t: Trainer, g: Group) -> PlanDelta | None:
     for p in t.params:
         p.grad = None
     buckets = _grad_buckets(t)
-    buckets.start(lambda b: g.pg.allreduce([b]))  # each bucket goes as soon as the backward fills it
+    # Micro-batches (the plan's, where a share does not fit memory at once): gradients accumulate
+    # over the passes, and the buckets go out during the last pass's backward only.
+    size = g.micro[g.rank] or len(ids) or 1
+    chunks = [ids[i:i + size] for i in range(0, len(ids), size)]
     loss_sum: torch.Tensor | float = 0.0
-    if len(ids):
-        inputs, targets = job.dataset[ids]
+    for i, chunk in enumerate(chunks):
+        if i == len(chunks) - 1:
+            buckets.start(lambda b: g.pg.allreduce([b]))  # each bucket goes as soon as the backward fills it
+        inputs, targets = job.dataset[chunk]
         inputs, targets = inputs.to(t.device), targets.to(t.device)
         with _autocast(t):
             outputs = t.model(inputs)
         loss = job.loss(outputs, targets)
         (loss / G).backward()  # type: ignore[no-untyped-call]
-        loss_sum = loss.detach()  # stays on the device: no sync before the all-reduce
+        loss_sum = loss_sum + loss.detach()  # stays on the device: no sync before the all-reduce
+    if not chunks:  # no samples: the buckets still go out (zeros), in `finish`
+        buckets.start(lambda b: g.pg.allreduce([b]))
     compute_s = time.perf_counter() - t0
     factor = t.agent.slowdown
     if factor > 1.0 and len(ids):  # the --slowdown test knob: stretch this step's compute

@@ -202,6 +202,35 @@ def test_a_model_no_worker_can_replicate_trains_sharded_in_micro_batches(tmp_pat
 
 
 @pytest.mark.timeout(400)
+def test_a_replica_whose_share_does_not_fit_runs_it_in_micro_batches(tmp_path: Path) -> None:
+    """Replicated (`--layout fsdp=1`), every worker's --memory-limit holds the whole state and 3
+    samples' activations: the planner still splits the batch by speed and each member runs its
+    share as micro-batches of 3 (gradients accumulated, the buckets sent in the last pass); every
+    step equals the single-process run."""
+    from plan.cost import static_bytes
+    from worker.graph import capture_graph
+    from worker.job import load_job
+
+    path, name = JOB.rsplit(":", 1)
+    graph = capture_graph(load_job(Path(path).read_text(), name, filename=path))
+    limit = static_bytes(graph.param_bytes, graph.optimizer_state_factor) + 3.5 * graph.activation_bytes
+    memory = ("--memory-limit", f"{limit / 2**30:.12f}")
+    reference = single_process()
+    with LocalJob(JOB, tmp_path, min_workers=2, coordinator_args=["--layout", "fsdp=1"]) as job:
+        job.start()
+        job.add_worker("w1", *memory)
+        job.add_worker("w2", *memory)
+        exits = job.wait_workers(300)
+        assert exits == {"w1": 0, "w2": 0}, {n: job.tail(n) for n in exits}
+        events = job.events()
+        plans = [e for e in events if e["kind"] == "plan" and e.get("layout")]
+        assert plans and all(p["layout"]["dp_shard"] == 1 for p in plans)
+        for p in plans:
+            assert p["micro_batch"] == [3, 3] and min(p["layout"]["shares"]) > 3, p
+        _assert_exact(events, reference)
+
+
+@pytest.mark.timeout(400)
 def test_a_step_some_members_applied_is_rolled_forward_by_the_others(tmp_path: Path) -> None:
     """w3 drops step 12 after its all-reduce (--pause-at abandon@12: as if the result never came),
     while w1 and w2 apply it; then w2 is SIGKILLed. Entering the next epoch w3 is a step behind: it

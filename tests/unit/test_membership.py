@@ -531,23 +531,18 @@ def test_a_slow_joiner_is_left_on_standby_without_a_new_epoch() -> None:
     assert sim.state.result is not None and "snail" in sim.state.result.standby
 
 
-def test_failure_that_leaves_too_little_memory_waits_with_the_state() -> None:
-    sim = graph_sim("big", "small", memory={"small": STATIC + 10 * 1000})  # small holds 10 samples
+def test_a_survivor_with_memory_for_few_samples_trains_the_whole_batch_in_micro_batches() -> None:
+    sim = graph_sim("big", "small", memory={"small": STATIC + 10 * 1000})  # small holds 10 samples at once
     sim.config = replace(sim.config, min_workers=2)
     sim(m.MadeReady("big"))
     sim(m.MadeReady("small"))
     sim.ack_all()
     train(sim, 6, {"big": 0.001, "small": 0.001})
     assert sim.state.last_step == 6
-    effects = sim(m.Lost("big", "disconnect"))
-    [p] = planned(effects)
-    assert p.result.status == "infeasible" and p.result.plan is None
-    assert "at most 10" in p.result.reason and "small keep(s) the state" in p.result.reason
-    assert not deltas(effects) and sim.state.plan is None
+    d = the_delta(sim(m.Lost("big", "disconnect")))
+    assert d.members == ["small"] and d.shares == [sim.config.global_batch]
+    assert d.micro_batch == [10], "memory bounds the micro-batch, not the share"
     assert sim.state.holders == ["small"] and sim.state.last_step == 6, "the state is not lost"
-    sim(m.Joined(_join_msg("new")))
-    d = the_delta(sim(m.MadeReady("new")))
-    assert set(d.members) == {"small", "new"} and dict(zip(d.members, d.shares))["small"] <= 10
 
 
 def test_standby_workers_are_stopped_when_the_job_is_over() -> None:
