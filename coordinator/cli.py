@@ -65,6 +65,10 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
                    help="a worker silent for S seconds is declared failed (default 1.5)")
     p.add_argument("--heartbeat", type=float, default=0.25, metavar="S",
                    help="how often workers heartbeat (default 0.25; keep well under --lease)")
+    p.add_argument("--drain-deadline", type=float, default=25.0, metavar="S",
+                   help="a drained or preempted (SIGTERM) worker must hand its state over within S seconds "
+                        "(default 25, under a spot notice's usual 30); past it the coordinator lets it go as "
+                        "failed (a drain_deadline event) and its part comes from the copies or replicas")
     p.add_argument("--stop-grace", type=float, default=10.0, metavar="S",
                    help="on SIGTERM or ctl stop, wait up to S seconds for workers to leave")
     p.add_argument("--planner", choices=("milp", "even"), default="milp",
@@ -141,6 +145,8 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
             keys = load_server_keys(directory)
         except KeysError as e:
             p.error(str(e))
+    if a.drain_deadline <= 0:
+        p.error(f"--drain-deadline must be positive seconds, got {a.drain_deadline}")
     if a.lease <= 0 or a.heartbeat <= 0 or a.heartbeat >= a.lease:
         p.error("--heartbeat and --lease must be positive, with --heartbeat below --lease")
     control = a.control
@@ -151,7 +157,8 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
     cfg = CoordinatorConfig(bind=a.bind, control=control, state_dir=state_dir, keys=keys,
                             max_joining=a.max_joining, min_workers=a.min_workers,
                             max_workers=a.max_workers, lease_s=a.lease, heartbeat_s=a.heartbeat,
-                            stop_grace_s=a.stop_grace, quiet=a.quiet, planner=a.planner,
+                            stop_grace_s=a.stop_grace, drain_deadline_s=a.drain_deadline, quiet=a.quiet,
+                            planner=a.planner,
                             solve_time_limit_s=a.solve_time_limit, horizon_steps=a.horizon, stability=a.stability,
                             layout=layout,
                             solver=a.solver, metrics_port=a.metrics_port, metrics_host=metrics_host(a.bind))

@@ -113,6 +113,7 @@ class CoordinatorConfig:
     heartbeat_s: float = 0.25
     tick_s: float = 0.05
     stop_grace_s: float = 10.0
+    drain_deadline_s: float = 25.0  # --drain-deadline
     quiet: bool = False
     planner: str = "milp"
     solve_time_limit_s: float = 0.5
@@ -169,7 +170,7 @@ class Core:
                                min_workers=cfg.min_workers, max_workers=cfg.max_workers, planner=cfg.planner,
                                solve_time_limit_s=cfg.solve_time_limit_s, horizon_steps=cfg.horizon_steps,
                                stability=cfg.stability, layout=cfg.layout,
-                               solver=cfg.solver)
+                               solver=cfg.solver, drain_deadline_s=cfg.drain_deadline_s)
         self.state = m.State()
         self.store = RendezvousStore()
         self.refusals = Refusals()

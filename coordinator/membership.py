@@ -98,8 +98,16 @@ def apply(state: State, event: Event, config: Config, *, now: float) -> Result:
             effects: list[Effect] = []
             replan_due = False
             for w in list(state.workers.values()):
-                if now - w.last_seen > config.lease_s:
-                    state, more = _lost(state, w.name, "lease", config, now)
+                late = (w.leaving is not None and now - w.leaving_since > config.drain_deadline_s
+                        and state.in_play(w.name))  # (planned out and switched: it is only exiting)
+                if now - w.last_seen > config.lease_s or late:
+                    if late and now - w.last_seen <= config.lease_s:
+                        # It could not hand its state over in time (a spot notice gives ~30 s): it
+                        # is let go as if it had failed, and its part comes from the redundancy.
+                        effects += [Log("drain_deadline", {"worker": w.name, "reason": w.leaving,
+                                                           "seconds": round(now - w.leaving_since, 3)}),
+                                    Send(w.name, Stop(reason=f"{w.leaving}: the drain deadline passed"))]
+                    state, more = _lost(state, w.name, "drain_deadline" if late else "lease", config, now)
                     replan_due |= any(isinstance(e, FollowUp) for e in more)
                     effects += [e for e in more if not isinstance(e, FollowUp)]
             if replan_due:  # one re-plan for every worker lost at this tick
@@ -304,7 +312,8 @@ def _drain(state: State, name: str, why: str, config: Config, now: float) -> Res
     if state.plan is None or name not in state.plan.members:
         state = _remove(state, name)
         return state, [Send(name, Stop(reason=why)), Log("left", {"worker": name, "reason": why})]
-    state = replace(state, workers={**state.workers, name: replace(worker, leaving=why)})
+    since = worker.leaving_since if worker.leaving is not None else now
+    state = replace(state, workers={**state.workers, name: replace(worker, leaving=why, leaving_since=since)})
     return replan(state, config, why, abort=False, now=now)
 
 

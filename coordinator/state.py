@@ -29,6 +29,7 @@ class Config:
     horizon_steps: int = 200  # a switch's one-off cost is spread over this many steps (or what is left)
     stability: str = "calm"  # "calm": contention model, change points, re-plans that pay; "legacy": before (#9)
     layout: LayoutPin | None = None  # degrees pinned by --layout (None: the planner chooses)
+    drain_deadline_s: float = 25.0  # a drained or preempted member must have handed its state over by then
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -43,6 +44,7 @@ class Worker:
     step: int = 0  # steps it has applied, as last reported
     ready: bool = False  # job loaded and model built: plans may include it
     leaving: str | None = None  # why it is being planned out ("drained", "preempted")
+    leaving_since: float = 0.0  # when it was asked to go (its drain deadline counts from here)
     nudged_at: float = 0.0  # when the latest plan was last (re)sent to it
 
 

@@ -76,7 +76,7 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
                         "before the update), saying so in the log, so that a test can SIGKILL or SIGSTOP it there; "
                         "abandon: after the all-reduce, drop the step as if its result never arrived (the others "
                         "apply it: a roll forward follows at the next failure); reshard: in the first epoch "
-                        "entered at or after step STEP, after the holdings are known, before any slice moves")
+                        "entered at or after step STEP in which it sends slices, before any moves")
     p.add_argument("--keys", metavar="DIR",
                    help=f"CURVE keys from `coordinator keygen` (server.key + worker.key_secret); default ${KEYS_ENV}; "
                         "none: connect without CURVE (only an --insecure coordinator accepts that)")

@@ -111,7 +111,7 @@ def plan_entry(layout: Layout, tensors: Sequence[TensorShape], described: list[l
 def enter(layout: Layout, tensors: Sequence[TensorShape], me: str, ranks: Sequence[str], local: LocalState | None,
           pg: Any, wait: Wait, device: torch.device, seed: Callable[[], LocalState],
           roll: Callable[[LocalState, float], None], copies: bool = True,
-          before_transfers: Callable[[], None] = lambda: None) -> tuple[LocalState, int, ReshardPlan]:
+          before_transfers: Callable[[ReshardPlan], None] = lambda plan: None) -> tuple[LocalState, int, ReshardPlan]:
     """Run the reshard into `layout` for member `me` (ranks: the group's members by rank, `layout`'s
     members first); returns the new LocalState, the bytes received and the plan. When nobody holds
     any state (a fresh job, or one whose state was lost and restarts), every member takes the seeded
@@ -145,7 +145,7 @@ def enter(layout: Layout, tensors: Sequence[TensorShape], me: str, ranks: Sequen
         _drop_pending(local)
     _, holders, after, plan = plan_entry(layout, tensors, described, ranks, copies=copies)
     mine = local if me in holders else None
-    before_transfers()  # (the --pause-at reshard knob: a source that dies with the transfers ahead)
+    before_transfers(plan)  # (the --pause-at reshard knob: a source that dies with the transfers ahead)
     new, received = slices.execute(plan, me, {n: i for i, n in enumerate(ranks)}, mine, after.get(me, {}),
                                    holders, pg, wait, device, whole=skeleton(described[root]), sender=ranks[root])
     return new, received, plan

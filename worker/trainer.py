@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from plan.layout import Layout
-from plan.reshard import TensorShape
+from plan.reshard import ReshardPlan, TensorShape
 from transport import Ack, Leave, PlanDelta, Saved, StateLost, StepReport
 from transport.security import ClientKeys
 from worker import comm, epoch
@@ -276,14 +276,17 @@ class Trainer:
         self.largest_sender = plan.largest_sender(element_bytes)
         return new, received
 
-    def _pause_reshard(self) -> None:
+    def _pause_reshard(self, plan: ReshardPlan) -> None:
         """The --pause-at reshard@STEP knob: sleep before the transfers of the first epoch entered
-        at or after STEP that has state to move (a test kills a source there)."""
+        at or after STEP in which this member sends slices (a test kills or drains a source there)."""
         at = self.config.pause_at
-        if at is not None and at[0] == "reshard" and self.step + 1 >= at[1] and not self.paused_reshard:
+        if (at is not None and at[0] == "reshard" and self.step + 1 >= at[1] and not self.paused_reshard
+                and plan.for_member(self.name)[0]):
             self.paused_reshard = True
             self.log(f"pausing at the reshard before step {self.step + 1} (--pause-at)")
-            time.sleep(60)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not self.agent.superseded(self.epoch_tried):
+                time.sleep(0.05)  # (an abort of this epoch ends the pause: the transfers give up)
 
     def _roll_forward(self, local: LocalState, coefficient: float) -> None:
         """Apply the interrupted step to every held slice with the gradients kept for it."""

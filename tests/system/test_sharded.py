@@ -138,6 +138,54 @@ def test_a_source_killed_mid_reshard_is_replanned_from_the_remaining_holders(tmp
 
 
 @pytest.mark.timeout(400)
+def test_sigterm_to_a_shard_holder_hands_its_slices_over_and_exits_0(tmp_path: Path) -> None:
+    """A spot notice (SIGTERM) to a member of a sharded layout: it is planned out, sends its slices
+    to the survivors in the new epoch's group, and exits 0; no step lost, every step exact."""
+    reference = single_process()
+    with LocalJob(JOB, tmp_path, min_workers=3, coordinator_args=["--layout", "dp=1"]) as job:
+        job.start()
+        for name in ("w1", "w2", "w3"):
+            job.add_worker(name, "--slowdown", "2")
+        job.wait_step(6, 180)
+        job.signal("w2", signal.SIGTERM)
+        out = job.wait_event(lambda e: e["kind"] == "plan" and e["reason"] == "preempted", 60, "w2 planned out")
+        assert out["layout"]["members"] == ["w1", "w3"]
+        exits = job.wait_workers(300)
+        assert exits == {"w1": 0, "w2": 0, "w3": 0}, {n: job.tail(n) for n in exits}
+        assert job.wait_coordinator(30) == 0
+        events = job.events()
+        assert not [e for e in events if e["kind"] in ("state_lost", "failed", "drain_deadline")]
+        assert [e["reason"] for e in events if e["kind"] == "left" and e["worker"] == "w2"] == ["preempted"]
+        assert next(e for e in events if e["kind"] == "reshard" and e["epoch"] == out["epoch"])["bytes"] > 0
+        _assert_exact(events, reference)
+
+
+@pytest.mark.timeout(400)
+def test_a_drain_past_its_deadline_falls_back_to_the_copies(tmp_path: Path) -> None:
+    """`ctl drain w2` while w2 hangs in its hand-over (--pause-at reshard): at `--drain-deadline`
+    the coordinator lets it go as failed (a drain_deadline event) and the others rebuild its slices
+    from the copies; every step exact, no state lost."""
+    reference = single_process()
+    with LocalJob(JOB, tmp_path, min_workers=3, coordinator_args=["--layout", "dp=1", "--drain-deadline", "3"]) as job:
+        job.start()
+        job.add_worker("w1", "--slowdown", "2")
+        job.add_worker("w2", "--slowdown", "2", "--pause-at", "reshard@7")
+        job.add_worker("w3", "--slowdown", "2")
+        job.wait_step(7, 180)
+        assert job.ctl("drain", "w2") == {"draining": "w2"}
+        late = job.wait_event(lambda e: e["kind"] == "drain_deadline", 60, "the drain deadline")
+        assert late["worker"] == "w2" and late["seconds"] >= 3
+        failure = job.wait_event(lambda e: e["kind"] == "plan" and e["reason"] == "failure", 30, "failure plan")
+        assert failure["layout"]["members"] == ["w1", "w3"]
+        exits = job.wait_workers(300)
+        assert exits["w1"] == 0 and exits["w3"] == 0, {n: job.tail(n) for n in exits}
+        assert job.wait_coordinator(30) == 0
+        events = job.events()
+        assert not [e for e in events if e["kind"] == "state_lost"]
+        _assert_exact(events, reference)
+
+
+@pytest.mark.timeout(400)
 def test_a_stopped_shard_holder_is_planned_out_and_rejoins(tmp_path: Path) -> None:
     """SIGSTOP of a member for longer than the lease: the others, held in FSDP2's gathers, are
     released when the coordinator says so (the gathers and reduce-scatters wait abortably), rebuild

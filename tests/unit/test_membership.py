@@ -183,6 +183,35 @@ def test_stale_epoch_ack_does_not_complete_the_current_epoch() -> None:
     assert the_delta(effects).epoch == 3, "epoch 2 complete: the deferred join goes out"
 
 
+def test_a_drain_past_its_deadline_falls_back_to_the_redundancy() -> None:
+    """b is drained but never completes the switch (stuck handing its state over): at the drain
+    deadline it is let go as failed (a `drain_deadline` event, a Stop, an abort and a failure
+    re-plan), so the others take its part from the copies; a drain that completed in time, whose
+    worker is only slow to exit, is no deadline miss."""
+    sim = Sim()
+    sim.config = replace(sim.config, drain_deadline_s=5.0, lease_s=1e9)
+    sim.running("a", "b", "c")
+    sim(m.DrainRequested("b"))
+    sim.now += 4.0
+    assert not logs(sim(m.Tick()), "drain_deadline"), "not yet"
+    sim.now += 2.0
+    effects = sim(m.Tick())
+    assert logs(effects, "drain_deadline") == [{"worker": "b", "reason": "drained", "seconds": 6.0}]
+    assert logs(effects, "failed") == [{"worker": "b", "detected_by": "drain_deadline"}]
+    assert [s.msg for s in effects if isinstance(s, m.Send) and s.to == "b" and isinstance(s.msg, Stop)]
+    assert sent(effects, Abort) and the_delta(effects).members == ["a", "c"] and the_delta(effects).reason == "failure"
+    assert "b" not in sim.state.workers
+
+    sim = Sim()
+    sim.config = replace(sim.config, drain_deadline_s=5.0, lease_s=1e9)
+    sim.running("a", "b", "c")
+    sim(m.DrainRequested("b"))
+    sim.ack_all()  # the switch happened: b only has to exit
+    sim.now += 10.0
+    effects = sim(m.Tick())
+    assert not logs(effects, "drain_deadline") and not sent(effects, Abort)
+
+
 def test_drain_plans_the_member_out_and_its_leave_aborts_nothing() -> None:
     sim = Sim()
     sim.running("a", "b", "c")
