@@ -81,14 +81,19 @@ def adaptrain_throughput(job_ref: str, n: int, layout: str, warmup: int, steps: 
     with LocalJob(job_ref, workdir, min_workers=n, coordinator_args=["--layout", layout]) as job:
         job.start()
         for i in range(n):
-            job.add_worker(f"w{i + 1}")
+            job.add_worker(f"w{i + 1}", "--trace-steps", str(workdir / f"w{i + 1}.steps.jsonl"))
         job.wait_step(warmup + steps, 1200)
         rss = _peak_rss([p.pid for p in job.workers.values()])
         events = job.events()
         job.ctl("stop")
         job.wait_coordinator(60)
     run = [e for e in events if e["kind"] == "step"]
+    # The redundancy's cost (sharded: the gradient slices to the copy's keeper and the optimizer
+    # step on the copy), each worker's share of its step time, from its --trace-steps lines.
+    traced = [r for path in workdir.glob("w*.steps.jsonl") for r in read_jsonl(path) if warmup < r["step"] <= warmup + steps]
+    redundancy = statistics.median(r["redundancy_s"] / r["step_s"] for r in traced) if traced else 0.0
     return {"samples_per_s": _samples_per_s(run, warmup, warmup + steps, batch), "peak_rss_bytes": rss,
+            "redundancy_share": redundancy,
             "layout": next(e["layout"] for e in reversed(events) if e["kind"] == "plan" and e.get("layout"))}
 
 
@@ -283,14 +288,16 @@ def table(r: dict[str, Any]) -> str:
     lines = [f"bench_parallel: {r['settings']['job']} ({r['settings']['machine']})", ""]
     if "throughput" in r:
         lines.append(f"{'workers':>8} {'replicated':>11} {'torchrun+DDP':>13} {'repl/DDP':>9} {'sharded':>9}"
-                     f" {'torchrun+FSDP2':>15} {'shard/FSDP2':>12} {'peak MB repl':>13} {'peak MB shard':>14}")
+                     f" {'torchrun+FSDP2':>15} {'shard/FSDP2':>12} {'copies':>7} {'peak MB repl':>13} {'peak MB shard':>14}")
         for n, row in sorted(r["throughput"].items()):
             rep, sh, tr, ddp = row["replicated"], row["sharded"], row["torchrun_fsdp2"], row["torchrun_ddp"]
             lines.append(f"{n:>8} {rep['samples_per_s']:>11.1f} {ddp['samples_per_s']:>13.1f}"
                          f" {rep['samples_per_s'] / ddp['samples_per_s']:>9.3f} {sh['samples_per_s']:>9.1f}"
                          f" {tr['samples_per_s']:>15.1f} {sh['samples_per_s'] / tr['samples_per_s']:>12.3f}"
+                         f" {sh.get('redundancy_share', 0.0):>7.1%}"
                          f" {max(rep['peak_rss_bytes']) / 2**20:>13.0f} {max(sh['peak_rss_bytes']) / 2**20:>14.0f}")
-        lines.append("  (samples/s; peak = the largest worker's VmHWM)")
+        lines.append("  (samples/s; copies = the sharded step's time on the redundancy, median per worker and step;"
+                     " peak = the largest worker's VmHWM)")
     if "reshard" in r:
         rs, p2p = r["reshard"], r["raw_p2p"]
         lines.append("")

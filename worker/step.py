@@ -149,9 +149,11 @@ def sharded(t: Trainer, g: Group, sharded: Sharded) -> PlanDelta | None:
         compute_s = time.perf_counter() - t0
     _pause(t, "backward")
     # Every member gets its copy's gradients: from here on the step may be rolled forward.
+    t_copies = time.perf_counter()
     t.copies.exchange(((p.to_local() if isinstance(p, DTensor) else p, local_grad(p))
                        for _, p in sharded.model.named_parameters()),
                       g.members, g.pg, lambda work, buf: t.wait(g, work, buf), t.device)
+    t.redundancy_s = time.perf_counter() - t_copies  # (what the copies cost this step: --trace-steps)
     _pause(t, "exchange")
     t.pending = True
     grads = [gr for p in t.params if (gr := local_grad(p)) is not None]
@@ -180,7 +182,9 @@ def sharded(t: Trainer, g: Group, sharded: Sharded) -> PlanDelta | None:
         group["lr"] = base * multiplier
     lr = t.base_lrs[0] * multiplier if t.base_lrs else 0.0
     sharded.optimizer.step()
+    t_copies = time.perf_counter()
     t.copies.update(job.optimizer, t.shapes, lambda i: t.base_lrs[i] * multiplier, coefficient)
+    t.redundancy_s += time.perf_counter() - t_copies
     t.pending, t.coefficient = False, coefficient
     t.step += 1
     t.after_step(g, float(buf[0]) / G, len(ids), compute_s, comm_s, time.perf_counter() - t0, lr, grad_norm)

@@ -98,6 +98,7 @@ class Trainer:
         self.buckets: GradBuckets | None = None  # the replicated step's gradient buckets (`worker.step`)
         self.largest_sender = 0  # bytes the busiest sender of the last reshard sent (for the Ack)
         self.paused_reshard = False  # the --pause-at reshard knob fires once
+        self.redundancy_s = 0.0  # the last sharded step's time on its copies (exchange + update)
         # What this member held when it entered the current epoch, kept until the epoch's first step
         # commits: a member that finished its reshard while another died before finishing its own
         # must not have thrown away the only other copy of the dead member's slices.
@@ -408,7 +409,8 @@ class Trainer:
         self.agent.send(report)
         if self.config.trace_path is not None:
             with open(self.config.trace_path, "a") as trace:
-                trace.write(json.dumps({"ts": time.time(), **dataclasses.asdict(report)}) + "\n")
+                trace.write(json.dumps({"ts": time.time(), **dataclasses.asdict(report),
+                                        "redundancy_s": self.redundancy_s}) + "\n")
         if self.config.log_every and self.step % self.config.log_every == 0:
             self.log(f"step {self.step}/{job.num_steps} loss {loss:.4f} ({step_s * 1e3:.0f} ms, "
                      f"epoch {g.epoch}, {g.layout.describe()})")
