@@ -11,6 +11,7 @@ import argparse
 import sys
 import tempfile
 from pathlib import Path
+from typing import TextIO
 
 import trio
 
@@ -57,7 +58,8 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
     p.add_argument("--job", required=True, metavar="PATH.py:NAME|module:NAME",
                    help="the job: a function returning worker.Job (examples/gpt.py:job)")
     p.add_argument("--state-dir", type=Path, metavar="DIR",
-                   help="where events.jsonl goes (default: a new temporary directory)")
+                   help="where events.jsonl goes (default: a new temporary directory); one live coordinator "
+                        "per directory (a second one is refused)")
     p.add_argument("--min-workers", type=int, default=1, metavar="N",
                    help="workers to wait for before the first plan (default 1)")
     p.add_argument("--max-workers", type=int, metavar="N", help="at most N replicas; the rest wait on standby")
@@ -219,8 +221,43 @@ def main(argv: list[str] | None = None) -> int:
         print(f"coordinator: refusing job {job_ref}: {e}", file=sys.stderr)
         return 2
     try:
+        lock = lock_state_dir(cfg.state_dir)
+    except StateDirBusy as e:
+        print(f"coordinator: {e}", file=sys.stderr)
+        return 2
+    try:
         trio.run(serve, cfg, job)
     except OSError as e:
         print(f"coordinator: {e}", file=sys.stderr)
         return 2
+    finally:
+        lock.close()
     return 0
+
+
+class StateDirBusy(Exception):
+    """Another coordinator is alive on this state directory."""
+
+
+def lock_state_dir(state_dir: Path) -> TextIO:
+    """Hold `STATE_DIR/coordinator.lock` (an flock, released by the OS when this process dies, even
+    by SIGKILL) so that two coordinators never write one job's state; the file names the holder."""
+    import fcntl
+    import os
+
+    state_dir.mkdir(parents=True, exist_ok=True)
+    path = state_dir / "coordinator.lock"
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise StateDirBusy(f"{state_dir} is in use by a live coordinator ({holder}); stop it, or give another "
+                           "--state-dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()}\n")
+    f.flush()
+    return f
