@@ -11,7 +11,9 @@ asks for whenever the cluster changes (a join, a failure, a drain, a straggler):
    hosts alone (intra-host link).
 2. A cheap second step maps class counts to concrete devices, keeping members of the previous plan
    first (no state moves to them), and splits the batch per device by real speed and overhead
-   (`assign`), so that every replica finishes compute + overhead together, within memory caps.
+   (`assign`), so that every replica finishes compute + overhead together. Memory bounds no
+   share: a device that holds the state and one sample runs a larger share as micro-batches of
+   what fits (`micro_batched`); one that cannot hold the state is left out.
 3. A few plain alternatives are scored with the same cost model (keep the current members,
    every device, the r fastest): the best of all wins, and the best one that differs is reported
    as the runner-up, so `ctl plan --explain` can say why the plan beat it.
