@@ -37,7 +37,7 @@ from plan.cost import max_micro_batch, samples_that_fit, sharded_static_bytes, s
 from plan.graph import Graph
 from plan.layout import LayoutPin
 from plan.milp import ENGINES, DeviceClass, DpCosts, map_to_devices, solve_dp
-from plan.prediction import MemberCost, Plan, micro_batched, predict, predict_sharded, repredict
+from plan.prediction import MemberCost, Plan, micro_batched, micro_sizes, predict, predict_sharded, repredict
 from plan.shares import assign, split_shares
 
 __all__ = ["Alternative", "MemberCost", "Plan", "PlanLimits", "PlanResult", "assign", "make_plan", "predict",
@@ -205,8 +205,7 @@ def _sharded(ctx: _Ctx) -> Plan | None:
                     [float(ctx.limits.global_batch)] * len(members), ctx.limits.global_batch)
     if shares is None:
         return None
-    micro = [0 if s <= (caps[m] or 0) else int(caps[m] or 0) for m, s in zip(members, shares)]
-    return predict_sharded(ctx.cluster, g, members, shares, micro)
+    return predict_sharded(ctx.cluster, g, members, shares, micro_sizes(shares, [caps[m] for m in members]))
 
 
 def _with_sharding(ctx: _Ctx, replicated: PlanResult) -> PlanResult:
@@ -283,8 +282,8 @@ def _pinned(cluster: Cluster, graph: Graph | None, result: PlanResult, pin: Layo
                                      f"for its shard{' and a copy of another' if full else ''} plus "
                                      f"{graph.activation_bytes / 2**10:.1f} KiB per sample; "
                                      f"{', '.join(f'{m} has {d[m].memory_bytes / 2**20:.1f} MiB' for m in short)}")
-        micro = [0 if s <= (caps[m] or 0) else int(caps[m] or 0) for m, s in zip(kept, shares)]
-        plan = predict_sharded(cluster, graph, kept, shares, micro, replicas=size // dp_shard)
+        plan = predict_sharded(cluster, graph, kept, shares, micro_sizes(shares, [caps[m] for m in kept]),
+                               replicas=size // dp_shard)
     else:
         plan = replace(predict(cluster, graph, kept, shares), dp_shard=dp_shard)
     cut = tuple(m for m in members if m not in kept)

@@ -111,8 +111,13 @@ def micro_batched(plan: Plan, graph: Graph | None, caps: Mapping[str, float | No
     share is bounded by speed, the micro-batch by memory."""
     if graph is None or plan.dp_shard > 1:
         return plan
-    micro = tuple(0 if s <= (caps.get(m) or 0) else int(caps.get(m) or 0) for m, s in zip(plan.members, plan.shares))
-    return _with_micro(plan, graph, micro)
+    return _with_micro(plan, graph, micro_sizes(plan.shares, [caps.get(m) for m in plan.members]))
+
+
+def micro_sizes(shares: Sequence[int], caps: Sequence[float | None]) -> tuple[int, ...]:
+    """Per member: 0 when its share fits at once beside its state (`caps`: the most samples that
+    do), else the micro-batch of that many samples its share runs in."""
+    return tuple(0 if s <= (c or 0) else int(c or 0) for s, c in zip(shares, caps))
 
 
 def _with_micro(plan: Plan, graph: Graph, micro: tuple[int, ...]) -> Plan:

@@ -150,7 +150,7 @@ def plan_reshard(before: Holdings, after: Holdings, *, split_min: int = SPLIT_MI
     for tensor in tensors:
         held = {m: _union(h[tensor]) for m, h in sorted(before.items()) if h.get(tensor)}
         for dst in sorted(after):
-            need = _subtract(_union(after[dst].get(tensor, [])), held.get(dst, []))
+            need = subtract(_union(after[dst].get(tensor, [])), held.get(dst, []))
             for lo, hi in need:
                 for a, b, holders in _cover(lo, hi, {m: r for m, r in held.items() if m != dst}):
                     if not holders:
@@ -215,7 +215,9 @@ def _union(ranges: Iterable[Range]) -> list[Range]:
     return out
 
 
-def _subtract(ranges: list[Range], minus: list[Range]) -> list[Range]:
+def subtract(ranges: Iterable[Range], minus: Iterable[Range]) -> list[Range]:
+    """The parts of `ranges` that no range in `minus` covers."""
+    minus = sorted(minus)
     out = []
     for a, b in ranges:
         cur = a

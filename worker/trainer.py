@@ -343,14 +343,12 @@ class Trainer:
                         grad = local_grad(p)
                         piece.data[GRAD] = (grad.reshape(-1) if grad is not None
                                             else torch.zeros_like(piece.data[PARAM]))
-            for fqn, pieces in self.copies.pieces(self.pending).items():
-                local.pieces[fqn] = sorted([*local.pieces.get(fqn, []), *pieces], key=lambda q: q.lo)
+            local.add(self.copies.pieces(self.pending))
             before = self.before_reshard
             if before is not None and before.step == self.step and not self.pending:
                 # The epoch was entered but no step of it has been taken: what was held before its
                 # reshard still counts (another member may have died before it had its new slices).
-                for fqn, pieces in before.pieces.items():
-                    local.pieces[fqn] = sorted([*local.pieces.get(fqn, []), *pieces], key=lambda q: q.lo)
+                local.add(before.pieces)
             return local
         return from_module(self.step, self.model, self.optimizer)
 

@@ -32,6 +32,14 @@ def _assert_exact(events: list[dict[str, Any]], reference: dict[int, dict[str, f
     assert max(gaps.values()) <= 1e-4, gaps
 
 
+def _wait_for_log(job: LocalJob, name: str, text: str, timeout_s: float = 60) -> None:
+    """Wait until worker `name`'s log says `text` (a --pause-at knob reached)."""
+    deadline = time.monotonic() + timeout_s
+    while text not in job.tail(name) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert text in job.tail(name), job.tail(name)
+
+
 def _plans(job: LocalJob) -> list[dict[str, Any]]:
     return [e for e in job.events() if e["kind"] == "plan" and e.get("layout")]
 
@@ -88,10 +96,7 @@ def test_a_shard_holder_killed_mid_step_loses_nothing(tmp_path: Path, phase: str
         job.add_worker("w2", "--pause-at", f"{phase}@12")
         job.add_worker("w3")
         job.wait_event(lambda e: e["kind"] == "step" and e["step"] >= 10, 180, "step 10")
-        deadline = time.monotonic() + 60
-        while "pausing at" not in job.tail("w2") and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert f"pausing at {phase} of step 12" in job.tail("w2")
+        _wait_for_log(job, "w2", f"pausing at {phase} of step 12")
         job.kill("w2")
         failure = job.wait_event(lambda e: e["kind"] == "plan" and e["reason"] == "failure", 60, "failure plan")
         assert failure["layout"]["members"] == ["w1", "w3"] and failure["layout"]["dp_shard"] == 2
@@ -118,10 +123,7 @@ def test_a_source_killed_mid_reshard_is_replanned_from_the_remaining_holders(tmp
         job.wait_step(5, 180)
         job.add_worker("w4")
         joined = job.wait_event(lambda e: e["kind"] == "plan" and "w4" in e["layout"]["members"], 120, "w4 planned in")
-        deadline = time.monotonic() + 60
-        while "pausing at the reshard" not in job.tail("w2") and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert "pausing at the reshard" in job.tail("w2"), job.tail("w2")
+        _wait_for_log(job, "w2", "pausing at the reshard")
         assert not [e for e in job.events() if e["kind"] == "reshard" and e["epoch"] == joined["epoch"]], \
             "the join's reshard cannot be done while a source is paused in it"
         job.kill("w2")

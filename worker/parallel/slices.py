@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from plan.reshard import Range, ReshardPlan, Transfer
+from plan.reshard import Range, ReshardPlan, Transfer, subtract
 from worker import state as packing
 from worker.comm import AllOf
 
@@ -54,6 +54,12 @@ class LocalState:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # module buffers (whole)
     pending: bool = False  # pieces carry the gradients of step `step` + 1, not applied here yet
     coefficient: float = 1.0  # the clipping coefficient of the last step applied (for a roll forward)
+
+    def add(self, more: Mapping[str, list[Piece]]) -> None:
+        """Hold `more` pieces too (a copy of another member's slices, what was held before a reshard);
+        overlaps are allowed, every reader takes each element once."""
+        for fqn, pieces in more.items():
+            self.pieces[fqn] = sorted([*self.pieces.get(fqn, []), *pieces], key=lambda q: q.lo)
 
     def holdings(self) -> dict[str, list[Range]]:
         return {fqn: [(p.lo, p.hi) for p in pieces] for fqn, pieces in self.pieces.items() if pieces}
@@ -242,23 +248,9 @@ def _fill_held(local: LocalState, fresh: list[tuple[str, Piece]], incoming: Mapp
     """Copy into the fresh pieces what this member held of them (every part not received)."""
     for fqn, piece in fresh:
         for h in _disjoint(sorted(local.pieces.get(fqn, []), key=lambda p: p.lo)):
-            for a, b in _gaps(max(piece.lo, h.lo), min(piece.hi, h.hi), incoming.get(fqn, [])):
+            for a, b in subtract([(max(piece.lo, h.lo), min(piece.hi, h.hi))], incoming.get(fqn, [])):
                 for key, dst in piece.data.items():
                     dst[a - piece.lo:b - piece.lo].copy_(h.data[key][a - h.lo:b - h.lo])
-
-
-def _gaps(lo: int, hi: int, taken: Sequence[Range]) -> list[Range]:
-    """The parts of [lo, hi) that no range in `taken` covers."""
-    out, at = [], lo
-    for a, b in sorted(taken):
-        if b <= at or a >= hi:
-            continue
-        if a > at:
-            out.append((at, a))
-        at = max(at, b)
-    if at < hi:
-        out.append((at, hi))
-    return out
 
 
 def _disjoint(pieces: list[Piece]) -> list[Piece]:
