@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from transport import PlanDelta
-from worker.comm import Superseded
+from worker.comm import AllOf, Superseded
 from worker.group import Group
 from worker.job import sample_ids, share_slice
 from worker.parallel.fsdp import Sharded
@@ -82,8 +82,7 @@ def replicated(t: Trainer, g: Group) -> PlanDelta | None:
     buf[1] = 1.0 if pending is not None else 0.0
     t_comm = time.perf_counter()
     works = [*buckets.finish(), (g.pg.allreduce([buf]), buf)]
-    for work, out in works:
-        t.wait(g, work, out)
+    t.wait(g, AllOf(works))  # one hand-off to the waiting thread for all of them
     comm_s = time.perf_counter() - t_comm
 
     summed = [out for _, out in works[:-1]]
