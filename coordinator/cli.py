@@ -38,7 +38,15 @@ Once listening it prints one line (shown here in two):
         metrics=http://HOST:PORT/metrics    (this field only with --metrics-port)
 Workers join with `worker --join <workers endpoint>`; `adaptrain-ctl --control <control endpoint>
 status` shows the job. Events go to STATE_DIR/events.jsonl, one JSON object a line.
-SIGTERM or SIGINT: tell the workers to stop, wait for them (up to --stop-grace), exit 0.
+SIGTERM or SIGINT: a durable checkpoint at the next step boundary (waiting up to --stop-grace for
+it), then tell the workers to stop, wait for them (up to --stop-grace), exit 0.
+
+Checkpoints: the workers write STATE_DIR/checkpoints/step-<N>/ (or --checkpoint-dir) with
+torch.distributed.checkpoint, every --checkpoint-every steps, on `adaptrain-ctl checkpoint` and on
+SIGTERM; each holds DCP's files and adaptrain.json (sha256 of every file). When every worker
+holding the state is lost at once, the next workers resume from the newest intact checkpoint, in
+whatever layout they are planned (events: checkpoint, state_lost, resumed, checkpoint_corrupt).
+Plain torch reads one: torch.distributed.checkpoint.format_utils.dcp_to_torch_save(DIR, FILE).
 
 Metrics: --metrics-port N serves Prometheus metrics (adaptrain_members, adaptrain_epoch,
 adaptrain_steps_committed_total, adaptrain_samples_per_second, adaptrain_loss, ...: see the
@@ -72,7 +80,17 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
                         "(default 25, under a spot notice's usual 30); past it the coordinator lets it go as "
                         "failed (a drain_deadline event) and its part comes from the copies or replicas")
     p.add_argument("--stop-grace", type=float, default=10.0, metavar="S",
-                   help="on SIGTERM or ctl stop, wait up to S seconds for workers to leave")
+                   help="on SIGTERM or ctl stop, wait up to S seconds for workers to leave (and, on SIGTERM, "
+                        "first up to S seconds for the checkpoint)")
+    p.add_argument("--checkpoint-dir", type=Path, metavar="PATH",
+                   help="where the workers write durable checkpoints (DCP), one step-<N> directory each; a "
+                        "path every worker can write (default: STATE_DIR/checkpoints). A coordinator started "
+                        "on a directory holding checkpoints of this job resumes from the newest complete one")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                   help="a checkpoint after every N-th step (default 0: only on `ctl checkpoint` and SIGTERM); "
+                        "written in the background, so a step waits only for the state to be copied aside")
+    p.add_argument("--checkpoint-keep", type=int, default=3, metavar="N",
+                   help="keep the newest N complete checkpoints, deleting older ones (default 3; 0: keep all)")
     p.add_argument("--planner", choices=("milp", "even"), default="milp",
                    help="milp (default): the cost model and MILP choose devices and shares; even: every "
                         "usable worker, equal shares (a baseline to compare with)")
@@ -147,6 +165,10 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
             keys = load_server_keys(directory)
         except KeysError as e:
             p.error(str(e))
+    if a.checkpoint_every < 0:
+        p.error(f"--checkpoint-every must be 0 (only when asked) or a number of steps, got {a.checkpoint_every}")
+    if a.checkpoint_keep < 0:
+        p.error(f"--checkpoint-keep must be 0 (keep all) or more, got {a.checkpoint_keep}")
     if a.drain_deadline <= 0:
         p.error(f"--drain-deadline must be positive seconds, got {a.drain_deadline}")
     if a.lease <= 0 or a.heartbeat <= 0 or a.heartbeat >= a.lease:
@@ -162,7 +184,8 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
                             stop_grace_s=a.stop_grace, drain_deadline_s=a.drain_deadline, quiet=a.quiet,
                             planner=a.planner,
                             solve_time_limit_s=a.solve_time_limit, horizon_steps=a.horizon, stability=a.stability,
-                            layout=layout,
+                            layout=layout, checkpoint_dir=a.checkpoint_dir or state_dir / "checkpoints",
+                            checkpoint_every=a.checkpoint_every, checkpoint_keep=a.checkpoint_keep,
                             solver=a.solver, metrics_port=a.metrics_port, metrics_host=metrics_host(a.bind))
     return cfg, a.job
 

@@ -39,6 +39,7 @@ class ControlView:
     # `ctl save PATH`: the absolute path to write, or ValueError saying why it cannot be written
     # (the daemon passes a check of the filesystem; the default takes the path as it is)
     writable: Callable[[str], str] = str
+    checkpoint_dir: str = ""  # where checkpoints go ("": none)
 
 
 Answer = tuple[dict[str, Any], list[m.Event]]
@@ -86,6 +87,9 @@ def _status(view: ControlView, args: list[str], now: float) -> Answer:
             "lr": s.last_lr, "grad_norm": s.last_grad_norm,
             "eval": ({"step": s.last_eval[0], "loss": s.last_eval[1], "samples": s.last_eval[2]}
                      if s.last_eval else None),
+            "checkpoint": ({"step": s.checkpoints[-1].step, "path": s.checkpoints[-1].path,
+                            "bytes": s.checkpoints[-1].bytes} if s.checkpoints else None),
+            "resuming": {"step": s.resume.step, "path": s.resume.path} if s.resume else None,
             "secure": view.secure, "refused": dict(view.refused), "refused_total": sum(view.refused.values())}, []
 
 
@@ -167,6 +171,17 @@ def _save(view: ControlView, args: list[str], now: float) -> Answer:
         [m.SaveRequested(path)]
 
 
+def _checkpoint(view: ControlView, args: list[str], now: float) -> Answer:
+    if args:
+        raise ValueError(f"checkpoint takes no argument, got {args}")
+    if not view.checkpoint_dir:
+        raise ValueError("this coordinator has no --checkpoint-dir")
+    if view.state.plan is None or view.state.finished:
+        raise ValueError("nothing is training now: there is no state to checkpoint")
+    return {"dir": view.checkpoint_dir, "members": list(view.state.plan.members), "after_step": view.state.last_step,
+            "at": "the next step boundary all members agree on"}, [m.CheckpointRequested("ctl checkpoint")]
+
+
 def _stop(view: ControlView, args: list[str], now: float) -> Answer:
     if args:
         raise ValueError(f"stop takes no argument, got {args}")
@@ -175,4 +190,4 @@ def _stop(view: ControlView, args: list[str], now: float) -> Answer:
 
 _HANDLERS: dict[str, Callable[[ControlView, list[str], float], Answer]] = {
     "status": _status, "plan": _plan, "graph": _graph, "events": _events, "drain": _drain, "slowdown": _slowdown,
-    "save": _save, "stop": _stop}
+    "save": _save, "checkpoint": _checkpoint, "stop": _stop}

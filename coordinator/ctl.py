@@ -57,6 +57,7 @@ examples:
   adaptrain-ctl --control tcp://127.0.0.1:5556 plan --json
   adaptrain-ctl --control tcp://127.0.0.1:5556 plan --explain
   adaptrain-ctl --control tcp://127.0.0.1:5556 save runs/gpt/step-1000
+  adaptrain-ctl --control tcp://127.0.0.1:5556 checkpoint                 # DCP, into --checkpoint-dir
   adaptrain-ctl --control tcp://127.0.0.1:5556 graph
   adaptrain-ctl --control tcp://127.0.0.1:5556 events --follow
   adaptrain-ctl --control tcp://127.0.0.1:5556 events --since 100 --json
@@ -241,6 +242,12 @@ def format_status(d: dict[str, Any]) -> str:
     ev = d.get("eval")
     if ev:
         head += f"\nlast evaluation: loss {ev.get('loss'):.4f} after step {ev.get('step')} ({ev.get('samples')} held-out samples)"
+    ck = d.get("checkpoint")
+    if ck:
+        head += f"\nnewest checkpoint: step {ck.get('step')} at {ck.get('path')} ({_num(ck.get('bytes'))}B)"
+    resuming = d.get("resuming")
+    if resuming:
+        head += f"\nresuming from checkpoint {resuming.get('path')} (step {resuming.get('step')}) when workers are planned"
     refused = d.get("refused") or {}
     by = ", ".join(f"{k} {v}" for k, v in refused.items())
     head += (f"\nsecurity: {'CURVE keys' if d.get('secure', True) else 'none (--insecure)'}  "
@@ -426,6 +433,43 @@ def cmd_save(client: Client, a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_checkpoint(client: Client, a: argparse.Namespace) -> int:
+    """Ask for a checkpoint, then follow the events until it is written (or failed)."""
+    start = _newest_index(client)
+    data = client.request("checkpoint")
+    if not a.json:
+        print(f"checkpoint at the next step boundary after step {data.get('after_step')}, into {data.get('dir')} "
+              f"({len(data.get('members') or [])} member(s) write their parts)")
+    deadline = time.monotonic() + a.wait
+    while time.monotonic() < deadline:
+        page = client.request("events", str(start))
+        start = int(page.get("next", start))
+        for e in page.get("events", []):
+            if e.get("kind") in ("checkpoint", "checkpoint_failed"):
+                if a.json:
+                    _print_json(e)
+                elif e["kind"] == "checkpoint":
+                    print(f"checkpoint of step {e['step']} written to {e['path']} ({_num(e.get('bytes'))}B in "
+                          f"{e.get('seconds')} s)")
+                if e["kind"] == "checkpoint_failed":
+                    raise Refused(f"the checkpoint of step {e.get('step')} failed: {e.get('error')}")
+                return 0
+        time.sleep(FOLLOW_POLL_S)
+    if a.wait > 0:
+        raise NoAnswer(f"asked for a checkpoint, but none was reported within {a.wait:g} s")
+    return 0
+
+
+def _newest_index(client: Client) -> int:
+    """The index the next event will get (events after a request come after it)."""
+    start = 0
+    while True:
+        page = client.request("events", str(start))
+        if not page.get("events"):
+            return start
+        start = int(page["next"])
+
+
 def _pages(client: Client, since: int) -> Iterator[tuple[list[dict[str, Any]], int]]:
     """Every page of events from index `since` up to now."""
     while True:
@@ -563,6 +607,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sv.add_argument("path", metavar="PATH", help="a directory the workers can write (created if missing)")
     sv.add_argument("--wait", type=float, default=120.0, metavar="S",
                     help="how long to wait for the write (default 120 s; 0: do not wait)")
+    ck = add("checkpoint", "write a durable checkpoint (torch.distributed.checkpoint, every member its part) at "
+                           "the next step boundary into the coordinator's --checkpoint-dir, and wait until it "
+                           "is complete")
+    ck.add_argument("--wait", type=float, default=300.0, metavar="S",
+                    help="how long to wait for it (default 300 s; 0: do not wait)")
     add("stop", "stop every worker now (a step in flight is abandoned), then the coordinator exits")
     rp = add("report", "the job's progress over steps: samples/s, loss and members, with every join, leave, "
                        "failure, straggler, recovery, contention, plan (epoch), kept re-plan and reshard; a "
@@ -623,6 +672,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_report(client, a)
         if a.command == "save":
             return cmd_save(client, a)
+        if a.command == "checkpoint":
+            return cmd_checkpoint(client, a)
         return cmd_simple(client, a)
     except zmq.ZMQError as e:
         _die(f"cannot talk to {a.control}: {e}", 2)

@@ -44,6 +44,7 @@ import trio
 import zmq
 
 from coordinator import membership as m
+from coordinator.checkpoints import scan
 from coordinator.control import ControlView, answer_control
 from coordinator.events import EventLog
 from coordinator.guard import LEDGER_EVENTS, ConnectionLedger, Refusals, check_agent_message
@@ -62,6 +63,7 @@ from transport import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     Ack,
+    Checkpointed,
     CodecError,
     ControlReply,
     ControlRequest,
@@ -73,6 +75,7 @@ from transport import (
     Leave,
     Message,
     Ready,
+    ResumeFailed,
     Saved,
     StateLost,
     StepReport,
@@ -93,7 +96,8 @@ from transport.security import (
     may_work,
 )
 
-AGENT_MESSAGES = (Join, Ready, GraphUpload, Heartbeat, StepReport, Ack, Leave, Saved, EvalReport, StateLost)
+AGENT_MESSAGES = (Join, Ready, GraphUpload, Heartbeat, StepReport, Ack, Leave, Saved, EvalReport, StateLost,
+                  Checkpointed, ResumeFailed)
 FRAMES_IN_FLIGHT = 1024  # decoded frames waiting for the core, at most
 MAX_CONTROL_BYTES = 64 * 1024  # a control request is a command and a few words
 _ERROR_CODES = {"name": ERR_NAME_TAKEN, "stale": ERR_STALE_EPOCH, "busy": ERR_BUSY, "version": ERR_PROTOCOL,
@@ -114,6 +118,9 @@ class CoordinatorConfig:
     tick_s: float = 0.05
     stop_grace_s: float = 10.0
     drain_deadline_s: float = 25.0  # --drain-deadline
+    checkpoint_dir: Path | None = None  # --checkpoint-dir (None: no durable checkpoints)
+    checkpoint_every: int = 0  # --checkpoint-every (0: only on `ctl checkpoint` and SIGTERM)
+    checkpoint_keep: int = 3  # --checkpoint-keep
     quiet: bool = False
     planner: str = "milp"
     solve_time_limit_s: float = 0.5
@@ -170,8 +177,11 @@ class Core:
                                min_workers=cfg.min_workers, max_workers=cfg.max_workers, planner=cfg.planner,
                                solve_time_limit_s=cfg.solve_time_limit_s, horizon_steps=cfg.horizon_steps,
                                stability=cfg.stability, layout=cfg.layout,
-                               solver=cfg.solver, drain_deadline_s=cfg.drain_deadline_s)
+                               solver=cfg.solver, drain_deadline_s=cfg.drain_deadline_s,
+                               checkpoint_dir=str(cfg.checkpoint_dir or ""), checkpoint_keep=cfg.checkpoint_keep)
         self.state = m.State()
+        if cfg.checkpoint_dir is not None:
+            self._find_checkpoints(cfg.checkpoint_dir)
         self.store = RendezvousStore()
         self.refusals = Refusals()
         self.bindings: dict[str, bytes] = {}  # live worker name -> routing id of its connection
@@ -181,6 +191,18 @@ class Core:
         self.finish_reason = ""
         self.started = time.monotonic()
         self.metrics = Metrics()
+
+    def _find_checkpoints(self, directory: Path) -> None:
+        """Checkpoints of this job already on disk (a job started again after everything was lost):
+        the first plan resumes from the newest complete one."""
+        found, skipped = scan(directory, self.job.sha256)
+        for line in skipped:
+            self.say(f"checkpoint passed over: {line}", err=True)
+        if found:
+            newest = found[-1]
+            self.state = m.State(checkpoints=tuple(found), resume=newest, last_step=newest.step, lost_at=newest.step)
+            self.say(f"resuming from checkpoint {newest.path} (step {newest.step}; {len(found)} found). To start "
+                     "over instead, give another --state-dir or --checkpoint-dir")
 
     # --- inbox -------------------------------------------------------------------------------
 
@@ -192,7 +214,8 @@ class Core:
                 view = ControlView(state=self.state, job_ref=self.job.ref, num_steps=self.job.num_steps,
                                    global_batch=self.job.global_batch, uptime_s=time.monotonic() - self.started,
                                    events=self.log.events, refused=self.refusals.snapshot(),
-                                   secure=self.cfg.keys is not None, writable=writable_dir)
+                                   secure=self.cfg.keys is not None, writable=writable_dir,
+                                   checkpoint_dir=str(self.cfg.checkpoint_dir or ""))
                 reply, events = answer_control(view, request, now=time.monotonic())
                 if not reply.ok:
                     self.refuse("request", f"control {request.command[:40]!r}: {reply.error}")
@@ -253,6 +276,10 @@ class Core:
                 self.apply(m.Evaluated(msg))
             case StateLost():
                 self.apply(m.StateLostReported(msg))
+            case Checkpointed():
+                self.apply(m.CheckpointWritten(msg))
+            case ResumeFailed():
+                self.apply(m.ResumeFailedReported(msg))
 
     @property
     def graph(self) -> Graph | None:
@@ -321,7 +348,9 @@ class Core:
                 self._send(to, Welcome(
                     name=to, run_id=self.run_id, job_ref=job.ref, job_name=job.name, job_source=job.source,
                     job_sha256=job.sha256, heartbeat_s=self.cfg.heartbeat_s, lease_s=self.cfg.lease_s,
-                    want_graph=self.graph is None, final_dir=str((self.cfg.state_dir / "final").resolve())))
+                    want_graph=self.graph is None, final_dir=str((self.cfg.state_dir / "final").resolve()),
+                    checkpoint_dir=str(self.cfg.checkpoint_dir.resolve()) if self.cfg.checkpoint_dir else "",
+                    checkpoint_every=self.cfg.checkpoint_every, checkpoint_keep=self.cfg.checkpoint_keep))
             case m.Log(kind, fields):
                 self.log.write(kind, **fields)
                 self.metrics.observe(kind, fields)
@@ -457,7 +486,17 @@ async def _signals(inbox: trio.MemorySendChannel[Inbox], core: Core, grace_s: fl
 
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
-            core.say(f"got {signal.Signals(signum).name}: stopping the workers and exiting")
+            name = signal.Signals(signum).name
+            state = core.state
+            if core.cfg.checkpoint_dir is not None and state.plan is not None and not state.finished:
+                core.say(f"got {name}: a checkpoint at the next step boundary, then stopping the workers")
+                seen = len(core.log.events)
+                await inbox.send(_Event(m.CheckpointRequested(f"the coordinator got {name}")))
+                with trio.move_on_after(grace_s):
+                    while not any(e.get("kind") in ("checkpoint", "checkpoint_failed")
+                                  for e in core.log.events[seen:]):
+                        await trio.sleep(0.05)
+            core.say(f"got {name}: stopping the workers and exiting")
             await inbox.send(_Event(m.StopRequested("the coordinator is shutting down")))
             with trio.move_on_after(grace_s):
                 await core.done.wait()

@@ -23,9 +23,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 from coordinator import steps
-from coordinator.replan import replan
+from coordinator.replan import lose_state, replan
 from coordinator.state import (
     Acked,
+    Checkpoint,
+    CheckpointRequested,
+    CheckpointWritten,
     Config,
     DrainRequested,
     Effect,
@@ -43,6 +46,7 @@ from coordinator.state import (
     Planned,
     ReplanDue,
     Result,
+    ResumeFailedReported,
     SaveRequested,
     Seen,
     Send,
@@ -56,10 +60,10 @@ from coordinator.state import (
     Worker,
 )
 from plan import Device
-from transport import (ERR_NAME_TAKEN, ERR_STALE_EPOCH, Abort, Ack, Error, Join, SaveModel, Slowdown, StepReport,
-                       Stop)
+from transport import (ERR_NAME_TAKEN, ERR_STALE_EPOCH, Abort, Ack, Checkpointed, CheckpointNow, Error, Join,
+                       ResumeFailed, SaveModel, Slowdown, StepReport, Stop)
 
-__all__ = ["Acked", "Config", "DrainRequested", "Effect", "Evaluated", "Event", "Finished", "FollowUp",
+__all__ = ["Acked", "Checkpoint", "CheckpointRequested", "CheckpointWritten", "ResumeFailedReported", "Config", "DrainRequested", "Effect", "Evaluated", "Event", "Finished", "FollowUp",
            "GraphReceived", "Joined", "Left", "Log", "Lost", "MadeReady", "ModelSaved", "Planned", "ReplanDue",
            "Result", "SaveRequested", "Seen", "Send", "SlowdownRequested", "State", "StateLostReported", "StepDone",
            "StopRequested",
@@ -144,10 +148,25 @@ def apply(state: State, event: Event, config: Config, *, now: float) -> Result:
         case ReplanDue(reason, abort):
             return replan(state, config, reason, abort=abort, now=now)
         case StateLostReported(msg):
-            if state.stopping:
+            if state.stopping or state.resume is not None:
                 return state, []  # said already (every member that found it says it)
+            said = Log("state_lost", {"epoch": msg.epoch, "worker": msg.name, "detail": msg.detail,
+                                      "resume_from": state.checkpoints[-1].path if state.checkpoints else None})
+            if state.checkpoints:  # more failed than the redundancy covers: back to the newest checkpoint
+                state, _ = lose_state(state)
+                return state, [said, *(Send(n, Abort(epoch=state.epoch, reason="the state is lost: resuming"))
+                                       for n in state.workers), FollowUp(ReplanDue("resume", abort=True))]
             state, effects = _stop(state, f"the training state is lost: {msg.detail}")
-            return state, [Log("state_lost", {"epoch": msg.epoch, "worker": msg.name, "detail": msg.detail}), *effects]
+            return state, [said, *effects]
+        case CheckpointRequested(reason):
+            if state.plan is None or state.finished or state.stopping or not config.checkpoint_dir:
+                return state, []
+            return state, [*(Send(n, CheckpointNow(reason=reason)) for n in state.plan.members),
+                           Log("checkpoint_requested", {"reason": reason, "step": state.last_step})]
+        case CheckpointWritten(msg):
+            return _checkpointed(state, msg, config)
+        case ResumeFailedReported(msg):
+            return _resume_failed(state, msg)
         case StopRequested(reason):
             return _stop(state, reason)
     raise AssertionError(f"unhandled event {event!r}")
@@ -267,10 +286,41 @@ def _acked(state: State, ack: Ack, config: Config, now: float) -> Result:
     effects += [Log("reshard", {"epoch": state.epoch, "bytes": state.reshard_bytes,
                                 "seconds": round(state.reshard_s, 4),
                                 "largest_sender_bytes": state.reshard_largest_sender})]
+    if state.resume is not None:  # every member loaded the checkpoint: the job goes on from it
+        resumed = state.resume
+        effects.append(Log("resumed", {"step": resumed.step, "path": resumed.path, "epoch": state.epoch,
+                                       "redone": max(0, state.lost_at - resumed.step)}))
+        state = replace(state, resume=None, lost_at=0)
     if state.replan_wanted is not None:
         state, more = replan(state, config, state.replan_wanted, abort=False, now=now)
         effects += more
     return state, effects
+
+
+def _checkpointed(state: State, msg: Checkpointed, config: Config) -> Result:
+    fields = {"step": msg.step, "path": msg.path, "seconds": round(msg.seconds, 3), "bytes": msg.bytes,
+              "worker": msg.name}
+    if msg.error:
+        return state, [Log("checkpoint_failed", {**fields, "error": msg.error})]
+    known = sorted((*(c for c in state.checkpoints if c.path != msg.path),
+                    Checkpoint(step=msg.step, path=msg.path, bytes=msg.bytes)), key=lambda c: c.step)
+    if config.checkpoint_keep > 0:  # the writer keeps as many on disk
+        known = known[-config.checkpoint_keep:]
+    return replace(state, checkpoints=tuple(known)), [Log("checkpoint", fields)]
+
+
+def _resume_failed(state: State, msg: ResumeFailed) -> Result:
+    """The checkpoint being resumed from is damaged: forget it and resume from the one before (or,
+    with none left, from step 0, said so)."""
+    if state.resume is None or msg.path != state.resume.path:
+        return state, []  # said already (every member that tried it says it)
+    effects: list[Effect] = [Log("checkpoint_corrupt", {"path": msg.path, "step": state.resume.step,
+                                                        "worker": msg.name, "detail": msg.detail})]
+    state = replace(state, checkpoints=tuple(c for c in state.checkpoints if c.path != msg.path), resume=None)
+    state, said = lose_state(state)
+    effects += said
+    effects += [Send(n, Abort(epoch=state.epoch, reason=f"checkpoint {msg.path} is damaged")) for n in state.workers]
+    return state, [*effects, FollowUp(ReplanDue("resume", abort=True))]
 
 
 def _left(state: State, name: str, reason: str, config: Config, now: float) -> Result:

@@ -51,9 +51,13 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
     if not abort and state.pending:
         return replace(state, replan_wanted=reason), []
     eligible = {n for n, w in state.workers.items() if w.ready and w.leaving is None}
-    holders = state.holders
+    said: list[Effect] = []
+    if state.resume is None and not state.holders and state.last_step > 0 and eligible:
+        # Every holder is gone at once (more than the redundancy covers): from the newest checkpoint.
+        state, said = lose_state(state)
+    holders = [] if state.resume is not None else state.holders  # a resume replaces what survivors hold
     if state.plan is None and not holders and len(eligible) < config.min_workers:
-        return state, []
+        return state, said
     if not eligible and holders:
         # Only leaving members hold the state and nobody can take it over: they train on.
         if not abort:
@@ -73,7 +77,8 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
                         horizon_steps=horizon)
     result = make_plan(cluster, state.graph, state.plan, limits=limits, holders=holders, pin=config.layout)
     if result.plan is None:
-        return _nothing_fits(state, result, holders, reason, abort=abort)
+        state, effects = _nothing_fits(state, result, holders, reason, abort=abort)
+        return state, [*said, *effects]
     new = result.plan
     handoff = None
     # A sharded state: every holder that leaves (alive, planned out) sends its slices in the new
@@ -93,24 +98,29 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
         result = replace(result, plan=new, reason=f"{result.reason}; {handoff} stays one epoch to hand off")
     benched = _standby_logs(state, result)
     state = replace(state, standby=frozenset(result.standby))
-    if not abort and new.same_assignment(state.plan):
+    if not abort and new.same_assignment(state.plan) and state.resume is None:
         # Same assignment, no new epoch; keep the refreshed prediction (new speeds, fitted constants).
         tracker = state.tracker
         if tracker is not None and tracker.epoch == state.epoch:
             tracker = replace(tracker, predicted_step_s=new.predicted_step_s)
-        return replace(state, replan_wanted=None, result=result, plan=new, tracker=tracker), benched
+        return replace(state, replan_wanted=None, result=result, plan=new, tracker=tracker), [*said, *benched]
     if calm and not abort and reason in GAIN_REASONS and state.plan is not None:
         verdict = _worth_it(state, new, result, horizon)
         if not verdict.switch:  # the current plan stays
             kept = _keep(state, verdict.detail)
-            said: list[Effect] = [Log("kept", {"reason": reason, "detail": kept.kept})] if verdict.detail else []
-            return kept, [*said, *benched]
+            told: list[Effect] = [Log("kept", {"reason": reason, "detail": kept.kept})] if verdict.detail else []
+            return kept, [*said, *told, *benched]
         result = replace(result, reason=f"{result.reason}; {verdict.detail}")
     if state.changed:
         result = replace(result, reason=f"{result.reason}; changed: {'; '.join(state.changed)}")
     epoch = state.epoch + 1
+    resume = state.resume
     delta = PlanDelta(epoch=epoch, reason=reason, layout=MeshLayout(**new.layout.to_dict()),
-                      global_batch=config.global_batch, abort=abort, senders=senders, micro_batch=list(new.micro))
+                      global_batch=config.global_batch, abort=abort, senders=senders, micro_batch=list(new.micro),
+                      resume_path=resume.path if resume else "", resume_step=resume.step if resume else 0)
+    if resume is not None:
+        result = replace(result, reason=f"{result.reason}; every member loads checkpoint {resume.path} "
+                                        f"(step {resume.step})")
     old = set(state.plan.members) if state.plan else set()
     recipients = sorted((old | set(new.members)) & set(state.workers))
     workers = {n: replace(w, nudged_at=now) if n in recipients else w for n, w in state.workers.items()}
@@ -124,8 +134,7 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
                     changed=(),
                     kept=None, calibrating=guessed,
                     replan_wanted=f"{handoff} handed off" if handoff else None)
-    effects: list[Effect] = [Planned(result, epoch, reason), *benched]
-    return state, effects + [Send(n, delta) for n in recipients]
+    return state, [*said, Planned(result, epoch, reason), *benched, *(Send(n, delta) for n in recipients)]
 
 
 class Verdict(NamedTuple):
@@ -201,14 +210,32 @@ def _nothing_fits(state: State, result: PlanResult, holders: list[str], reason: 
             waiting = "the current plan trains on"
         result = replace(result, reason=f"{result.reason}; {waiting}")
         return replace(state, result=result, replan_wanted=None), [Planned(result, state.epoch, reason)]
-    lost = state.plan is not None or state.last_step > 0
-    if lost:
-        # Nobody can train, and nobody holds state any more: it is gone with them, and the next
-        # workers start from the seed (durable checkpoints arrive with a later issue).
-        result = replace(result, reason=f"{result.reason}; no worker holds the training state: it is lost, "
-                                        "the next workers start from step 0")
+    said: list[Effect] = []
+    if state.resume is None and (state.plan is not None or state.last_step > 0):
+        # Nobody can train, and nobody holds state any more: it is gone with them.
+        state, said = lose_state(state)
+    if state.resume is not None:
+        result = replace(result, reason=f"{result.reason}; no worker holds the training state: the next workers "
+                                        f"resume from checkpoint {state.resume.path} (step {state.resume.step})")
+    elif said:
+        result = replace(result, reason=f"{result.reason}; no worker holds the training state and there is no "
+                                        "checkpoint: it is lost, the next workers start from step 0")
     elif result.status == "infeasible":
         result = replace(result, reason=f"{result.reason}; training waits for a device that fits")
     state = replace(state, plan=None, result=result, tracker=None, acked=frozenset(), running=frozenset(),
-                    replan_wanted=None, last_step=0 if lost else state.last_step)
-    return state, [Planned(result, state.epoch, reason)]
+                    replan_wanted=None)
+    return state, [*said, Planned(result, state.epoch, reason)]
+
+
+def lose_state(state: State) -> Result:
+    """No worker holds the training state any more (every holder failed at once, or a slice and its
+    copy): the next plan resumes from the newest intact checkpoint, redoing the steps after it; with
+    none, training starts over from step 0. Says which in a `state_lost` event."""
+    reached = max(state.last_step, state.lost_at)
+    newest = state.checkpoints[-1] if state.checkpoints else None
+    said = Log("state_lost", {"epoch": state.epoch, "step": reached, "detail": "no worker holds the training state",
+                              "resume_from": newest.path if newest else None,
+                              "redo": reached - newest.step if newest else reached})
+    if newest is None:
+        return replace(state, resume=None, lost_at=0, last_step=0), [said]
+    return replace(state, resume=newest, lost_at=reached, last_step=newest.step), [said]

@@ -11,7 +11,8 @@ from typing import Any
 
 from coordinator.steps import Tracker
 from plan import Cluster, Graph, LayoutPin, Plan, PlanResult
-from transport import Ack, EvalReport, Join, Message, PlanDelta, Saved, StateLost, StepReport
+from transport import (Ack, Checkpointed, EvalReport, Join, Message, PlanDelta, ResumeFailed, Saved, StateLost,
+                       StepReport)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -30,6 +31,17 @@ class Config:
     stability: str = "calm"  # "calm": contention model, change points, re-plans that pay; "legacy": before (#9)
     layout: LayoutPin | None = None  # degrees pinned by --layout (None: the planner chooses)
     drain_deadline_s: float = 25.0  # a drained or preempted member must have handed its state over by then
+    checkpoint_dir: str = ""  # where the workers write durable checkpoints ("": none)
+    checkpoint_keep: int = 3  # the newest this many are kept (0: all)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Checkpoint:
+    """A complete durable checkpoint: the state after `step`, at `path` (`worker.checkpoint`)."""
+
+    step: int
+    path: str
+    bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -76,6 +88,11 @@ class State:
     last_eval: tuple[int, float, int] | None = None  # (step, loss, samples) of the latest evaluation
     eval_skipped: int = -1  # the latest step whose evaluation was reported skipped (said once)
     finished: bool = False  # some worker ran the last step
+    checkpoints: tuple[Checkpoint, ...] = ()  # complete checkpoints known to be intact, oldest first
+    # More failed at once than the redundancy covers: the checkpoint the next plan's members load,
+    # and the step that had been reached (what the resume redoes), until the resumed epoch is in place.
+    resume: Checkpoint | None = None
+    lost_at: int = 0
     stopping: bool = False
 
     def in_play(self, name: str) -> bool:
@@ -197,6 +214,27 @@ class StateLostReported:
 
 
 @dataclass(frozen=True, slots=True)
+class CheckpointRequested:
+    """`ctl checkpoint`, or the coordinator's SIGTERM: a durable checkpoint at the next step boundary."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointWritten:
+    """Rank 0 of an epoch finished writing a checkpoint (or failed to)."""
+
+    msg: Checkpointed
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeFailedReported:
+    """A member could not load the checkpoint it was told to resume from."""
+
+    msg: ResumeFailed
+
+
+@dataclass(frozen=True, slots=True)
 class ReplanDue:
     """Re-plan now (a `FollowUp` of a failure, so that `Abort` goes out before the solve)."""
 
@@ -206,7 +244,7 @@ class ReplanDue:
 
 Event = (Joined | MadeReady | GraphReceived | Seen | StepDone | Acked | Left | Lost | Tick | DrainRequested
          | SlowdownRequested | StopRequested | ReplanDue | ModelSaved | SaveRequested | Evaluated
-         | StateLostReported)
+         | StateLostReported | CheckpointRequested | CheckpointWritten | ResumeFailedReported)
 
 
 # --- effects ---------------------------------------------------------------------------------

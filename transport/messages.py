@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-PROTOCOL_VERSION = 8  # 8: PlanDelta.layout (MeshLayout), PlanDelta.senders, StateLost; 2: StepReport.comm_s, Slowdown; 3: Join.cores; 4: StepReport.lr, grad_norm; 5: Saved, Welcome.final_dir; 6: SaveModel, Saved.final; 7: EvalReport
+PROTOCOL_VERSION = 9  # 9: Checkpointed, ResumeFailed, CheckpointNow, Welcome.checkpoint_*, PlanDelta.resume_*; 8: PlanDelta.layout (MeshLayout), PlanDelta.senders, StateLost; 2: StepReport.comm_s, Slowdown; 3: Join.cores; 4: StepReport.lr, grad_norm; 5: Saved, Welcome.final_dir; 6: SaveModel, Saved.final; 7: EvalReport
 
 # Error codes carried by `Error.code`.
 ERR_DECODE = "decode"  # the frame could not be decoded or failed validation
@@ -228,6 +228,39 @@ class StateLost:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Checkpointed:
+    """Worker (rank 0 of the epoch that wrote it) -> coordinator: a durable checkpoint of the state
+    after step `step` is complete at `path` (every file written, checksummed in its manifest and
+    renamed into place), or, with `error`, that writing it failed (nothing is at `path`)."""
+
+    name: str
+    step: int
+    path: str
+    seconds: float  # from the step boundary to the checkpoint in place
+    bytes: int
+    error: str
+
+    def __post_init__(self) -> None:
+        check_name(self.name)
+        _check_counts(self, "step", "seconds", "bytes")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResumeFailed:
+    """Worker -> coordinator: the checkpoint that `PlanDelta.resume_path` of `epoch` names cannot be
+    loaded (`detail` names the file: missing, truncated, a checksum that differs, or a state that
+    does not fit the job's model). The coordinator drops it and resumes from the one before."""
+
+    name: str
+    epoch: int
+    path: str
+    detail: str
+
+    def __post_init__(self) -> None:
+        check_name(self.name)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Leave:
     """Worker -> coordinator: the worker leaves on purpose.
 
@@ -263,6 +296,9 @@ class Welcome:
     lease_s: float
     want_graph: bool  # the coordinator has no graph of the model yet: capture and upload it
     final_dir: str = ""  # where the trained model goes when the job finishes ("": nowhere)
+    checkpoint_dir: str = ""  # where durable checkpoints go ("": none); the worker checks it can write there
+    checkpoint_every: int = 0  # a checkpoint after every N-th step (0: only when asked)
+    checkpoint_keep: int = 3  # the newest N complete checkpoints are kept (0: all)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -300,6 +336,10 @@ class PlanDelta:
     `abort` false (a planned change: join, drain): the workers switch at a step boundary that they
     agree on through the data plane. `abort` true (a failure): in-flight work of older epochs is
     abandoned at once and the new group is formed; survivors reconcile to the most advanced step.
+
+    `resume_path` (more failed at once than the redundancy covers): no worker holds the training
+    state; every member drops what it has and loads that durable checkpoint (any layout wrote it:
+    it reshards on load), then the epoch starts from `resume_step`.
     """
 
     epoch: int
@@ -309,6 +349,8 @@ class PlanDelta:
     abort: bool
     senders: list[str] = field(default_factory=list)  # leaving holders: in the epoch's group to hand over their slices
     micro_batch: list[int] = field(default_factory=list)  # per member: samples per forward (0 / empty: whole share)
+    resume_path: str = ""  # the state is lost: every member loads this checkpoint first ("": none)
+    resume_step: int = 0  # ... which holds the state after this step
 
     @property
     def members(self) -> list[str]:
@@ -344,6 +386,15 @@ class SaveModel:
     at the next step boundary (as at the job's end), then answer with `Saved(final=False)`."""
 
     path: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointNow:
+    """Coordinator -> every member (`ctl checkpoint`, the coordinator's SIGTERM): write a durable
+    checkpoint at the next step boundary that all members agree on (they vote in the step's
+    all-reduce, as for a planned switch); rank 0 answers with `Checkpointed`."""
+
+    reason: str
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -402,7 +453,7 @@ class StoreReply:
 
 # --- control (ctl <-> coordinator) -----------------------------------------------------------
 
-CONTROL_COMMANDS = ("status", "plan", "graph", "events", "drain", "slowdown", "save", "stop")
+CONTROL_COMMANDS = ("status", "plan", "graph", "events", "drain", "slowdown", "save", "checkpoint", "stop")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -410,7 +461,7 @@ class ControlRequest:
     """ctl -> coordinator control endpoint.
 
     command: "status", "plan" (args: [] or ["explain"]), "graph", "events" (args: [after_index]),
-    "drain" (args: [NAME]), "slowdown" (args: [NAME, FACTOR]), "save" (args: [PATH]), "stop".
+    "drain" (args: [NAME]), "slowdown" (args: [NAME, FACTOR]), "save" (args: [PATH]), "checkpoint", "stop".
     """
 
     command: str
@@ -429,6 +480,9 @@ class ControlReply:
 NESTED_TYPES: tuple[type, ...] = (MeshLayout,)  # records that travel inside messages
 
 MESSAGE_TYPES: tuple[type, ...] = (
+    Checkpointed,
+    ResumeFailed,
+    CheckpointNow,
     StateLost,
     EvalReport,
     Saved,
@@ -453,7 +507,10 @@ MESSAGE_TYPES: tuple[type, ...] = (
 )
 
 Message = (
-    StateLost
+    Checkpointed
+    | ResumeFailed
+    | CheckpointNow
+    | StateLost
     | EvalReport
     | Saved
     | Join

@@ -41,6 +41,7 @@ from transport import (
     ERR_STALE_EPOCH,
     MAX_FRAME_BYTES,
     Abort,
+    CheckpointNow,
     CodecError,
     Error,
     Heartbeat,
@@ -80,6 +81,7 @@ class _Mailbox:
     joined_at: float = 0.0  # monotonic time of the last Join sent
     retry_join_at: float | None = None  # the coordinator was busy: send the Join again then
     saves: list[str] = field(default_factory=list)  # `ctl save` paths to write at the next step boundary
+    checkpoints: int = 0  # `ctl checkpoint` requests (or the coordinator's SIGTERM) not taken yet
 
 
 class Agent:
@@ -166,6 +168,15 @@ class Agent:
     def save_waiting(self) -> bool:
         """Whether a `ctl save` waits for a step boundary (not taken)."""
         return bool(self._box.saves)
+
+    def checkpoint_waiting(self) -> bool:
+        """Whether a checkpoint was asked for and waits for a step boundary (not taken)."""
+        return self._box.checkpoints > 0
+
+    def take_checkpoint(self) -> None:
+        """Every checkpoint asked for so far is written at this step boundary."""
+        with self._cond:
+            self._box.checkpoints = 0
 
     def take_save(self) -> str | None:
         """The oldest `ctl save` path waiting for a step boundary, if any (taken)."""
@@ -303,6 +314,8 @@ class Agent:
                     box.stop = reason
                 case SaveModel(path=path):
                     box.saves.append(path)
+                case CheckpointNow():
+                    box.checkpoints += 1
                 case Error(code=code, message=text) if code == ERR_STALE_EPOCH:
                     # Answers to heartbeats sent before our new Join landed are not news.
                     if self._gone:

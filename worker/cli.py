@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -161,6 +162,7 @@ def _main(argv: list[str] | None) -> int:
 
     from worker.agent import Agent, FatalError
     from worker.calibrate import calibrate
+    from worker.checkpoint import check_writable
     from worker.job import JobError, load_job
     from worker.trainer import Trainer, TrainerConfig
 
@@ -196,7 +198,24 @@ def _main(argv: list[str] | None) -> int:
                                                               log_every=cfg.log_every, device=cfg.device,
                                                               keys=cfg.keys, trace_path=cfg.trace_steps,
                                                               pause_at=cfg.pause_at,
-                                                              final_dir=welcome.final_dir))
+                                                              final_dir=welcome.final_dir,
+                                                              checkpoint_dir=welcome.checkpoint_dir,
+                                                              checkpoint_every=welcome.checkpoint_every,
+                                                              checkpoint_keep=welcome.checkpoint_keep,
+                                                              job_sha256=welcome.job_sha256))
+        if welcome.checkpoint_dir:  # said now, before any work is planned here, not at the first write
+            try:
+                check_writable(welcome.checkpoint_dir)
+            except OSError as e:
+                why = f"cannot write the checkpoint dir {welcome.checkpoint_dir}: {e.strerror or e}"
+                print(f"worker: {why} (give every worker write access to the coordinator's --checkpoint-dir)",
+                      file=sys.stderr)
+                agent.say_goodbye(Leave(name=cfg.name, reason=why[:500]))
+                deadline = time.monotonic() + 2.0  # its answer: the Leave landed (not an exit seen first)
+                while agent.stop_reason() is None and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                agent.close()
+                return 2
         if preempted:  # SIGTERM while loading: we were never planned in, so just go
             agent.close()
             return 0

@@ -6,10 +6,10 @@ that step, with no extra round trip (the agreed step boundary).
 `replicated`: a replica computes the summed loss of its contiguous slice of the step's global batch,
 divides by the global batch size, and all-reduces (SUM) its gradients in buckets, each sent as soon
 as the backward fills it (`worker.parallel.replicated.GradBuckets`), then one small buffer with the
-loss sum and the vote. `sharded`: FSDP2 on the epoch's registered group (`worker.parallel.fsdp`),
+loss sum and the votes (the switch; a durable checkpoint every member was asked for). `sharded`: FSDP2 on the epoch's registered group (`worker.parallel.fsdp`),
 micro-batches in lockstep, the copies' gradient exchange (from then on the step may be rolled
-forward: `Trainer.pending`), and one all-reduce of the loss, the squared gradient norm, the vote and
-a pending `ctl save`.
+forward: `Trainer.pending`), and one all-reduce of the loss, the squared gradient norm, the vote,
+a pending `ctl save` and a pending checkpoint.
 
 Both functions take the `Trainer` and update its fields (step, pending, coefficient, final_writer)
 in an order that fault tolerance depends on; keep it. A collective is waited for with the trainer's
@@ -77,9 +77,10 @@ def replicated(t: Trainer, g: Group) -> PlanDelta | None:
     # Asked now, not at the step's start: a delta that arrived during the compute is voted on
     # in this step (a join waits about half a step less).
     pending = t.agent.pending_planned(g.epoch)
-    buf = torch.zeros(2, dtype=torch.float32, device=t.device)
+    buf = torch.zeros(3, dtype=torch.float32, device=t.device)
     buf[0] = loss_sum
     buf[1] = 1.0 if pending is not None else 0.0
+    buf[2] = 1.0 if t.agent.checkpoint_waiting() else 0.0  # a checkpoint every member was asked for
     t_comm = time.perf_counter()
     works = [*buckets.finish(), (g.pg.allreduce([buf]), buf)]
     t.wait(g, AllOf(works))  # one hand-off to the waiting thread for all of them
@@ -104,6 +105,7 @@ def replicated(t: Trainer, g: Group) -> PlanDelta | None:
     requested = t.agent.take_save()
     if requested is not None:  # `ctl save PATH`: at this step boundary
         t.save(requested, final=False)
+    t.checkpoint_if_due(g, asked=round(float(buf[2])) == len(g.members))
     agreed = round(float(buf[1])) == len(g.members)
     return pending if agreed and pending is not None else None
 
@@ -157,12 +159,13 @@ def sharded(t: Trainer, g: Group, sharded: Sharded) -> PlanDelta | None:
     t.pending = True
     grads = [gr for p in t.params if (gr := local_grad(p)) is not None]
     squares = sum((gr.double().pow(2).sum() for gr in grads), torch.zeros((), dtype=torch.float64))
-    # The vote: the switch to a planned delta, and a `ctl save` every member has (the gather
-    # that writes it is a collective: all of them take it at the same step boundary).
+    # The vote: the switch to a planned delta, and a `ctl save` and a checkpoint every member has
+    # (writing either is a collective: all of them take it at the same step boundary).
     pending = t.agent.pending_planned(g.epoch)
     buf = torch.stack([loss_sum.cpu(), squares.cpu() / g.layout.dp_replicate,
                        torch.tensor(1.0 if pending is not None else 0.0, dtype=torch.float64),
-                       torch.tensor(1.0 if t.agent.save_waiting() else 0.0, dtype=torch.float64)]).to(t.device)
+                       torch.tensor(1.0 if t.agent.save_waiting() else 0.0, dtype=torch.float64),
+                       torch.tensor(1.0 if t.agent.checkpoint_waiting() else 0.0, dtype=torch.float64)]).to(t.device)
     t_comm = time.perf_counter()
     t.wait(g, g.pg.allreduce([buf]), buf)
     comm_s = time.perf_counter() - t_comm
@@ -193,6 +196,7 @@ def sharded(t: Trainer, g: Group, sharded: Sharded) -> PlanDelta | None:
         requested = t.agent.take_save()
         if requested is not None:
             t.save_gathered(g, requested, final=False)
+    t.checkpoint_if_due(g, asked=round(float(buf[4])) == len(g.members))
     agreed = round(float(buf[2])) == len(g.members)
     return pending if agreed and pending is not None else None
 

@@ -37,9 +37,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from plan.layout import Layout
 from plan.reshard import ReshardPlan, TensorShape
-from transport import Ack, Leave, PlanDelta, Saved, StateLost, StepReport
+from transport import Ack, Checkpointed, Leave, PlanDelta, ResumeFailed, Saved, StateLost, StepReport
 from transport.security import ClientKeys
-from worker import comm, epoch
+from worker import checkpoint, comm, epoch
 from worker import group as groups
 from worker import step as steps
 from worker.agent import Agent
@@ -49,6 +49,7 @@ from worker.group import Group
 from worker.job import Job
 from worker.parallel.fsdp import Sharded, apply_fsdp, extract
 from worker.parallel.replicated import GradBuckets, apply_replicated
+from worker.parallel import mesh as meshes
 from worker.parallel.copies import Copies
 from worker.parallel.slices import PARAM, LocalState, from_module
 from worker.parallel.update import GRAD, apply_update
@@ -70,6 +71,10 @@ class TrainerConfig:
     trace_path: str | None = None  # append every step report here as a JSON line (--trace-steps)
     pause_at: tuple[str, int] | None = None  # (phase, step): the --pause-at fault-injection knob
     final_dir: str = ""  # where rank 0 of the last step writes the trained model ("": nowhere)
+    checkpoint_dir: str = ""  # where durable checkpoints go ("": none; `worker.checkpoint`)
+    checkpoint_every: int = 0  # a checkpoint after every N-th step (0: only when asked)
+    checkpoint_keep: int = 3  # the newest N are kept
+    job_sha256: str = ""  # recorded in each checkpoint's manifest
 
 
 class Trainer:
@@ -109,6 +114,10 @@ class Trainer:
         self.copies = Copies.none()
         self.pending = False
         self.coefficient = 1.0
+        # Durable checkpoints (`worker.checkpoint`): the writes in flight, and each epoch's group for
+        # their collectives (formed at the epoch's first checkpoint; forgotten once no write uses it).
+        self.checkpoints = checkpoint.Writer(self.log)
+        self.checkpoint_groups: list[tuple[int, dist.ProcessGroup]] = []
 
     def _build(self) -> None:
         """The model and optimizer as at step 0, identical on every worker (seeded)."""
@@ -189,6 +198,9 @@ class Trainer:
         self.log(f"not in epoch {delta.epoch} ({delta.reason}): on standby")
 
     def _leave(self, reason: str) -> str:
+        if self.checkpoints.busy():  # a checkpoint being written (the last step's): finish it first
+            self.log("waiting for the checkpoint being written")
+            self.checkpoints.wait(self.config.group_timeout_s)
         self.agent.say_goodbye(Leave(name=self.name, reason=reason))
         deadline = time.monotonic() + 2.0
         while self.agent.stop_reason() is None and time.monotonic() < deadline:
@@ -208,6 +220,8 @@ class Trainer:
         store = CoordinatorStore(self.endpoint, is_aborted=lambda: self.agent.superseded(delta.epoch),
                                  timeout_s=self.config.group_timeout_s, keys=self.config.keys)
         superseded = lambda: self.agent.superseded(delta.epoch)  # noqa: E731
+        if delta.resume_path and not self._resume(delta):
+            return None
         try:
             group = groups.form(store, delta, ranks, rank, self.device, timeout_s=self.config.group_timeout_s,
                                 superseded=superseded)
@@ -250,6 +264,25 @@ class Trainer:
                  f"{delta.shares[rank]}/{delta.global_batch}, step {self.step}, formed in {seconds * 1e3:.0f} ms"
                  + (f", received {received / 1e6:.1f} MB" if received else ""))
         return group
+
+    def _resume(self, delta: PlanDelta) -> bool:
+        """The state is lost and the plan resumes from a checkpoint: drop what this member holds and
+        load it (every member reads the whole of it; the epoch's entry keeps its part). False, said
+        to the coordinator, when it cannot be loaded."""
+        self._drop_state()  # (a checkpoint write in flight is left to end on its own)
+        self._build()
+        t0 = time.perf_counter()
+        try:
+            self.step = checkpoint.load(delta.resume_path, self.model, self.optimizer)
+        except checkpoint.CheckpointError as e:
+            self.log(f"epoch {delta.epoch}: cannot resume from {delta.resume_path}: {e}")
+            self.agent.send(ResumeFailed(name=self.name, epoch=delta.epoch, path=delta.resume_path,
+                                         detail=str(e)[:1000]))
+            return False
+        self.stale = False
+        self.log(f"epoch {delta.epoch}: loaded checkpoint {delta.resume_path} (step {self.step}) in "
+                 f"{time.perf_counter() - t0:.2f} s")
+        return True
 
     def _restart(self) -> None:
         """Nobody has state: start over from the seed."""
@@ -414,6 +447,55 @@ class Trainer:
                      f"epoch {g.epoch}, {g.layout.describe()})")
         if job.eval_every and (self.step % job.eval_every == 0 or self.step == job.num_steps):
             evaluate(self, g)
+
+    def checkpoint_if_due(self, g: Group, *, asked: bool) -> None:
+        """At a committed step boundary that every member reached: write a durable checkpoint when
+        one is due (every `checkpoint_every` steps) or was asked for by every member (`asked`)."""
+        cfg = self.config
+        every = cfg.checkpoint_every
+        if asked:
+            self.agent.take_checkpoint()
+        if not cfg.checkpoint_dir or not (asked or (every and self.step % every == 0)):
+            return
+        try:
+            pg = self._checkpoint_group(g)
+        except RuntimeError as e:  # a member never came (it failed: the coordinator re-plans)
+            self.log(f"checkpoint of step {self.step} skipped: {str(e).splitlines()[0]}")
+            self.agent.send(Checkpointed(name=self.name, step=self.step, path="", seconds=0.0, bytes=0,
+                                         error=f"the checkpoint group did not form: {str(e).splitlines()[0][:300]}"))
+            return
+        state = checkpoint.state_dict(self.model, self.optimizer, self.step)
+
+        def report(w: checkpoint.Written) -> None:
+            if w.error:
+                self.log(f"checkpoint of step {w.step} failed: {w.error}")
+            else:
+                self.log(f"checkpoint of step {w.step} complete: {w.path} ({w.bytes / 1e6:.1f} MB, {w.seconds:.2f} s)")
+            self.agent.send(Checkpointed(name=self.name, step=w.step, path=w.path, seconds=w.seconds, bytes=w.bytes,
+                                         error=w.error))
+
+        self.checkpoints.start(state, directory=cfg.checkpoint_dir, step=self.step, epoch=g.epoch, rank=g.rank,
+                               world=len(g.members), layout=g.layout.to_dict(), job_sha256=cfg.job_sha256,
+                               keep=cfg.checkpoint_keep, pg=pg, report=report)
+
+    def _checkpoint_group(self, g: Group) -> dist.ProcessGroup:
+        """The epoch's group for checkpoint collectives (gloo, even beside NCCL: DCP's async save
+        wants a CPU backend), registered with c10d; older epochs' ones are forgotten once unused."""
+        if self.checkpoint_groups and self.checkpoint_groups[-1][0] == g.epoch:
+            return self.checkpoint_groups[-1][1]
+        cpu = torch.device("cpu")
+        raw = comm.form_group(g.store, g.epoch, g.rank, len(g.members), cpu, timeout_s=self.config.group_timeout_s,
+                              superseded=lambda: self.agent.superseded(g.epoch), part="ckpt/")
+        store = dist.PrefixStore(f"epoch{g.epoch}/ckpt/", g.store)  # type: ignore[attr-defined]
+        default = dist.is_initialized()  # DCP needs a default group: a replicated epoch registers none
+        pg = meshes.register(raw, store, g.rank, len(g.members), g.epoch, cpu, part="ckpt" if default else "",
+                             ranks=list(range(len(g.members))))
+        for old_epoch, old in list(self.checkpoint_groups):
+            if not self.checkpoints.in_use(old):
+                meshes.forget(old)
+                self.checkpoint_groups.remove((old_epoch, old))
+        self.checkpoint_groups.append((g.epoch, pg))
+        return pg
 
     def save_gathered(self, g: Group, directory: str, *, final: bool) -> None:
         """Gather the full model and optimizer state from the shards (every member), rank 0 writes."""

@@ -1,23 +1,42 @@
-"""Durability (issue #12), the parts built so far, with real coordinator processes:
+"""Durability (issue #12), the parts built so far, with real coordinator and worker processes:
 
 - one coordinator per state directory: a second one started on the state dir of a live coordinator
   refuses to start (exit 2, naming the holder), without a traceback; once the first is SIGKILLed
   (the OS drops its lock), a new one starts there.
+- durable checkpoints: every worker SIGKILLed at once; the newest checkpoint's file is truncated;
+  three new workers (two were killed) detect it by its checksum, resume from the checkpoint before,
+  and the loss curve is the undisturbed run's, every step. The checkpoint loads with plain DCP in a
+  process that never imports adaptrain's worker.
+- a sharded job (FSDP2 over three members) checkpointed, then the coordinator and every worker
+  SIGKILLed; a new coordinator on the same state dir finds the checkpoint and two new workers
+  resume in the planner's layout (replicated): exact against the single-process recipe, and the
+  event log is appended to, not restarted.
+- `ctl checkpoint` writes one at the next step boundary; a worker that cannot write the
+  checkpoint dir says so at join, with the path, and is never given work.
 
 (Preemption in a sharded layout and the drain deadline are tested in test_sharded.py.)
 """
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
+from localjob import LocalJob
+from test_recipe import JOB as GPT_JOB
+from test_recipe import single_process
+from test_sharded import _assert_exact
 
 ROOT = Path(__file__).resolve().parents[2]
 MLP_JOB = f"{ROOT / 'examples' / 'mlp.py'}:job"
+PACED_JOB = f"{ROOT / 'examples' / 'paced.py'}:job"
 
 
 def _start(state: Path) -> subprocess.Popen[str]:
@@ -58,3 +77,132 @@ def test_a_second_coordinator_on_a_live_state_dir_refuses_to_start(tmp_path: Pat
         if first.poll() is None:
             first.kill()
         first.communicate(timeout=30)
+
+
+def _checkpoints(job: LocalJob) -> list[dict[str, Any]]:
+    return [e for e in job.events() if e["kind"] == "checkpoint"]
+
+
+@pytest.mark.timeout(400)
+def test_every_worker_killed_resumes_from_the_newest_intact_checkpoint(
+        tmp_path: Path, undisturbed: dict[int, float]) -> None:
+    with LocalJob(PACED_JOB, tmp_path, min_workers=2, coordinator_args=["--checkpoint-every", "20"]) as job:
+        job.start()
+        job.add_worker("w1")
+        job.add_worker("w2")
+        job.wait_event(lambda e: e["kind"] == "checkpoint" and e["step"] >= 40, 180, "checkpoint of step 40")
+        for name in ("w1", "w2"):
+            job.workers[name].send_signal(signal.SIGKILL)
+        job.wait_workers(30)
+        job.wait_until(lambda events: sum(e["kind"] == "failed" for e in events) == 2 or None, 30, "both failed")
+        written = _checkpoints(job)
+        newest, before = Path(written[-1]["path"]), written[-2]
+        assert (newest / "adaptrain.json").exists() and not list(tmp_path.glob("checkpoints/.step-*.partial"))
+        damaged = sorted(newest.glob("*.distcp"))[0]
+        damaged.write_bytes(damaged.read_bytes()[:damaged.stat().st_size // 2])  # a torn copy
+        reached = max(job.steps())
+
+        for name in ("w3", "w4", "w5"):  # another number of workers
+            job.add_worker(name)
+        corrupt = job.wait_event(lambda e: e["kind"] == "checkpoint_corrupt", 120, "the damage found")
+        assert corrupt["path"] == str(newest) and damaged.name in corrupt["detail"], corrupt
+        resumed = job.wait_event(lambda e: e["kind"] == "resumed", 120, "resumed")
+        assert resumed["step"] == before["step"] and resumed["path"] == before["path"], resumed
+        assert resumed["redone"] == reached - before["step"], resumed
+        assert job.wait_coordinator(240) == 0, job.tail("coordinator.out")
+        assert job.wait_workers(30) == {"w1": -9, "w2": -9, "w3": 0, "w4": 0, "w5": 0}
+        worst = job.loss_gap(undisturbed)  # the latest loss of every step: the resumed run's from there on
+        assert sorted(job.losses()) == sorted(undisturbed) and worst <= 1e-4, worst
+        lost = [e for e in job.events() if e["kind"] == "state_lost"]
+        assert lost[0]["resume_from"] == str(newest) and lost[-1]["resume_from"] == before["path"], lost
+        final = Path(_checkpoints(job)[-1]["path"])
+    _load_with_plain_torch(final, tmp_path / "plain.pt")
+
+
+def _load_with_plain_torch(checkpoint: Path, out: Path) -> None:
+    """Read a checkpoint in a fresh interpreter with torch alone: DCP's own converter, and dcp.load
+    into the plain model, which then matches the converted tensors; adaptrain's worker is never imported."""
+    script = textwrap.dedent(f"""
+        import json, sys
+        import torch
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+        dcp_to_torch_save({str(checkpoint)!r}, {str(out)!r})
+        full = torch.load({str(out)!r}, weights_only=False)
+        net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU(),
+                                  torch.nn.Linear(64, 4))
+        model = torch.nn.Module()
+        model.net = net
+        state = {{"model": model.state_dict(), "step": torch.tensor(0)}}
+        dcp.load(state, checkpoint_id={str(checkpoint)!r}, no_dist=True)
+        model.load_state_dict(state["model"])
+        same = all(torch.equal(p, full["model"][n]) for n, p in model.state_dict().items())
+        print(json.dumps({{"step": int(full["step"]), "loaded": int(state["step"]), "same": same,
+                          "optim": sorted(full["optim"]["state"])[:1],
+                          "worker": any(m == "worker" or m.startswith("worker.") for m in sys.modules)}}))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd="/", env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    step = json.loads((checkpoint / "adaptrain.json").read_text())["step"]
+    assert result == {"step": step, "loaded": step, "same": True, "optim": ["net.0.bias"], "worker": False}, result
+
+
+@pytest.mark.timeout(400)
+def test_a_sharded_job_resumes_after_a_total_loss_in_another_layout(tmp_path: Path) -> None:
+    reference = single_process()
+    with LocalJob(GPT_JOB, tmp_path, min_workers=3,
+                  coordinator_args=["--layout", "dp=1", "--checkpoint-every", "10"]) as job:
+        job.start()
+        for name in ("w1", "w2", "w3"):
+            job.add_worker(name, "--slowdown", "2")
+        job.wait_event(lambda e: e["kind"] == "checkpoint" and e["step"] >= 10, 240, "checkpoint of step 10")
+        assert job.coordinator is not None
+        job.coordinator.send_signal(signal.SIGKILL)  # everything at once: a whole zone reclaimed
+        for name in ("w1", "w2", "w3"):
+            job.workers[name].send_signal(signal.SIGKILL)
+        job.wait_workers(30)
+        job.wait_coordinator(30)
+    written = [e for e in LocalJob(GPT_JOB, tmp_path).events() if e["kind"] == "checkpoint"]
+    assert written and all(e["path"].startswith(str(tmp_path / "checkpoints")) for e in written)
+    before = len(LocalJob(GPT_JOB, tmp_path).events())
+
+    with LocalJob(GPT_JOB, tmp_path, min_workers=2) as job:  # same state dir; the planner picks the layout
+        job.start()
+        assert "resuming from checkpoint" in job.tail("coordinator.out") + job.tail("coordinator.log")
+        job.add_worker("w4")
+        job.add_worker("w5")
+        resumed = job.wait_event(lambda e: e["kind"] == "resumed", 240, "resumed")
+        assert resumed["step"] == written[-1]["step"], resumed
+        assert job.wait_coordinator(300) == 0, job.tail("coordinator.out")
+        events = job.events()
+        assert events[before - 1]["kind"] == written[-1]["kind"] or len(events) > before  # appended to
+        assert len([e for e in events if e["kind"] == "joined"]) == 5, "one log for both coordinators"
+        _assert_exact(events, reference)  # the latest of each step: the resumed run's after the checkpoint
+        plans = [e for e in events[before:] if e["kind"] == "plan" and e.get("layout")]
+        assert plans and plans[0]["layout"]["dp_shard"] == 1, "resumed in the planner's replicated layout"
+
+
+@pytest.mark.timeout(300)
+def test_ctl_checkpoint_and_an_unwritable_checkpoint_dir(tmp_path: Path) -> None:
+    with LocalJob(PACED_JOB, tmp_path / "state", min_workers=1) as job:
+        job.start()
+        job.add_worker("w1")
+        job.wait_step(5, 120)
+        written = job.ctl("checkpoint", "--wait", "60")
+        assert written["kind"] == "checkpoint" and written["step"] >= 5, written
+        assert (Path(written["path"]) / "adaptrain.json").exists()
+        status = job.ctl("status")
+        assert status["checkpoint"]["step"] == written["step"], status
+        # A worker that cannot write there (a file where the directory should be: refused even to root).
+        ckpt = tmp_path / "state" / "checkpoints"
+        ckpt.rename(tmp_path / "moved")
+        ckpt.write_text("not a directory")
+        bad = job.add_worker("w2")
+        assert bad.wait(120) == 2, job.tail("w2")
+        assert f"cannot write the checkpoint dir {ckpt}" in job.tail("w2"), job.tail("w2")
+        left = job.wait_event(lambda e: e["kind"] == "left" and e["worker"] == "w2", 30, "w2 left")
+        assert f"cannot write the checkpoint dir {ckpt}" in left["reason"], left
+        assert all("w2" not in e["layout"]["members"] for e in job.events()
+                   if e["kind"] == "plan" and e.get("layout")), "never given work"

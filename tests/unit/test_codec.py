@@ -23,6 +23,11 @@ SAMPLES: list[t.Message] = [
     t.SaveModel(path="/runs/gpt/step-120"),
     t.EvalReport(name="w1", step=100, loss=1.25, samples=512, skipped=""),
     t.StateLost(name="w1", epoch=7, detail="no member holds blocks.0.weight[0:64] of step 12"),
+    t.Checkpointed(name="w1", step=200, path="/runs/gpt/checkpoints/step-200", seconds=1.25, bytes=129_000_000,
+                   error=""),
+    t.ResumeFailed(name="w2", epoch=9, path="/runs/gpt/checkpoints/step-200",
+                   detail="__0_0.distcp: 100 bytes, the manifest says 4096 (truncated?)"),
+    t.CheckpointNow(reason="ctl checkpoint"),
     t.GraphUpload(name="w1", graph={"layers": [{"name": "0", "kind": "Linear", "forward_flops": 64.0,
                                                 "param_bytes": 132}]}),
     t.Ack(name="w1", epoch=4, step=121, reshard_bytes=126_000_000, reshard_s=0.15),
@@ -173,7 +178,7 @@ def test_int_is_accepted_for_float() -> None:
 def test_nested_list_items_are_checked() -> None:
     layout = {"dp_replicate": 2, "dp_shard": 1, "pp": 1, "tp": 1, "members": ["a", "b"], "shares": [1, 2]}
     good = {"v": t.PROTOCOL_VERSION, "kind": "PlanDelta", "epoch": 1, "reason": "", "layout": layout,
-            "global_batch": 3, "abort": False, "senders": [], "micro_batch": []}
+            "global_batch": 3, "abort": False, "senders": [], "micro_batch": [], "resume_path": "", "resume_step": 0}
     assert decode(msgpack.packb(good, use_bin_type=True)).members == ["a", "b"]  # type: ignore[union-attr]
     _reject(good | {"layout": layout | {"members": ["a", 2]}}, match=r"PlanDelta.layout.members\[1\]: expected str")
     _reject(good | {"layout": layout | {"shares": [1, True]}}, match=r"shares\[1\]: expected int, got bool")
