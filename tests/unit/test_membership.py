@@ -14,7 +14,8 @@ import pytest
 from coordinator import membership as m
 from plan import Graph
 from plan.graph import Layer
-from transport import ERR_NAME_TAKEN, ERR_STALE_EPOCH, Abort, Ack, Error, Join, PlanDelta, StepReport, Stop
+from transport import (ERR_NAME_TAKEN, ERR_STALE_EPOCH, Abort, Ack, Checkpointed, CheckpointNow, Error, Join, PlanDelta,
+                       ResumeFailed, StateLost, StepReport, Stop)
 
 GLOBAL_BATCH = 64
 LEASE_S = 1.0
@@ -587,3 +588,73 @@ def test_standby_workers_are_stopped_when_the_job_is_over() -> None:
     effects = train(sim, 14, {"a": 0.001, "b": 0.001})
     assert sim.state.finished
     assert set(sent(effects, Stop)) == {"snail"}, "members leave by themselves; the standby is told"
+
+
+# --- durable checkpoints (#12) -------------------------------------------------------------------
+
+
+def _written(sim: Sim, step: int, *, error: str = "") -> list[m.Effect]:
+    return sim(m.CheckpointWritten(Checkpointed(name="a", step=step, path=f"/ck/step-{step}", seconds=0.5,
+                                                bytes=1000, error=error)))
+
+
+def test_every_holder_lost_resumes_the_next_workers_from_the_newest_checkpoint() -> None:
+    sim = Sim(config=_config(checkpoint_dir="/ck"))
+    sim.running("a", "b")
+    assert logs(_written(sim, 10), "checkpoint") == [{"step": 10, "path": "/ck/step-10", "seconds": 0.5,
+                                                      "bytes": 1000, "worker": "a"}]
+    _written(sim, 20)
+    assert logs(_written(sim, 30, error="OSError: disk full"), "checkpoint_failed")[0]["step"] == 30
+    assert [c.step for c in sim.state.checkpoints] == [10, 20], "a failed write is not a checkpoint"
+    sim(report("a", 27))
+    sim(m.Lost("a", "disconnect"))
+    effects = sim(m.Lost("b", "disconnect"))
+    lost = logs(effects, "state_lost")
+    assert lost and lost[0]["resume_from"] == "/ck/step-20" and lost[0]["redo"] == 7, lost
+    assert sim.state.resume is not None and sim.state.last_step == 20
+    sim.config = replace(sim.config, min_workers=2)
+    effects = sim.join("c") + sim.join("d")
+    d = the_delta(effects)
+    assert d.resume_path == "/ck/step-20" and d.resume_step == 20 and d.senders == []
+    effects = sim.ack_all()
+    assert logs(effects, "resumed") == [{"step": 20, "path": "/ck/step-20", "epoch": sim.state.epoch,
+                                         "redone": 7}]
+    assert sim.state.resume is None
+    sim(report("c", 21, epoch=sim.state.epoch))
+    assert the_delta(sim.join("e")).resume_path == "", "once resumed, plans move state as usual"
+
+
+def test_a_damaged_checkpoint_falls_back_to_the_one_before_said_once() -> None:
+    sim = Sim(config=_config(checkpoint_dir="/ck"))
+    sim.running("a")
+    _written(sim, 10)
+    _written(sim, 20)
+    sim(m.Lost("a", "disconnect"))
+    sim.join("b")
+    sim.join("c")
+    bad = m.ResumeFailedReported(ResumeFailed(name="b", epoch=sim.state.epoch, path="/ck/step-20",
+                                              detail="/ck/step-20/__0_0.distcp: sha256 differs"))
+    effects = sim(bad)
+    assert logs(effects, "checkpoint_corrupt")[0]["path"] == "/ck/step-20"
+    assert set(sent(effects, Abort)) == {"b", "c"}
+    assert the_delta(effects).resume_path == "/ck/step-10"
+    assert sim(replace(bad, msg=replace(bad.msg, name="c"))) == [], "said by every member: taken once"
+
+
+def test_a_lost_slice_with_a_checkpoint_resumes_instead_of_stopping() -> None:
+    sim = Sim(config=_config(checkpoint_dir="/ck"))
+    sim.running("a", "b", "c")
+    _written(sim, 10)
+    effects = sim(m.StateLostReported(StateLost(name="c", epoch=1, detail="no member holds w[0:4] of step 12")))
+    assert logs(effects, "state_lost")[0]["resume_from"] == "/ck/step-10"
+    assert not sim.state.stopping and the_delta(effects).resume_path == "/ck/step-10"
+    assert not sent(effects, Stop)
+
+
+def test_ctl_checkpoint_asks_every_member() -> None:
+    sim = Sim(config=_config(checkpoint_dir="/ck"))
+    sim.running("a", "b")
+    effects = sim(m.CheckpointRequested("ctl checkpoint"))
+    assert set(sent(effects, CheckpointNow)) == {"a", "b"}
+    sim.config = _config()
+    assert sim(m.CheckpointRequested("ctl checkpoint")) == [], "no --checkpoint-dir: nothing to ask"
