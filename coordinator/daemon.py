@@ -45,6 +45,7 @@ import zmq
 
 from coordinator import membership as m
 from coordinator.checkpoints import scan
+from coordinator.journal import Journal, JournalDamaged, recover, snapshot
 from coordinator.control import ControlView, answer_control
 from coordinator.events import EventLog
 from coordinator.guard import LEDGER_EVENTS, ConnectionLedger, Refusals, check_agent_message
@@ -59,6 +60,7 @@ from transport import (
     ERR_DECODE,
     ERR_NAME_TAKEN,
     ERR_PROTOCOL,
+    ERR_REJOIN,
     ERR_STALE_EPOCH,
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -170,7 +172,8 @@ class Core:
     """The state owner: membership, the store, the event log, and the sockets it answers on."""
 
     def __init__(self, cfg: CoordinatorConfig, job: JobInfo, workers: TrioSocket, control: TrioSocket,
-                 log: EventLog, run_id: str) -> None:
+                 log: EventLog, run_id: str, *, journal: Journal | None = None,
+                 journaled: dict[str, Any] | None = None, endpoints: dict[str, str] | None = None) -> None:
         self.cfg, self.job, self.workers, self.control, self.log = cfg, job, workers, control, log
         self.run_id = run_id
         self.config = m.Config(global_batch=job.global_batch, num_steps=job.num_steps, lease_s=cfg.lease_s,
@@ -180,7 +183,16 @@ class Core:
                                solver=cfg.solver, drain_deadline_s=cfg.drain_deadline_s,
                                checkpoint_dir=str(cfg.checkpoint_dir or ""), checkpoint_keep=cfg.checkpoint_keep)
         self.state = m.State()
-        if cfg.checkpoint_dir is not None:
+        self.journal, self.endpoints = journal, endpoints or {}
+        self._graph_dict: tuple[Graph, dict[str, Any]] | None = None  # the graph as journaled, encoded once
+        if journaled is not None:
+            self.state = recover(journaled, now=time.monotonic())
+            expected = sorted(self.state.recovering)
+            self.log.write("restarted", epoch=self.state.epoch, step=self.state.last_step, expecting=expected,
+                           journal=str(journal.path) if journal else None)
+            self.say(f"restarted from the journal: epoch {self.state.epoch}, step {self.state.last_step}; "
+                     f"waiting for {', '.join(expected) or 'no member'} to register again")
+        elif cfg.checkpoint_dir is not None:
             self._find_checkpoints(cfg.checkpoint_dir)
         self.store = RendezvousStore()
         self.refusals = Refusals()
@@ -244,6 +256,11 @@ class Core:
             return
         refused = check_agent_message(self.state, self.bindings, identity, user_id, msg,
                                       max_joining=self.cfg.max_joining)
+        if refused is not None and refused.reason == "stale" and msg.name in self.state.recovering:
+            # A member of the journaled plan, still training: it registers again, keeping its state.
+            self.workers.send([identity, encode(Error(code=ERR_REJOIN, message="the coordinator restarted: "
+                                                      "register again and keep training"))])
+            return
         if refused is not None:
             text = refused.text
             if refused.reason == "stale":
@@ -330,9 +347,22 @@ class Core:
         self.state = state
         for effect in effects:
             self._execute(effect, elapsed)
+        if self.journal is not None:
+            self._journal()
         if len(self.bindings) > len(self.state.workers):  # every worker is bound: one was forgotten
             for name in [n for n in self.bindings if n not in self.state.workers]:
                 del self.bindings[name]  # the name is free again
+
+    def _journal(self) -> None:
+        """Write what changed to the journal (one small transaction; the graph is encoded once)."""
+        assert self.journal is not None
+        graph = self.state.graph
+        if graph is not None and (self._graph_dict is None or self._graph_dict[0] is not graph):
+            self._graph_dict = (graph, graph.to_dict())
+        try:
+            self.journal.save(snapshot(self.state, self.endpoints, self._graph_dict[1] if self._graph_dict else None))
+        except Exception as e:  # noqa: BLE001 (a full disk must not stop training: said, retried next event)
+            self.refuse("journal", f"could not write the journal {self.journal.path}: {e}")
 
     def _send(self, to: str, msg: Message) -> bool:
         identity = self.bindings.get(to)
@@ -350,7 +380,8 @@ class Core:
                     job_sha256=job.sha256, heartbeat_s=self.cfg.heartbeat_s, lease_s=self.cfg.lease_s,
                     want_graph=self.graph is None, final_dir=str((self.cfg.state_dir / "final").resolve()),
                     checkpoint_dir=str(self.cfg.checkpoint_dir.resolve()) if self.cfg.checkpoint_dir else "",
-                    checkpoint_every=self.cfg.checkpoint_every, checkpoint_keep=self.cfg.checkpoint_keep))
+                    checkpoint_every=self.cfg.checkpoint_every, checkpoint_keep=self.cfg.checkpoint_keep,
+                    last_step=self.state.last_step))
             case m.Log(kind, fields):
                 self.log.write(kind, **fields)
                 self.metrics.observe(kind, fields)
@@ -505,6 +536,35 @@ async def _signals(inbox: trio.MemorySendChannel[Inbox], core: Core, grace_s: fl
             return
 
 
+def _open_journal(path: Path, log: EventLog) -> tuple[Journal, dict[str, Any] | None]:
+    """The journal and what it holds (None: a fresh one). A damaged one is moved aside, said in the
+    log with what was lost, and a fresh one started: the job goes on from the checkpoints on disk."""
+    journal = Journal(path)
+    try:
+        return journal, journal.load()
+    except JournalDamaged as e:
+        journal.close()
+        aside = path.with_name(f"{path.name}.damaged-{int(time.time())}")
+        for suffix in ("", "-wal", "-shm"):
+            part = Path(f"{path}{suffix}")
+            if part.exists():
+                part.rename(Path(f"{aside}{suffix}"))
+        print(f"[coordinator] the journal is damaged ({e}); moved to {aside}. Membership and plans are lost: "
+              "the job resumes from the newest checkpoint with the workers that join", file=sys.stderr, flush=True)
+        log.write("journal_damaged", path=str(path), moved_to=str(aside), detail=str(e)[:500],
+                  lost="membership, plans and the step counter; the newest checkpoint is resumed")
+        journal = Journal(path)
+        return journal, journal.load()
+
+
+def _same_port(endpoint: str, before: str | None) -> str:
+    """`endpoint`, or where the previous coordinator of this state dir listened when `endpoint`
+    asks for any port (tcp://HOST:0): the workers reconnect to that address by themselves."""
+    if before and endpoint.startswith("tcp://") and endpoint.endswith(":0") and before.startswith("tcp://"):
+        return f"{endpoint[:-2]}:{before.rsplit(':', 1)[1]}"
+    return endpoint
+
+
 def _bind(sock: TrioSocket, endpoint: str) -> str:
     try:
         sock.socket.bind(endpoint)
@@ -517,6 +577,7 @@ async def serve(cfg: CoordinatorConfig, job: JobInfo, *,
                 task_status: trio.TaskStatus[Endpoints] = trio.TASK_STATUS_IGNORED) -> str:
     """Run the coordinator until the job is over; returns why it ended."""
     log = EventLog(cfg.state_dir / "events.jsonl")
+    journal, journaled = _open_journal(cfg.state_dir / "journal.sqlite", log)
     gatekeeper = Gatekeeper(zmq.Context.instance(), cfg.keys)
     gatekeeper.start()
     workers = TrioSocket.create(zmq.ROUTER)
@@ -526,8 +587,12 @@ async def serve(cfg: CoordinatorConfig, job: JobInfo, *,
     harden_server(control.socket, max_bytes=MAX_CONTROL_BYTES + 4096, domain=DOMAIN_CONTROL, keys=cfg.keys)
     metrics_server: MetricsServer | None = None
     try:
-        endpoints = Endpoints(workers=_bind(workers, cfg.bind), control=_bind(control, cfg.control))
-        core = Core(cfg, job, workers, control, log, run_id=f"{int(time.time())}")
+        before = (journaled or {}).get("endpoints") or {}
+        endpoints = Endpoints(workers=_bind(workers, _same_port(cfg.bind, before.get("workers"))),
+                              control=_bind(control, _same_port(cfg.control, before.get("control"))))
+        core = Core(cfg, job, workers, control, log, run_id=f"{int(time.time())}", journal=journal,
+                    journaled=journaled, endpoints={"workers": endpoints.workers, "control": endpoints.control})
+        core.apply(m.Tick())  # (journals the fresh state at once)
         if cfg.metrics_port is not None:
             metrics_server = serve_metrics(core.metrics, cfg.metrics_host, cfg.metrics_port)
         send, receive = trio.open_memory_channel[Inbox](math.inf)  # frames are bounded by `in_flight`
@@ -562,6 +627,7 @@ async def serve(cfg: CoordinatorConfig, job: JobInfo, *,
         return core.finish_reason
     finally:
         log.close()
+        journal.close()
         with trio.CancelScope(shield=True):
             workers.close(linger_s=0.5)
             control.close(linger_s=0.5)

@@ -59,7 +59,8 @@ from coordinator.state import (
     Welcome,
     Worker,
 )
-from plan import Device
+from plan import Device, PlanResult
+from plan.prediction import repredict
 from transport import (ERR_NAME_TAKEN, ERR_STALE_EPOCH, Abort, Ack, Checkpointed, CheckpointNow, Error, Join,
                        ResumeFailed, SaveModel, Slowdown, StepReport, Stop)
 
@@ -68,6 +69,9 @@ __all__ = ["Acked", "Checkpoint", "CheckpointRequested", "CheckpointWritten", "R
            "Result", "SaveRequested", "Seen", "Send", "SlowdownRequested", "State", "StateLostReported", "StepDone",
            "StopRequested",
            "Tick", "Welcome", "Worker", "apply", "replan"]
+
+
+MAX_GAP = 100_000  # a gap of unlogged steps longer than this is not tracked (it is not a restart's)
 
 
 # --- transitions -----------------------------------------------------------------------------
@@ -83,6 +87,9 @@ def apply(state: State, event: Event, config: Config, *, now: float) -> Result:
                 return state, [_fence(name)]
             w = state.workers[name]
             state = replace(state, workers={**state.workers, name: replace(w, ready=True, last_seen=now)})
+            if name in state.recovering:  # a member of the journaled plan is back (it trained on meanwhile)
+                state = replace(state, recovering=state.recovering - {name})
+                return _recovered(state, config, now) if not state.recovering else (state, [])
             return replan(state, config, "join", abort=False, now=now)
         case Seen(name, epoch, step):
             if name not in state.workers:
@@ -99,6 +106,8 @@ def apply(state: State, event: Event, config: Config, *, now: float) -> Result:
         case Lost(name, detected_by):
             return _lost(state, name, detected_by, config, now)
         case Tick():
+            if state.recovering and now - state.recovery_since > config.recovery_grace_s:
+                return _recovered(state, config, now)  # whoever is not back by now has failed
             effects: list[Effect] = []
             replan_due = False
             for w in list(state.workers.values()):
@@ -192,10 +201,15 @@ def _join(state: State, msg: Join, config: Config, now: float) -> Result:
         return state, [Send(msg.name, Error(code=ERR_NAME_TAKEN,
                                             message=f"a live worker is already named {msg.name!r}; "
                                                     "start this one with another --name"))]
+    back = msg.name in state.recovering and msg.epoch == state.epoch
     worker = Worker(name=msg.name, host=msg.host, device=msg.device, pid=msg.pid, joined_at=now,
-                    last_seen=now)
+                    last_seen=now, epoch=msg.epoch if back else 0, step=msg.step if back else 0)
     device = Device(name=msg.name, host=msg.host, kind=msg.device, flops=max(msg.flops, 1.0),
                     memory_bytes=msg.memory_bytes, threads=max(msg.threads, 1), host_cores=msg.cores)
+    if back and msg.name in state.recovered_devices:  # what was measured of it before the restart
+        device = state.recovered_devices[msg.name]
+    elif msg.name in state.recovering:  # it is not in the journaled epoch any more: a newcomer
+        state = replace(state, recovering=state.recovering - {msg.name})
     state = replace(state, workers={**state.workers, msg.name: worker},
                     cluster=state.cluster.with_device(device).with_peer_calibration(msg.name))
     effects: list[Effect] = [Welcome(msg.name),
@@ -234,14 +248,21 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
                     changed = f"{name} {verb} {speed:.3g} samples/s, expected {expected:.3g} ({kind})"
                     state = replace(state, changed=(*state.changed, changed)[-8:])
     state = replace(state, cluster=cluster, tracker=tracker)
-    if r.step > state.last_step:
+    if r.step > state.last_step or r.step in state.unlogged:
+        # A step not logged yet: the next one, or one of a gap (reports sent again to a restarted
+        # coordinator arrive from every member at once, a later step of one before earlier ones of another).
+        unlogged = state.unlogged - {r.step}
+        if r.step > state.last_step + 1 and state.recovery_since:
+            unlogged |= frozenset(range(state.last_step + 1, r.step)) if r.step - state.last_step < MAX_GAP else frozenset()
         done = not state.finished and r.step >= config.num_steps
-        state = replace(state, last_step=r.step, finished=state.finished or done)
         if done:  # members leave by themselves after the last step; standby workers are told to
             members = set(state.plan.members) if state.plan else set()
             effects += [Send(n, Stop(reason="the job is over")) for n in state.workers if n not in members]
         predicted = state.plan.predicted_step_s if state.plan is not None and r.epoch == state.epoch else None
-        state = replace(state, last_lr=r.lr, last_grad_norm=r.grad_norm)
+        if r.step > state.last_step:
+            state = replace(state, last_lr=r.lr, last_grad_norm=r.grad_norm)
+        state = replace(state, last_step=max(state.last_step, r.step), finished=state.finished or done,
+                        unlogged=unlogged)
         effects.append(Log("step", {"step": r.step, "epoch": r.epoch, "loss": r.loss, "samples": r.global_batch,
                                     "step_s": r.step_s, "predicted_s": predicted, "lr": r.lr,
                                     "grad_norm": r.grad_norm}))
@@ -295,6 +316,35 @@ def _acked(state: State, ack: Ack, config: Config, now: float) -> Result:
         state, more = replan(state, config, state.replan_wanted, abort=False, now=now)
         effects += more
     return state, effects
+
+
+def _recovered(state: State, config: Config, now: float) -> Result:
+    """The restarted coordinator puts the journaled plan back: at once when every member came back
+    (training never stopped: nothing to send), or, when some did not within the grace or the plan
+    was not in place everywhere at the crash, as after a failure: the others re-plan."""
+    plan = state.recovered_plan
+    assert plan is not None
+    back = [n for n in plan.members if n in state.workers]
+    missing = [n for n in plan.members if n not in state.workers]
+    hosts = {n: state.cluster.devices[n].host for n in back}
+    if not missing:
+        plan = repredict(state.cluster.contended(back), state.graph, plan)
+    tracker = steps.start(state.epoch, plan.members, plan.predicted_step_s, {c.name: c.compute_s for c in plan.costs},
+                          hosts, loads={h: state.cluster.load(h, back) for h in set(hosts.values())},
+                          legacy=config.stability != "calm")
+    was_pending = not set(plan.members) <= state.recovered_acked
+    state = replace(state, plan=plan, acked=frozenset(back) & state.recovered_acked if was_pending else frozenset(back),
+                    running=frozenset(back), tracker=tracker, recovering=frozenset(), recovered_plan=None,
+                    recovered_devices={}, recovered_acked=frozenset(), result=PlanResult(plan=plan, status="recovered",
+                                                                                      reason="from the journal"))
+    effects: list[Effect] = [Log("recovered", {"epoch": state.epoch, "members": back, "missing": missing,
+                                               "step": state.last_step,
+                                               "seconds": round(now - state.recovery_since, 3)})]
+    if not missing and not was_pending:
+        return replace(state, running=frozenset()), effects
+    effects += [Log("failed", {"worker": n, "detected_by": "recovery"}) for n in missing]
+    effects += [Send(n, Abort(epoch=state.epoch, reason="the coordinator restarted")) for n in state.workers]
+    return state, [*effects, FollowUp(ReplanDue("recovery", abort=True))]
 
 
 def _checkpointed(state: State, msg: Checkpointed, config: Config) -> Result:

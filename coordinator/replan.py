@@ -237,5 +237,5 @@ def lose_state(state: State) -> Result:
                               "resume_from": newest.path if newest else None,
                               "redo": reached - newest.step if newest else reached})
     if newest is None:
-        return replace(state, resume=None, lost_at=0, last_step=0), [said]
-    return replace(state, resume=newest, lost_at=reached, last_step=newest.step), [said]
+        return replace(state, resume=None, lost_at=0, last_step=0, unlogged=frozenset()), [said]
+    return replace(state, resume=newest, lost_at=reached, last_step=newest.step, unlogged=frozenset()), [said]

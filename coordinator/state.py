@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.steps import Tracker
-from plan import Cluster, Graph, LayoutPin, Plan, PlanResult
+from plan import Cluster, Device, Graph, LayoutPin, Plan, PlanResult
 from transport import (Ack, Checkpointed, EvalReport, Join, Message, PlanDelta, ResumeFailed, Saved, StateLost,
                        StepReport)
 
@@ -33,6 +33,7 @@ class Config:
     drain_deadline_s: float = 25.0  # a drained or preempted member must have handed its state over by then
     checkpoint_dir: str = ""  # where the workers write durable checkpoints ("": none)
     checkpoint_keep: int = 3  # the newest this many are kept (0: all)
+    recovery_grace_s: float = 10.0  # a restarted coordinator waits this long for the plan's members to come back
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -93,12 +94,22 @@ class State:
     # and the step that had been reached (what the resume redoes), until the resumed epoch is in place.
     resume: Checkpoint | None = None
     lost_at: int = 0
+    # A coordinator restarted from its journal (`coordinator.journal`): the journaled plan's members
+    # not registered again yet (they train on meanwhile), the plan to put back once they are, their
+    # journaled devices (calibration and measurements), who had acknowledged it, and since when.
+    recovering: frozenset[str] = frozenset()
+    recovered_plan: Plan | None = None
+    recovered_devices: dict[str, Device] = field(default_factory=dict)
+    recovered_acked: frozenset[str] = frozenset()
+    recovery_since: float = 0.0
+    unlogged: frozenset[int] = frozenset()  # steps below `last_step` not logged yet (after a restart)
     stopping: bool = False
 
     def in_play(self, name: str) -> bool:
         """Whether the group in flight needs `name`: a member of the latest plan, or of the one it
         replaces while the switch has not happened everywhere."""
-        return (self.plan is not None and name in self.plan.members) or name in self.running
+        return ((self.plan is not None and name in self.plan.members) or name in self.running
+                or (self.recovered_plan is not None and name in self.recovered_plan.members))
 
     @property
     def pending(self) -> bool:

@@ -45,6 +45,7 @@ class LocalJob:
         self.metrics = metrics
         self.keys_dir: Path | None = None if insecure else (keys or self.state_dir / "keys")
         self.coordinator: subprocess.Popen[str] | None = None
+        self.previous: list[subprocess.Popen[str]] = []  # coordinators this job ran before (restarts)
         self.workers: dict[str, subprocess.Popen[bytes]] = {}
         self.workers_endpoint = ""
         self.control_endpoint = ""
@@ -70,6 +71,8 @@ class LocalJob:
                "--lease", str(self.lease_s), "--heartbeat", str(self.heartbeat_s),
                *(["--insecure"] if self.insecure else []), *(["--metrics-port", "0"] if self.metrics else []),
                *self.coordinator_args]
+        if self.coordinator is not None:  # a restart on the same state dir: the old one is closed at close()
+            self.previous.append(self.coordinator)
         with (self.state_dir / "coordinator.log").open("w") as log:  # the child keeps its own copy
             self.coordinator = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
                                                 start_new_session=True, env=self.env())
@@ -91,7 +94,7 @@ class LocalJob:
 
         def drain() -> None:
             assert self.coordinator is not None and self.coordinator.stdout is not None
-            with (self.state_dir / "coordinator.out").open("w") as out:
+            with (self.state_dir / "coordinator.out").open("a") as out:
                 for line in self.coordinator.stdout:
                     out.write(line)
                     out.flush()
@@ -146,8 +149,12 @@ class LocalJob:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
-        if self.coordinator is not None and self.coordinator.stdout is not None:
-            self.coordinator.stdout.close()
+        for coordinator in [*self.previous, *([self.coordinator] if self.coordinator else [])]:
+            if coordinator.poll() is None:
+                coordinator.kill()
+                coordinator.wait(timeout=10)
+            if coordinator.stdout is not None:
+                coordinator.stdout.close()
 
     def __enter__(self) -> LocalJob:
         return self

@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-PROTOCOL_VERSION = 9  # 9: Checkpointed, ResumeFailed, CheckpointNow, Welcome.checkpoint_*, PlanDelta.resume_*; 8: PlanDelta.layout (MeshLayout), PlanDelta.senders, StateLost; 2: StepReport.comm_s, Slowdown; 3: Join.cores; 4: StepReport.lr, grad_norm; 5: Saved, Welcome.final_dir; 6: SaveModel, Saved.final; 7: EvalReport
+PROTOCOL_VERSION = 9  # 9: Join.epoch/step, Welcome.last_step, ERR_REJOIN, Checkpointed, ResumeFailed, CheckpointNow, Welcome.checkpoint_*, PlanDelta.resume_*; 8: PlanDelta.layout (MeshLayout), PlanDelta.senders, StateLost; 2: StepReport.comm_s, Slowdown; 3: Join.cores; 4: StepReport.lr, grad_norm; 5: Saved, Welcome.final_dir; 6: SaveModel, Saved.final; 7: EvalReport
 
 # Error codes carried by `Error.code`.
 ERR_DECODE = "decode"  # the frame could not be decoded or failed validation
@@ -35,6 +35,7 @@ ERR_UNKNOWN_WORKER = "unknown-worker"  # a message or command names a worker tha
 ERR_BAD_REQUEST = "bad-request"  # a well-formed message that makes no sense now
 ERR_NAME_TAKEN = "name-taken"  # a Join whose NAME belongs to a live member (or a message under another's name)
 ERR_BUSY = "busy"  # too many workers are joining at once: the worker retries its Join shortly
+ERR_REJOIN = "rejoin"  # the coordinator restarted from its journal: register again (Join, Ready), keep training
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}$")
 
@@ -75,6 +76,8 @@ class Join:
     memory_bytes: int  # usable memory (after --memory-limit)
     threads: int  # torch intra-op threads: the cores this worker keeps busy
     cores: int = 0  # CPU cores this process may run on (0: unknown); the planner models co-located contention
+    epoch: int = 0  # the epoch it trains in (0: none): a coordinator restarted from its journal takes it back
+    step: int = 0  # steps it has applied
 
     def __post_init__(self) -> None:
         check_name(self.name)
@@ -299,6 +302,7 @@ class Welcome:
     checkpoint_dir: str = ""  # where durable checkpoints go ("": none); the worker checks it can write there
     checkpoint_every: int = 0  # a checkpoint after every N-th step (0: only when asked)
     checkpoint_keep: int = 3  # the newest N complete checkpoints are kept (0: all)
+    last_step: int = 0  # the last committed step the coordinator has logged: a re-registering worker re-sends later reports
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

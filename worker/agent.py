@@ -10,6 +10,11 @@ a small thread-safe mailbox that the trainer reads between (and during) collecti
 * `Stop`, and fencing (`ERR_STALE_EPOCH`: the coordinator no longer counts this worker as a member;
   the agent joins again and the trainer drops its state).
 
+A coordinator that restarts from its journal answers the heartbeats of its plan's members with
+`ERR_REJOIN`: the agent registers again (Join with its epoch and step, Ready) while the trainer
+trains on undisturbed, and, once welcomed, sends again every step report after the `last_step` the
+new coordinator has logged (the last REPORTS_KEPT are kept), so the event log has no gap.
+
 The socket is a DEALER with CURVE keys (unless the coordinator runs --insecure). The coordinator
 binds the worker's name to this connection at Join, so the agent keeps one socket for its life.
 The agent watches its socket's handshakes: a coordinator that refuses its key, wants keys it does
@@ -38,6 +43,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from transport import (
     ERR_BUSY,
+    ERR_REJOIN,
     ERR_STALE_EPOCH,
     MAX_FRAME_BYTES,
     Abort,
@@ -52,6 +58,7 @@ from transport import (
     Ready,
     SaveModel,
     Slowdown,
+    StepReport,
     Stop,
     Welcome,
     decode,
@@ -64,6 +71,7 @@ POLL_S = 0.01
 JOIN_RETRY_S = 1.0
 NO_DETAIL_GRACE_S = 3.0  # handshakes failing without detail (and none succeeding) for this long: give up
 REJOIN_GRACE_S = 1.0  # stale-epoch answers this soon after a Join are echoes of older heartbeats
+REPORTS_KEPT = 10_000  # step reports kept for a coordinator that restarts (it logs those it has not seen)
 
 
 class FatalError(RuntimeError):
@@ -104,6 +112,9 @@ class Agent:
         self._cond = threading.Condition()
         self._outbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._unsent: deque[bytes] = deque()  # encoded, in order: zmq could not take them yet (agent thread only)
+        self._reports: deque[StepReport] = deque(maxlen=REPORTS_KEPT)  # sent, for a restarted coordinator
+        self._rejoining = False  # registering again with a restarted coordinator (agent thread only)
+        self._rejoined_at = 0.0
         self._closing = threading.Event()
         self._close_by = 0.0  # monotonic: stop trying to flush the unsent after this (set by close)
         self._thread = threading.Thread(target=self._run, name="adaptrain-agent", daemon=True)
@@ -207,7 +218,7 @@ class Agent:
     def _join_message(self) -> Join:
         c = self.calibration
         return Join(name=self.name, host=c.host, pid=os.getpid(), device=c.device, flops=c.flops,
-                    memory_bytes=c.memory_bytes, threads=c.threads, cores=c.cores)
+                    memory_bytes=c.memory_bytes, threads=c.threads, cores=c.cores, epoch=self.epoch, step=self.step)
 
     def _run(self) -> None:
         sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
@@ -274,9 +285,12 @@ class Agent:
             closing = self._closing.is_set()
             while True:
                 try:
-                    self._unsent.append(encode(self._outbox.get_nowait()))
+                    queued = self._outbox.get_nowait()
                 except queue.Empty:
                     break
+                if isinstance(queued, StepReport):
+                    self._reports.append(queued)
+                self._unsent.append(encode(queued))
             flushed = self._flush(sock)
             if closing:
                 if flushed or time.monotonic() >= self._close_by:
@@ -302,6 +316,13 @@ class Agent:
             box = self._box
             match msg:
                 case Welcome():
+                    if self._rejoining:  # a restarted coordinator took us back: what it has not logged
+                        self._rejoining = False
+                        again = [r for r in self._reports if r.step > msg.last_step]
+                        for report in again:
+                            self._send(sock, report)
+                        self._log(f"registered again with the restarted coordinator; re-sent {len(again)} "
+                                  f"step report(s) after step {msg.last_step}")
                     box.welcome = msg
                 case PlanDelta():
                     box.deltas = [d for d in box.deltas if d.epoch < msg.epoch] + [msg]
@@ -325,6 +346,13 @@ class Agent:
                         box.fenced = True
                         box.deltas = []  # plans for the old membership; new ones follow the re-join
                         box.joined_at = time.monotonic()
+                        self._send(sock, self._join_message())
+                        if self._ready:
+                            self._send(sock, Ready(name=self.name))
+                case Error(code=code, message=text) if code == ERR_REJOIN:
+                    if not self._gone and time.monotonic() - self._rejoined_at > REJOIN_GRACE_S:
+                        self._log(f"{text}: registering again at epoch {self.epoch}, step {self.step}")
+                        self._rejoining, self._rejoined_at = True, time.monotonic()
                         self._send(sock, self._join_message())
                         if self._ready:
                             self._send(sock, Ready(name=self.name))

@@ -101,9 +101,9 @@ class Writer:
 
     def start(self, state: dict[str, Any], *, directory: str, step: int, epoch: int, rank: int, world: int,
               layout: dict[str, Any], job_sha256: str, keep: int, pg: Any,
-              report: Callable[[Written], None]) -> None:
+              report: Callable[[Written], None]) -> float:
         """Stage `state` and write it in the background as `directory/step-<step>`; rank 0 calls
-        `report` once it is complete (or failed). Every member of the epoch calls this at the same
+        `report` once it is complete (or failed). Returns the seconds spent staging. Every member of the epoch calls this at the same
         step boundary, with the same `pg` (the epoch's checkpoint group)."""
         from torch.distributed.checkpoint.filesystem import FileSystemWriter
         from torch.distributed.checkpoint.state_dict_saver import async_save
@@ -144,6 +144,7 @@ class Writer:
 
         future.add_done_callback(finished)
         self.log(f"checkpoint of step {step}: staged in {staged_s * 1e3:.0f} ms, writing to {final}")
+        return staged_s
 
     def in_use(self, pg: Any) -> bool:
         """Whether a write in flight uses the group `pg`."""

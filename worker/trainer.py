@@ -457,6 +457,7 @@ class Trainer:
             self.agent.take_checkpoint()
         if not cfg.checkpoint_dir or not (asked or (every and self.step % every == 0)):
             return
+        t0 = time.perf_counter()
         try:
             pg = self._checkpoint_group(g)
         except RuntimeError as e:  # a member never came (it failed: the coordinator re-plans)
@@ -477,6 +478,8 @@ class Trainer:
         self.checkpoints.start(state, directory=cfg.checkpoint_dir, step=self.step, epoch=g.epoch, rank=g.rank,
                                world=len(g.members), layout=g.layout.to_dict(), job_sha256=cfg.job_sha256,
                                keep=cfg.checkpoint_keep, pg=pg, report=report)
+        self.log(f"checkpoint of step {self.step}: the step waited {(time.perf_counter() - t0) * 1e3:.0f} ms "
+                 "(group, state dict, staging)")
 
     def _checkpoint_group(self, g: Group) -> dist.ProcessGroup:
         """The epoch's group for checkpoint collectives (gloo, even beside NCCL: DCP's async save

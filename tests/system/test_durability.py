@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -208,3 +209,43 @@ def test_ctl_checkpoint_and_an_unwritable_checkpoint_dir(tmp_path: Path) -> None
         assert f"cannot write the checkpoint dir {ckpt}" in left["reason"], left
         assert all("w2" not in e["layout"]["members"] for e in job.events()
                    if e["kind"] == "plan" and e.get("layout")), "never given work"
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("layout", ["fsdp=1", "dp=1"])
+def test_a_coordinator_killed_mid_run_is_restarted_from_its_journal(
+        tmp_path: Path, undisturbed: dict[int, float], layout: str) -> None:
+    """SIGKILL of the coordinator at step 40 of a replicated (fsdp=1) or sharded (dp=1) job; a new
+    one on the same state dir while the workers train on. They register again by themselves, the
+    plan is put back without a re-plan, no step is missing from the log, the next join is planned
+    as usual, and the loss curve is the undisturbed run's."""
+    with LocalJob(PACED_JOB, tmp_path, min_workers=2, coordinator_args=["--layout", layout]) as job:
+        job.start()
+        job.add_worker("w1")
+        job.add_worker("w2")
+        job.wait_step(40, 180)
+        endpoint = job.workers_endpoint
+        assert job.coordinator is not None
+        job.coordinator.send_signal(signal.SIGKILL)
+        job.wait_coordinator(30)
+        gone_at = max(job.steps())
+        time.sleep(1.0)  # the workers train on, reporting to nobody
+        job.start()  # same state dir: the journal
+        assert job.workers_endpoint == endpoint, "it listens where the workers reconnect"
+        recovered = job.wait_event(lambda e: e["kind"] == "recovered", 60, "recovered")
+        assert recovered["members"] == ["w1", "w2"] and recovered["missing"] == [], recovered
+        assert recovered["step"] > gone_at, "training went on while the coordinator was away"
+        print(f"coordinator restart: recovered {recovered['seconds']:.3f} s after it started; the workers "
+              f"had gone on from step {gone_at} to {recovered['step']}")
+        status = job.ctl("status")
+        assert status["epoch"] == 1 and [w["role"] for w in status["workers"]] == ["member", "member"], status
+        job.add_worker("w3")
+        joined = job.wait_event(lambda e: e["kind"] == "plan" and (e.get("layout") or {}).get("members")
+                                and "w3" in e["layout"]["members"], 120, "w3 planned in")
+        assert joined["epoch"] == 2 and joined["reason"] == "join", joined
+        assert job.wait_coordinator(300) == 0, job.tail("coordinator.out")
+        events = job.events()
+        assert sum(e["kind"] == "restarted" for e in events) == 1 and events[0]["kind"] == "joined"
+        assert [e["epoch"] for e in events if e["kind"] == "plan"] == [1, 2], "no re-plan for the restart"
+        worst = job.loss_gap(undisturbed)
+        assert sorted(job.losses()) == sorted(undisturbed) and worst <= 1e-4, worst  # no step missing

@@ -1,0 +1,95 @@
+"""The coordinator's journal (`coordinator.journal`) and the recovery transitions in membership: a
+snapshot round-trips through SQLite, a damaged file is named, and a restarted coordinator puts the
+journaled plan back once its members register again, or re-plans without those that do not."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from dataclasses import replace
+
+from test_membership import LEASE_S, Sim, _config, _join_msg, deltas, logs, report, sent
+
+from coordinator import membership as m
+from coordinator.journal import Journal, JournalDamaged, recover, snapshot
+from transport import Abort, Checkpointed
+
+
+def _journaled(tmp_path: Path) -> tuple[Sim, dict[str, object]]:
+    sim = Sim(config=_config(checkpoint_dir="/ck"))
+    sim.running("a", "b")
+    sim(m.CheckpointWritten(Checkpointed(name="a", step=5, path="/ck/step-5", seconds=0.1, bytes=10, error="")))
+    sim(report("a", 7))
+    journal = Journal(tmp_path / "journal.sqlite")
+    assert journal.load() is None
+    journal.save(snapshot(sim.state, {"workers": "tcp://127.0.0.1:5555"}))
+    journal.close()
+    again = Journal(tmp_path / "journal.sqlite")
+    values = again.load()
+    again.close()
+    assert values is not None
+    return sim, values
+
+
+def _back(name: str) -> m.Joined:
+    """A member of the journaled epoch 1 registering again, at step 9."""
+    return m.Joined(replace(_join_msg(name), epoch=1, step=9))
+
+
+def test_a_snapshot_round_trips_and_recovers_the_plan(tmp_path: Path) -> None:
+    sim, values = _journaled(tmp_path)
+    assert values["endpoints"] == {"workers": "tcp://127.0.0.1:5555"}
+    state = recover(values, now=50.0)
+    assert (state.epoch, state.last_step, [c.step for c in state.checkpoints]) == (1, 7, [5])
+    assert state.recovering == {"a", "b"} and state.recovered_plan is not None
+    assert state.recovered_plan.members == ("a", "b") and state.delta == sim.state.delta
+    assert set(state.recovered_devices) == {"a", "b"}
+
+
+def test_members_back_put_the_plan_back_without_a_new_epoch(tmp_path: Path) -> None:
+    _, values = _journaled(tmp_path)
+    sim = Sim(config=_config(checkpoint_dir="/ck"), state=recover(values, now=100.0))
+    effects = sim(_back("a")) + sim(m.MadeReady("a"))
+    assert not deltas(effects) and sim.state.plan is None, "not before every member is back"
+    assert sim.state.workers["a"].epoch == 1 and sim.state.workers["a"].step == 9
+    assert sim.state.in_play("a") and sim.state.in_play("b"), "their step reports count meanwhile"
+    sim(_back("b"))
+    effects = sim(m.MadeReady("b"))
+    assert logs(effects, "recovered") == [{"epoch": 1, "members": ["a", "b"], "missing": [], "step": 7,
+                                           "seconds": 0.0}]
+    assert not deltas(effects) and not sent(effects, Abort), "training never stopped: nothing to send"
+    assert sim.state.plan is not None and sim.state.plan.members == ("a", "b") and not sim.state.pending
+    assert sim.state.epoch == 1
+    assert sim.state.cluster.devices["a"].reports > 0, "its measurements came back from the journal"
+
+
+def test_a_member_not_back_within_the_grace_is_failed_and_the_rest_replan(tmp_path: Path) -> None:
+    _, values = _journaled(tmp_path)
+    sim = Sim(config=_config(checkpoint_dir="/ck"), state=recover(values, now=100.0))
+    sim(_back("a"))
+    sim(m.MadeReady("a"))
+    sim.now += sim.config.recovery_grace_s + LEASE_S
+    effects = sim(m.Tick())
+    assert logs(effects, "recovered")[0]["missing"] == ["b"]
+    assert logs(effects, "failed") == [{"worker": "b", "detected_by": "recovery"}]
+    assert set(sent(effects, Abort)) == {"a"}
+    delta = deltas(effects)["a"]
+    assert delta.abort and delta.epoch == 2 and delta.members == ["a"] and delta.resume_path == ""
+
+
+def test_a_damaged_journal_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "journal.sqlite"
+    path.write_bytes(b"SQLite format 3\x00" + b"\xff" * 2000)
+    with pytest.raises(JournalDamaged, match="journal.sqlite"):
+        Journal(path).load()
+
+
+def test_reports_sent_again_out_of_order_are_all_logged(tmp_path: Path) -> None:
+    _, values = _journaled(tmp_path)
+    sim = Sim(config=_config(checkpoint_dir="/ck"), state=recover(values, now=100.0))
+    for name in ("a", "b"):
+        sim(_back(name))
+        sim(m.MadeReady(name))
+    logged = [s for step in (8, 9, 14, 10, 11, 14, 12, 13, 15) for s in [x["step"] for x in logs(sim(report("a", step)), "step")]]
+    assert sorted(logged) == list(range(8, 16)) and len(logged) == 8, logged
