@@ -79,6 +79,10 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
                    help="a drained or preempted (SIGTERM) worker must hand its state over within S seconds "
                         "(default 25, under a spot notice's usual 30); past it the coordinator lets it go as "
                         "failed (a drain_deadline event) and its part comes from the copies or replicas")
+    p.add_argument("--recovery-grace", type=float, default=10.0, metavar="S",
+                   help="restarted on a state dir whose journal holds a running plan: wait up to S seconds for "
+                        "its members to register again (they train on meanwhile; default 10); those not back "
+                        "by then are failed and the others re-plan")
     p.add_argument("--stop-grace", type=float, default=10.0, metavar="S",
                    help="on SIGTERM or ctl stop, wait up to S seconds for workers to leave (and, on SIGTERM, "
                         "first up to S seconds for the checkpoint)")
@@ -169,6 +173,8 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
         p.error(f"--checkpoint-every must be 0 (only when asked) or a number of steps, got {a.checkpoint_every}")
     if a.checkpoint_keep < 0:
         p.error(f"--checkpoint-keep must be 0 (keep all) or more, got {a.checkpoint_keep}")
+    if a.recovery_grace <= 0:
+        p.error(f"--recovery-grace must be positive seconds, got {a.recovery_grace}")
     if a.drain_deadline <= 0:
         p.error(f"--drain-deadline must be positive seconds, got {a.drain_deadline}")
     if a.lease <= 0 or a.heartbeat <= 0 or a.heartbeat >= a.lease:
@@ -186,6 +192,7 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
                             solve_time_limit_s=a.solve_time_limit, horizon_steps=a.horizon, stability=a.stability,
                             layout=layout, checkpoint_dir=a.checkpoint_dir or state_dir / "checkpoints",
                             checkpoint_every=a.checkpoint_every, checkpoint_keep=a.checkpoint_keep,
+                            recovery_grace_s=a.recovery_grace,
                             solver=a.solver, metrics_port=a.metrics_port, metrics_host=metrics_host(a.bind))
     return cfg, a.job
 

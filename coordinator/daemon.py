@@ -123,6 +123,7 @@ class CoordinatorConfig:
     checkpoint_dir: Path | None = None  # --checkpoint-dir (None: no durable checkpoints)
     checkpoint_every: int = 0  # --checkpoint-every (0: only on `ctl checkpoint` and SIGTERM)
     checkpoint_keep: int = 3  # --checkpoint-keep
+    recovery_grace_s: float = 10.0  # --recovery-grace
     quiet: bool = False
     planner: str = "milp"
     solve_time_limit_s: float = 0.5
@@ -181,7 +182,8 @@ class Core:
                                solve_time_limit_s=cfg.solve_time_limit_s, horizon_steps=cfg.horizon_steps,
                                stability=cfg.stability, layout=cfg.layout,
                                solver=cfg.solver, drain_deadline_s=cfg.drain_deadline_s,
-                               checkpoint_dir=str(cfg.checkpoint_dir or ""), checkpoint_keep=cfg.checkpoint_keep)
+                               checkpoint_dir=str(cfg.checkpoint_dir or ""), checkpoint_keep=cfg.checkpoint_keep,
+                               recovery_grace_s=cfg.recovery_grace_s)
         self.state = m.State()
         self.journal, self.endpoints = journal, endpoints or {}
         self._graph_dict: tuple[Graph, dict[str, Any]] | None = None  # the graph as journaled, encoded once

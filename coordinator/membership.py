@@ -90,6 +90,8 @@ def apply(state: State, event: Event, config: Config, *, now: float) -> Result:
             if name in state.recovering:  # a member of the journaled plan is back (it trained on meanwhile)
                 state = replace(state, recovering=state.recovering - {name})
                 return _recovered(state, config, now) if not state.recovering else (state, [])
+            if state.recovered_plan is not None:  # a newcomer while the plan is not back: planned after
+                return state, []
             return replan(state, config, "join", abort=False, now=now)
         case Seen(name, epoch, step):
             if name not in state.workers:
@@ -341,7 +343,9 @@ def _recovered(state: State, config: Config, now: float) -> Result:
                                                "step": state.last_step,
                                                "seconds": round(now - state.recovery_since, 3)})]
     if not missing and not was_pending:
-        return replace(state, running=frozenset()), effects
+        state = replace(state, running=frozenset())
+        newcomers = [n for n, w in state.workers.items() if w.ready and n not in plan.members]
+        return state, effects + ([FollowUp(ReplanDue("join", abort=False))] if newcomers else [])
     effects += [Log("failed", {"worker": n, "detected_by": "recovery"}) for n in missing]
     effects += [Send(n, Abort(epoch=state.epoch, reason="the coordinator restarted")) for n in state.workers]
     return state, [*effects, FollowUp(ReplanDue("recovery", abort=True))]

@@ -8,9 +8,12 @@
   and the loss curve is the undisturbed run's, every step. The checkpoint loads with plain DCP in a
   process that never imports adaptrain's worker.
 - a sharded job (FSDP2 over three members) checkpointed, then the coordinator and every worker
-  SIGKILLed; a new coordinator on the same state dir finds the checkpoint and two new workers
-  resume in the planner's layout (replicated): exact against the single-process recipe, and the
-  event log is appended to, not restarted.
+  SIGKILLed; a new coordinator on the same state dir waits for the journaled members, gives them
+  up, and two new workers resume from the checkpoint in the planner's layout (replicated): exact
+  against the single-process recipe, and the event log is appended to, not restarted.
+- a coordinator SIGKILLed mid-run (replicated and sharded) and started again on its journal: the
+  workers train on, register again by themselves, no step is missing, the next join is planned.
+- a damaged journal is moved aside and said; the job resumes from the newest checkpoint.
 - `ctl checkpoint` writes one at the next step boundary; a worker that cannot write the
   checkpoint dir says so at join, with the path, and is never given work.
 
@@ -171,11 +174,13 @@ def test_a_sharded_job_resumes_after_a_total_loss_in_another_layout(tmp_path: Pa
     before = len(old)
 
     with LocalJob(GPT_JOB, tmp_path, min_workers=2) as job:  # same state dir; the planner picks the layout
-        job.start()
-        resuming = job.ctl("status")["resuming"]  # found on disk at start: the first plan resumes from it
-        assert resuming == {"step": written[-1]["step"], "path": written[-1]["path"]}, resuming
+        job.start()  # its journal expects w1..w3 back; none comes within the grace: the state is lost
         job.add_worker("w4")
         job.add_worker("w5")
+        recovered = job.wait_event(lambda e: e["kind"] == "recovered", 120, "the journaled members given up")
+        assert recovered["missing"] == ["w1", "w2", "w3"] and recovered["members"] == [], recovered
+        lost = job.wait_event(lambda e: e["kind"] == "state_lost" and e["ts"] > recovered["ts"], 60, "state_lost")
+        assert lost["resume_from"] == written[-1]["path"], lost
         resumed = job.wait_event(lambda e: e["kind"] == "resumed", 240, "resumed")
         assert resumed["step"] == written[-1]["step"], resumed
         assert job.wait_coordinator(300) == 0, job.tail("coordinator.out")
@@ -249,3 +254,34 @@ def test_a_coordinator_killed_mid_run_is_restarted_from_its_journal(
         assert [e["epoch"] for e in events if e["kind"] == "plan"] == [1, 2], "no re-plan for the restart"
         worst = job.loss_gap(undisturbed)
         assert sorted(job.losses()) == sorted(undisturbed) and worst <= 1e-4, worst  # no step missing
+
+
+@pytest.mark.timeout(400)
+def test_a_damaged_journal_is_moved_aside_and_the_job_resumes_from_its_checkpoint(
+        tmp_path: Path, undisturbed: dict[int, float]) -> None:
+    with LocalJob(PACED_JOB, tmp_path, min_workers=2, coordinator_args=["--checkpoint-every", "20"]) as job:
+        job.start()
+        job.add_worker("w1")
+        job.add_worker("w2")
+        written = job.wait_event(lambda e: e["kind"] == "checkpoint" and e["step"] >= 40, 180, "checkpoint 40")
+        assert job.coordinator is not None
+        for proc in (job.coordinator, *job.workers.values()):
+            proc.send_signal(signal.SIGKILL)
+        job.wait_workers(30)
+        job.wait_coordinator(30)
+        journal = tmp_path / "journal.sqlite"
+        for part in (Path(f"{journal}-wal"), Path(f"{journal}-shm")):
+            part.unlink(missing_ok=True)
+        journal.write_bytes(b"\xde\xad" * 2048)  # overwritten: not a database any more
+        newest = max((e for e in job.events() if e["kind"] == "checkpoint"), key=lambda e: e["step"])
+        job.start()
+        damaged = job.wait_event(lambda e: e["kind"] == "journal_damaged", 30, "journal_damaged")
+        assert damaged["path"] == str(journal) and Path(damaged["moved_to"]).exists(), damaged
+        assert "checkpoint" in damaged["lost"], damaged
+        job.add_worker("w3")
+        job.add_worker("w4")
+        resumed = job.wait_event(lambda e: e["kind"] == "resumed", 120, "resumed")
+        assert resumed["step"] == newest["step"] >= written["step"], resumed
+        assert job.wait_coordinator(240) == 0, job.tail("coordinator.out")
+        worst = job.loss_gap(undisturbed)
+        assert sorted(job.losses()) == sorted(undisturbed) and worst <= 1e-4, worst
