@@ -41,6 +41,13 @@ status` shows the job. Events go to STATE_DIR/events.jsonl, one JSON object a li
 SIGTERM or SIGINT: a durable checkpoint at the next step boundary (waiting up to --stop-grace for
 it), then tell the workers to stop, wait for them (up to --stop-grace), exit 0.
 
+Restarts: STATE_DIR/journal.sqlite keeps the job's membership, plan and progress. A coordinator
+killed and started again with the same --state-dir (and --bind; port 0 reuses the journaled port)
+takes the job over: the workers train on meanwhile, register again by themselves and re-send the
+step reports it missed (events: restarted, recovered; those not back within --recovery-grace are
+failed). A journal that cannot be read is moved aside (journal_damaged) and the newest checkpoint
+is resumed.
+
 Checkpoints: the workers write STATE_DIR/checkpoints/step-<N>/ (or --checkpoint-dir) with
 torch.distributed.checkpoint, every --checkpoint-every steps, on `adaptrain-ctl checkpoint` and on
 SIGTERM; each holds DCP's files and adaptrain.json (sha256 of every file). When every worker

@@ -108,6 +108,13 @@ def apply(state: State, event: Event, config: Config, *, now: float) -> Result:
         case Lost(name, detected_by):
             return _lost(state, name, detected_by, config, now)
         case Tick():
+            previous, state = state.last_tick, replace(state, last_tick=now)
+            if previous and now - previous > config.lease_s:
+                # The coordinator itself did not run for a while (a long solve, a starved process):
+                # the heartbeats of that time are still queued, unread. Nobody is late for that gap.
+                gap = now - previous
+                return replace(state, workers={n: replace(w, last_seen=min(now, w.last_seen + gap))
+                                               for n, w in state.workers.items()}), []
             if state.recovering and now - state.recovery_since > config.recovery_grace_s:
                 return _recovered(state, config, now)  # whoever is not back by now has failed
             effects: list[Effect] = []

@@ -140,7 +140,7 @@ def sharded(t: Trainer, g: Group, sharded: Sharded) -> PlanDelta | None:
     except Superseded:
         raise
     except Exception as e:
-        if _is_comm_error(e) or t.agent.superseded(g.epoch):
+        if is_comm_error(e) or t.agent.superseded(g.epoch):
             raise Superseded(f"the step's gathers failed: {str(e).splitlines()[0][:200]}") from None
         raise
     compute_s = time.perf_counter() - t0
@@ -224,7 +224,7 @@ def _pause(t: Trainer, phase: str) -> None:
         time.sleep(60)
 
 
-def _is_comm_error(e: BaseException) -> bool:
+def is_comm_error(e: BaseException) -> bool:
     """An error from the data plane (a peer gone mid-collective), not from the job's own code."""
     text = str(e).lower()
     return isinstance(e, dist.DistError) or any(w in text for w in ("gloo", "nccl", "connection", "peer", "timed out"))

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 import torch.distributed as dist
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from plan.layout import Layout
 from plan.reshard import ReshardPlan, TensorShape
@@ -237,6 +237,9 @@ class Trainer:
                                                    superseded=superseded)
                 self._build_executor(group, local)
             else:  # replicated to replicated keeps the model and sends whole states (the fast path)
+                if self.stale and isinstance(self.model, FSDPModule):
+                    self._build()  # it handed its slices over: a plain model to receive the state into
+                    self.stale = True
                 received, self.largest_sender = epoch.reconcile(
                     group.pg, group.rank, len(group.members), -1 if self.stale else self.step, self._state,
                     lambda work, buf: self.wait(group, work, buf), self.device, restart=self._restart, load=self._load)
@@ -418,9 +421,18 @@ class Trainer:
 
     def _train_step(self, g: Group) -> PlanDelta | None:
         """One exact data-parallel step; returns the delta to switch to when all ranks agreed."""
-        if self.sharded is not None:
-            return steps.sharded(self, g, self.sharded)
-        return steps.replicated(self, g)
+        try:
+            if self.sharded is not None:
+                return steps.sharded(self, g, self.sharded)
+            return steps.replicated(self, g)
+        except Superseded:
+            raise
+        except Exception as e:
+            # A peer gone can surface as an error when an op is issued (gloo: "Connection closed by
+            # peer"), before the coordinator's abort: the epoch is over either way, not the job.
+            if steps.is_comm_error(e) or self.agent.superseded(g.epoch):
+                raise Superseded(f"the step's communication failed: {str(e).splitlines()[0][:200]}") from None
+            raise
 
     def after_step(self, g: Group, loss: float, samples: int, compute_s: float, comm_s: float, step_s: float,
                    lr: float, grad_norm: float) -> None:

@@ -658,3 +658,18 @@ def test_ctl_checkpoint_asks_every_member() -> None:
     assert set(sent(effects, CheckpointNow)) == {"a", "b"}
     sim.config = _config()
     assert sim(m.CheckpointRequested("ctl checkpoint")) == [], "no --checkpoint-dir: nothing to ask"
+
+
+def test_a_coordinator_stall_fails_nobody_for_the_heartbeats_it_did_not_read() -> None:
+    sim = Sim()
+    sim.running("a", "b")
+    sim(m.Tick())
+    sim.now += LEASE_S * 3  # the coordinator did not run: its ticks and the heartbeats queued
+    assert logs(sim(m.Tick()), "failed") == [], "its own stall is nobody's failure"
+    for _ in range(30):  # the queued heartbeats are read, a's keep coming; b's never do
+        sim(m.Seen("a", 1, 5))
+        sim.now += 0.05
+        failed = logs(sim(m.Tick()), "failed")
+        if failed:
+            break
+    assert failed == [{"worker": "b", "detected_by": "lease"}]
