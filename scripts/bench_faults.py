@@ -46,7 +46,7 @@ STAGED = re.compile(r"checkpoint of step (\d+): the step waited (\d+) ms")
 
 def _rate(events: list[dict[str, Any]], first: int, last: int, batch: int) -> float:
     ts = {e["step"]: e["ts"] for e in events if e["kind"] == "step"}
-    return batch * (last - first) / (ts[last] - ts[first])
+    return float(batch * (last - first) / (ts[last] - ts[first]))
 
 
 def _batch(job_ref: str) -> int:
@@ -112,7 +112,7 @@ def drain(job_ref: str, workdir: Path) -> dict[str, Any]:
         before = max(job.steps())
         t0 = time.time()
         job.ctl("drain", "w3")
-        plan = job.wait_event(lambda e: e["kind"] == "plan" and e.get("layout") and "w3" not in e["layout"]["members"],
+        plan = job.wait_event(lambda e: e["kind"] == "plan" and bool(e.get("layout")) and "w3" not in e["layout"]["members"],
                               600, "the plan without w3")
         done = job.wait_event(lambda e: e["kind"] == "reshard" and e["epoch"] == plan["epoch"], 600, "it in place")
         steps = [e["step"] for e in job.events() if e["kind"] == "step"]
