@@ -404,32 +404,22 @@ def cmd_simple(client: Client, a: argparse.Namespace) -> int:
 
 def cmd_save(client: Client, a: argparse.Namespace) -> int:
     """Ask for the save, then follow the events until the worker says it was written (or not)."""
-    start = int(client.request("events", str(0)).get("next", 0))
-    while True:  # the newest index: the `saved` event comes after it
-        page = client.request("events", str(start))
-        if not page.get("events"):
-            break
-        start = int(page["next"])
+    start = _newest_index(client)
     data = client.request("save", a.path)
     path = data.get("saving")
     if not a.json:
         print(f"saving to {path} at the next step boundary ({data.get('worker')} writes it)")
-    deadline = time.monotonic() + a.wait
-    while time.monotonic() < deadline:
-        page = client.request("events", str(start))
-        start = int(page.get("next", start))
-        for e in page.get("events", []):
-            if e.get("kind") in ("saved", "save_failed") and e.get("path") == path:
-                if a.json:
-                    _print_json(e)
-                elif e["kind"] == "saved":
-                    print(f"saved the model after step {e['step']} to {path} ({_num(e.get('bytes'))}B)")
-                if e["kind"] == "save_failed":
-                    raise Refused(f"{e.get('worker')} could not write {path}: {e.get('error')}")
-                return 0
-        time.sleep(FOLLOW_POLL_S)
-    if a.wait > 0:
-        raise NoAnswer(f"asked for the save to {path}, but no worker reported it within {a.wait:g} s")
+    e = _follow(client, start, a.wait, lambda e: e.get("kind") in ("saved", "save_failed") and e.get("path") == path)
+    if e is None:
+        if a.wait > 0:
+            raise NoAnswer(f"asked for the save to {path}, but no worker reported it within {a.wait:g} s")
+        return 0
+    if a.json:
+        _print_json(e)
+    elif e["kind"] == "saved":
+        print(f"saved the model after step {e['step']} to {path} ({_num(e.get('bytes'))}B)")
+    if e["kind"] == "save_failed":
+        raise Refused(f"{e.get('worker')} could not write {path}: {e.get('error')}")
     return 0
 
 
@@ -440,24 +430,32 @@ def cmd_checkpoint(client: Client, a: argparse.Namespace) -> int:
     if not a.json:
         print(f"checkpoint at the next step boundary after step {data.get('after_step')}, into {data.get('dir')} "
               f"({len(data.get('members') or [])} member(s) write their parts)")
-    deadline = time.monotonic() + a.wait
+    e = _follow(client, start, a.wait, lambda e: e.get("kind") in ("checkpoint", "checkpoint_failed"))
+    if e is None:
+        if a.wait > 0:
+            raise NoAnswer(f"asked for a checkpoint, but none was reported within {a.wait:g} s")
+        return 0
+    if a.json:
+        _print_json(e)
+    elif e["kind"] == "checkpoint":
+        print(f"checkpoint of step {e['step']} written to {e['path']} ({_num(e.get('bytes'))}B in {e.get('seconds')} s)")
+    if e["kind"] == "checkpoint_failed":
+        raise Refused(f"the checkpoint of step {e.get('step')} failed: {e.get('error')}")
+    return 0
+
+
+def _follow(client: Client, start: int, wait_s: float, match: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
+    """The first event from index `start` on that `match`es, within `wait_s` seconds (None: none came)."""
+    deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         page = client.request("events", str(start))
         start = int(page.get("next", start))
-        for e in page.get("events", []):
-            if e.get("kind") in ("checkpoint", "checkpoint_failed"):
-                if a.json:
-                    _print_json(e)
-                elif e["kind"] == "checkpoint":
-                    print(f"checkpoint of step {e['step']} written to {e['path']} ({_num(e.get('bytes'))}B in "
-                          f"{e.get('seconds')} s)")
-                if e["kind"] == "checkpoint_failed":
-                    raise Refused(f"the checkpoint of step {e.get('step')} failed: {e.get('error')}")
-                return 0
+        events: list[dict[str, Any]] = page.get("events", [])
+        found = next((e for e in events if match(e)), None)
+        if found is not None:
+            return found
         time.sleep(FOLLOW_POLL_S)
-    if a.wait > 0:
-        raise NoAnswer(f"asked for a checkpoint, but none was reported within {a.wait:g} s")
-    return 0
+    return None
 
 
 def _newest_index(client: Client) -> int:

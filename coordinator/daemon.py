@@ -45,7 +45,7 @@ import zmq
 
 from coordinator import membership as m
 from coordinator.checkpoints import scan
-from coordinator.journal import Journal, JournalDamaged, recover, snapshot
+from coordinator.journal import Journal, JournalDamaged, check_job, recover, snapshot
 from coordinator.control import ControlView, answer_control
 from coordinator.events import EventLog
 from coordinator.guard import LEDGER_EVENTS, ConnectionLedger, Refusals, check_agent_message
@@ -362,7 +362,8 @@ class Core:
         if graph is not None and (self._graph_dict is None or self._graph_dict[0] is not graph):
             self._graph_dict = (graph, graph.to_dict())
         try:
-            self.journal.save(snapshot(self.state, self.endpoints, self._graph_dict[1] if self._graph_dict else None))
+            self.journal.save(snapshot(self.state, self.endpoints, self._graph_dict[1] if self._graph_dict else None,
+                                       job={"ref": self.job.ref, "sha256": self.job.sha256}))
         except Exception as e:  # noqa: BLE001 (a full disk must not stop training: said, retried next event)
             self.refuse("journal", f"could not write the journal {self.journal.path}: {e}")
 
@@ -580,6 +581,13 @@ async def serve(cfg: CoordinatorConfig, job: JobInfo, *,
     """Run the coordinator until the job is over; returns why it ended."""
     log = EventLog(cfg.state_dir / "events.jsonl")
     journal, journaled = _open_journal(cfg.state_dir / "journal.sqlite", log)
+    if journaled is not None:
+        try:
+            check_job(journaled, journal.path, job.ref, job.sha256)
+        except OSError:
+            journal.close()
+            log.close()
+            raise
     gatekeeper = Gatekeeper(zmq.Context.instance(), cfg.keys)
     gatekeeper.start()
     workers = TrioSocket.create(zmq.ROUTER)

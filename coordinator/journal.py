@@ -34,6 +34,10 @@ class JournalDamaged(Exception):
     """The journal cannot be read (truncated, overwritten, not SQLite): the message names the file."""
 
 
+class OtherJob(OSError):
+    """The journal belongs to another job: taking it over would train this job on another's plan."""
+
+
 class Journal:
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -79,7 +83,16 @@ class Journal:
         self._db.close()
 
 
-def snapshot(state: State, endpoints: dict[str, str], graph: dict[str, Any] | None = None) -> dict[str, Any]:
+def check_job(values: dict[str, Any], path: Path, ref: str, sha256: str) -> None:
+    """OtherJob unless the journaled job is this one (same job file text)."""
+    job = values.get("job") or {}
+    if job.get("sha256") not in (None, sha256):
+        raise OtherJob(f"{path} is the journal of job {job.get('ref')} (sha256 {str(job.get('sha256'))[:12]}), not "
+                       f"of {ref} (sha256 {sha256[:12]}): give the same --job, or another --state-dir to start a new job")
+
+
+def snapshot(state: State, endpoints: dict[str, str], graph: dict[str, Any] | None = None, *,
+             job: dict[str, str] | None = None) -> dict[str, Any]:
     """The journaled values of `state` (plain JSON); `graph`: `state.graph.to_dict()` if the caller
     keeps it (the same object each time spares encoding it again)."""
     delta = state.delta
@@ -87,6 +100,7 @@ def snapshot(state: State, endpoints: dict[str, str], graph: dict[str, Any] | No
     return {
         "format": FORMAT,
         "endpoints": endpoints,
+        "job": job or {},
         "epoch": state.epoch,
         "delta": _delta_dict(delta) if delta is not None and state.plan is not None else None,
         "acked": sorted(state.acked),

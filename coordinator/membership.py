@@ -346,8 +346,9 @@ def _recovered(state: State, config: Config, now: float) -> Result:
                     running=frozenset(back), tracker=tracker, recovering=frozenset(), recovered_plan=None,
                     recovered_devices={}, recovered_acked=frozenset(), result=PlanResult(plan=plan, status="recovered",
                                                                                       reason="from the journal"))
+    reached = max([state.last_step, *(state.workers[n].step for n in back)])  # (each said so registering again)
     effects: list[Effect] = [Log("recovered", {"epoch": state.epoch, "members": back, "missing": missing,
-                                               "step": state.last_step,
+                                               "step": reached,
                                                "seconds": round(now - state.recovery_since, 3)})]
     if not missing and not was_pending:
         state = replace(state, running=frozenset())

@@ -15,7 +15,8 @@
   workers train on, register again by themselves, no step is missing, the next join is planned.
 - a damaged journal is moved aside and said; the job resumes from the newest checkpoint.
 - `ctl checkpoint` writes one at the next step boundary; a worker that cannot write the
-  checkpoint dir says so at join, with the path, and is never given work.
+  checkpoint dir says so at join, with the path, and is never given work; the coordinator's
+  SIGTERM writes one before it stops the workers; another job is refused on that state dir.
 
 (Preemption in a sharded layout and the drain deadline are tested in test_sharded.py.)
 """
@@ -214,6 +215,24 @@ def test_ctl_checkpoint_and_an_unwritable_checkpoint_dir(tmp_path: Path) -> None
         assert f"cannot write the checkpoint dir {ckpt}" in left["reason"], left
         assert all("w2" not in e["layout"]["members"] for e in job.events()
                    if e["kind"] == "plan" and e.get("layout")), "never given work"
+        ckpt.unlink()
+        (tmp_path / "moved").rename(ckpt)
+        # SIGTERM to the coordinator: a checkpoint at the next step boundary, then the workers stop.
+        assert job.coordinator is not None
+        seen = len(job.events())
+        job.coordinator.send_signal(signal.SIGTERM)
+        assert job.wait_coordinator(60) == 0, job.tail("coordinator.out")
+        after = job.events()[seen:]
+        asked = next(e for e in after if e["kind"] == "checkpoint_requested")
+        assert asked["reason"] == "the coordinator got SIGTERM", asked
+        last = next(e for e in after if e["kind"] == "checkpoint")
+        assert last["step"] > written["step"] and (Path(last["path"]) / "adaptrain.json").exists(), last
+    # The state dir is this job's: another job is refused there, naming both (not trained on its plan).
+    other = subprocess.run([sys.executable, "-m", "coordinator", "--bind", "tcp://127.0.0.1:0", "--job", MLP_JOB,
+                            "--insecure", "--state-dir", str(tmp_path / "state")], capture_output=True, text=True,
+                           timeout=120, cwd=ROOT)
+    assert other.returncode == 2 and "is the journal of job" in other.stderr and "Traceback" not in other.stderr, \
+        other.stderr
 
 
 @pytest.mark.timeout(400)
