@@ -220,6 +220,11 @@ class Trainer:
         store = CoordinatorStore(self.endpoint, is_aborted=lambda: self.agent.superseded(delta.epoch),
                                  timeout_s=self.config.group_timeout_s, keys=self.config.keys)
         superseded = lambda: self.agent.superseded(delta.epoch)  # noqa: E731
+        if self.checkpoints.busy() and not delta.abort:
+            # A checkpoint of the epoch being left is being written: DCP resolves its ranks through
+            # the default group, which the new epoch replaces. It finishes first (about a second).
+            self.log(f"epoch {delta.epoch}: waiting for the checkpoint being written")
+            self.checkpoints.wait(self.config.group_timeout_s)
         if delta.resume_path and not self._resume(delta):
             return None
         try:
@@ -474,8 +479,9 @@ class Trainer:
             pg = self._checkpoint_group(g)
         except RuntimeError as e:  # a member never came (it failed: the coordinator re-plans)
             self.log(f"checkpoint of step {self.step} skipped: {str(e).splitlines()[0]}")
-            self.agent.send(Checkpointed(name=self.name, step=self.step, path="", seconds=0.0, bytes=0,
-                                         error=f"the checkpoint group did not form: {str(e).splitlines()[0][:300]}"))
+            if g.rank == 0:
+                self.agent.send(Checkpointed(name=self.name, step=self.step, path="", seconds=0.0, bytes=0,
+                                             error=f"the checkpoint group did not form: {str(e).splitlines()[0][:300]}"))
             return
         state = checkpoint.state_dict(self.model, self.optimizer, self.step)
 
@@ -498,17 +504,19 @@ class Trainer:
         wants a CPU backend), registered with c10d; older epochs' ones are forgotten once unused."""
         if self.checkpoint_groups and self.checkpoint_groups[-1][0] == g.epoch:
             return self.checkpoint_groups[-1][1]
-        cpu = torch.device("cpu")
-        raw = comm.form_group(g.store, g.epoch, g.rank, len(g.members), cpu, timeout_s=self.config.group_timeout_s,
-                              superseded=lambda: self.agent.superseded(g.epoch), part="ckpt/")
-        store = dist.PrefixStore(f"epoch{g.epoch}/ckpt/", g.store)  # type: ignore[attr-defined]
-        default = dist.is_initialized()  # DCP needs a default group: a replicated epoch registers none
-        pg = meshes.register(raw, store, g.rank, len(g.members), g.epoch, cpu, part="ckpt" if default else "",
-                             ranks=list(range(len(g.members))))
         for old_epoch, old in list(self.checkpoint_groups):
             if not self.checkpoints.in_use(old):
                 meshes.forget(old)
                 self.checkpoint_groups.remove((old_epoch, old))
+        cpu = torch.device("cpu")
+        raw = comm.form_group(g.store, g.epoch, g.rank, len(g.members), cpu, timeout_s=self.config.group_timeout_s,
+                              superseded=lambda: self.agent.superseded(g.epoch), part="ckpt/")
+        store = dist.PrefixStore(f"epoch{g.epoch}/ckpt/", g.store)  # type: ignore[attr-defined]
+        # DCP resolves ranks through the default group: a sharded epoch's whole group is it (same
+        # members, same ranks); a replicated epoch registers none, so this group becomes it (an older
+        # epoch's write still running after an abort is left to fail with its dead member).
+        pg = meshes.register(raw, store, g.rank, len(g.members), g.epoch, cpu,
+                             part="ckpt" if g.layout.sharded else "", ranks=list(range(len(g.members))))
         self.checkpoint_groups.append((g.epoch, pg))
         return pg
 
