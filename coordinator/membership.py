@@ -115,7 +115,8 @@ def apply(state: State, event: Event, config: Config, *, now: float) -> Result:
                 gap = now - previous
                 return replace(state, workers={n: replace(w, last_seen=min(now, w.last_seen + gap))
                                                for n, w in state.workers.items()}), []
-            if state.recovering and now - state.recovery_since > config.recovery_grace_s:
+            if state.recovered_plan is not None and (not state.recovering
+                                                     or now - state.recovery_since > config.recovery_grace_s):
                 return _recovered(state, config, now)  # whoever is not back by now has failed
             effects: list[Effect] = []
             replan_due = False
@@ -210,15 +211,13 @@ def _join(state: State, msg: Join, config: Config, now: float) -> Result:
         return state, [Send(msg.name, Error(code=ERR_NAME_TAKEN,
                                             message=f"a live worker is already named {msg.name!r}; "
                                                     "start this one with another --name"))]
-    back = msg.name in state.recovering and msg.epoch == state.epoch
+    back = msg.name in state.recovering  # (at the journaled epoch, or the one before it if the plan was pending)
     worker = Worker(name=msg.name, host=msg.host, device=msg.device, pid=msg.pid, joined_at=now,
                     last_seen=now, epoch=msg.epoch if back else 0, step=msg.step if back else 0)
     device = Device(name=msg.name, host=msg.host, kind=msg.device, flops=max(msg.flops, 1.0),
                     memory_bytes=msg.memory_bytes, threads=max(msg.threads, 1), host_cores=msg.cores)
     if back and msg.name in state.recovered_devices:  # what was measured of it before the restart
         device = state.recovered_devices[msg.name]
-    elif msg.name in state.recovering:  # it is not in the journaled epoch any more: a newcomer
-        state = replace(state, recovering=state.recovering - {msg.name})
     state = replace(state, workers={**state.workers, msg.name: worker},
                     cluster=state.cluster.with_device(device).with_peer_calibration(msg.name))
     effects: list[Effect] = [Welcome(msg.name),
@@ -341,7 +340,8 @@ def _recovered(state: State, config: Config, now: float) -> Result:
     tracker = steps.start(state.epoch, plan.members, plan.predicted_step_s, {c.name: c.compute_s for c in plan.costs},
                           hosts, loads={h: state.cluster.load(h, back) for h in set(hosts.values())},
                           legacy=config.stability != "calm")
-    was_pending = not set(plan.members) <= state.recovered_acked
+    was_pending = (not set(plan.members) <= state.recovered_acked  # not in place everywhere at the crash
+                   or any(state.workers[n].epoch != state.epoch for n in back))
     state = replace(state, plan=plan, acked=frozenset(back) & state.recovered_acked if was_pending else frozenset(back),
                     running=frozenset(back), tracker=tracker, recovering=frozenset(), recovered_plan=None,
                     recovered_devices={}, recovered_acked=frozenset(), result=PlanResult(plan=plan, status="recovered",

@@ -93,3 +93,17 @@ def test_reports_sent_again_out_of_order_are_all_logged(tmp_path: Path) -> None:
         sim(m.MadeReady(name))
     logged = [s for step in (8, 9, 14, 10, 11, 14, 12, 13, 15) for s in [x["step"] for x in logs(sim(report("a", step)), "step")]]
     assert sorted(logged) == list(range(8, 16)) and len(logged) == 8, logged
+
+
+def test_a_member_back_from_the_epoch_before_makes_the_plan_switch_again(tmp_path: Path) -> None:
+    """The coordinator died with its plan not in place everywhere: a member registers again at the
+    epoch before. It is back (not a newcomer), and the members re-plan once all are."""
+    _, values = _journaled(tmp_path)
+    sim = Sim(config=_config(checkpoint_dir="/ck"), state=recover(values, now=100.0))
+    sim(_back("a"))
+    sim(m.MadeReady("a"))
+    sim(m.Joined(replace(_join_msg("b"), epoch=0, step=9)))
+    effects = sim(m.MadeReady("b"))
+    assert logs(effects, "recovered")[0]["missing"] == []
+    delta = deltas(effects)["a"]
+    assert delta.abort and delta.epoch == 2 and set(delta.members) == {"a", "b"}
