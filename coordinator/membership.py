@@ -306,7 +306,8 @@ def _acked(state: State, ack: Ack, config: Config, now: float) -> Result:
     if state.pending:
         return state, []
     state = replace(state, running=frozenset(),
-                    cluster=state.cluster.with_reshard(state.reshard_bytes, state.reshard_s))
+                    cluster=state.cluster.with_reshard(state.reshard_bytes, state.reshard_s),
+                    slices_possible=state.plan is not None and state.plan.dp_shard > 1)  # every member switched
     plan = state.plan
     assert plan is not None  # not pending, and ack.name was a member
     # Drained workers switched out with everyone else: now they can go.

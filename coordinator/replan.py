@@ -115,9 +115,13 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
         result = replace(result, reason=f"{result.reason}; changed: {'; '.join(state.changed)}")
     epoch = state.epoch + 1
     resume = state.resume
+    # Whether anyone may hold slices: the members then all enter by the slice reshard (their own
+    # holdings cannot decide it: a fenced or standby worker may still hold an old sharded executor).
+    from_sharded = state.slices_possible or (state.plan is not None and state.plan.dp_shard > 1)
     delta = PlanDelta(epoch=epoch, reason=reason, layout=MeshLayout(**new.layout.to_dict()),
                       global_batch=config.global_batch, abort=abort, senders=senders, micro_batch=list(new.micro),
-                      resume_path=resume.path if resume else "", resume_step=resume.step if resume else 0)
+                      resume_path=resume.path if resume else "", resume_step=resume.step if resume else 0,
+                      from_sharded=from_sharded)
     if resume is not None:
         result = replace(result, reason=f"{result.reason}; every member loads checkpoint {resume.path} "
                                         f"(step {resume.step})")
@@ -129,6 +133,7 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
     guessed = any(state.cluster.is_guess(n) for n in new.members)
     tracker = steps.start(epoch, new.members, new.predicted_step_s, {c.name: c.compute_s for c in new.costs}, hosts,
                           loads=loads, legacy=not calm)
+    state = replace(state, slices_possible=from_sharded or new.dp_shard > 1)
     state = replace(state, workers=workers, delta=delta, epoch=epoch, plan=new, result=result, tracker=tracker,
                     acked=frozenset(), reshard_bytes=0, reshard_s=0.0, reshard_largest_sender=0, running=frozenset(holders),
                     changed=(),

@@ -355,6 +355,7 @@ class PlanDelta:
     micro_batch: list[int] = field(default_factory=list)  # per member: samples per forward (0 / empty: whole share)
     resume_path: str = ""  # the state is lost: every member loads this checkpoint first ("": none)
     resume_step: int = 0  # ... which holds the state after this step
+    from_sharded: bool = False  # some member may hold slices of a sharded layout: every member enters by the slice reshard
 
     @property
     def members(self) -> list[str]:

@@ -230,7 +230,7 @@ class Trainer:
         try:
             group = groups.form(store, delta, ranks, rank, self.device, timeout_s=self.config.group_timeout_s,
                                 superseded=superseded)
-            if group.layout.sharded or self.sharded is not None or senders:
+            if group.layout.sharded or delta.from_sharded or senders:
                 # Any epoch with sharded state on either side goes through the slice reshard.
                 local, received = self._reshard(group)
                 if self.name not in delta.members:
@@ -242,8 +242,9 @@ class Trainer:
                                                    superseded=superseded)
                 self._build_executor(group, local)
             else:  # replicated to replicated keeps the model and sends whole states (the fast path)
-                if self.stale and isinstance(self.model, FSDPModule):
-                    self._build()  # it handed its slices over: a plain model to receive the state into
+                if self.stale and (self.sharded is not None or isinstance(self.model, FSDPModule)):
+                    self._forget_groups()  # it handed its slices over or was fenced: a plain model
+                    self._build()  # to receive the state into
                     self.stale = True
                 received, self.largest_sender = epoch.reconcile(
                     group.pg, group.rank, len(group.members), -1 if self.stale else self.step, self._state,

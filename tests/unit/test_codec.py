@@ -178,7 +178,7 @@ def test_int_is_accepted_for_float() -> None:
 def test_nested_list_items_are_checked() -> None:
     layout = {"dp_replicate": 2, "dp_shard": 1, "pp": 1, "tp": 1, "members": ["a", "b"], "shares": [1, 2]}
     good = {"v": t.PROTOCOL_VERSION, "kind": "PlanDelta", "epoch": 1, "reason": "", "layout": layout,
-            "global_batch": 3, "abort": False, "senders": [], "micro_batch": [], "resume_path": "", "resume_step": 0}
+            "global_batch": 3, "abort": False, "senders": [], "micro_batch": [], "resume_path": "", "resume_step": 0, "from_sharded": False}
     assert decode(msgpack.packb(good, use_bin_type=True)).members == ["a", "b"]  # type: ignore[union-attr]
     _reject(good | {"layout": layout | {"members": ["a", 2]}}, match=r"PlanDelta.layout.members\[1\]: expected str")
     _reject(good | {"layout": layout | {"shares": [1, True]}}, match=r"shares\[1\]: expected int, got bool")
