@@ -187,6 +187,7 @@ class Core:
         self.state = m.State()
         self.journal, self.endpoints = journal, endpoints or {}
         self._graph_dict: tuple[Graph, dict[str, Any]] | None = None  # the graph as journaled, encoded once
+        self._journaled: tuple[Any, ...] | None = None  # the state's journaled fields when last written
         if journaled is not None:
             self.state = recover(journaled, now=time.monotonic())
             expected = sorted(self.state.recovering)
@@ -358,12 +359,19 @@ class Core:
     def _journal(self) -> None:
         """Write what changed to the journal (one small transaction; the graph is encoded once)."""
         assert self.journal is not None
+        st = self.state
+        # What `snapshot` reads; an event that changed none of it (a tick, a heartbeat) writes nothing.
+        read = (st.epoch, st.delta, st.plan, st.acked, st.cluster, st.last_step, st.finished, st.checkpoints,
+                st.resume, st.lost_at, st.graph)
+        if self._journaled is not None and all(a is b for a, b in zip(read, self._journaled)):
+            return
         graph = self.state.graph
         if graph is not None and (self._graph_dict is None or self._graph_dict[0] is not graph):
             self._graph_dict = (graph, graph.to_dict())
         try:
             self.journal.save(snapshot(self.state, self.endpoints, self._graph_dict[1] if self._graph_dict else None,
                                        job={"ref": self.job.ref, "sha256": self.job.sha256}))
+            self._journaled = read  # (a failed write is tried again at the next event)
         except Exception as e:  # noqa: BLE001 (a full disk must not stop training: said, retried next event)
             self.refuse("journal", f"could not write the journal {self.journal.path}: {e}")
 
