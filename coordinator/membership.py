@@ -192,12 +192,13 @@ def apply(state: State, event: Event, config: Config, *, now: float) -> Result:
 
 
 def _nudge(state: State, name: str, epoch: int, config: Config, now: float) -> Result:
-    """A member of the pending plan still heartbeats an older epoch a lease after the plan went out:
-    it may have lost the delta (a reconnect, a fenced worker re-joining), so send it again. A worker
-    that has it already just replaces it with the same message."""
+    """A member (or a sender) of the pending plan still heartbeats an older epoch a lease after the
+    plan went out: it may have lost the delta (a reconnect, a fenced worker re-joining), so send it
+    again. A worker that has it already just replaces it with the same message."""
     w = state.workers[name]
     lagging = (state.pending and state.delta is not None and state.plan is not None
-               and name in state.plan.members and name not in state.acked and epoch < state.epoch)
+               and (name in state.plan.members or name in state.delta.senders)
+               and name not in state.acked and epoch < state.epoch)
     if not lagging or now - w.nudged_at < config.lease_s:
         return state, []
     delta = state.delta

@@ -81,12 +81,22 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
         return state, [*said, *effects]
     new = result.plan
     handoff = None
-    # A sharded state: every holder that leaves (alive, planned out) sends its slices in the new
-    # epoch's group, then goes. A replicated one: any holder has it all; one stays to hand it over
-    # only when none would stay.
-    sharded = state.plan is not None and state.plan.dp_shard > 1
-    senders = [n for n in holders if n not in new.members] if sharded else []
-    if not sharded and holders and not set(holders) & set(new.members):
+    # Slices may be held (a sharded plan was sent since the last replicated one in place
+    # everywhere): every holder that leaves (alive, planned out) sends what it holds in the new
+    # epoch's group, then goes. A replicated state: any holder has it all, and one that leaves hands
+    # it over only when none would stay: as a sender when the new layout is sharded (the slice
+    # reshard takes a whole replica), else as a member with no samples for one epoch.
+    # (Whether anyone may hold slices decides how the members enter, too: their own holdings cannot,
+    # since a fenced or standby worker may still hold an old sharded executor.)
+    from_sharded = state.slices_possible or (state.plan is not None and state.plan.dp_shard > 1)
+    leaving = [n for n in holders if n not in new.members]
+    none_stays = bool(holders) and leaving == holders
+    senders: list[str] = []
+    if from_sharded:
+        senders = leaving
+    elif none_stays and new.dp_shard > 1:
+        senders = leaving[:1]
+    elif none_stays:
         # No state holder stays: keep one leaving holder for one epoch with no samples, so that it
         # hands its state to the newcomers inside the new group; the next plan lets it go.
         handoff = holders[0]
@@ -115,9 +125,6 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
         result = replace(result, reason=f"{result.reason}; changed: {'; '.join(state.changed)}")
     epoch = state.epoch + 1
     resume = state.resume
-    # Whether anyone may hold slices: the members then all enter by the slice reshard (their own
-    # holdings cannot decide it: a fenced or standby worker may still hold an old sharded executor).
-    from_sharded = state.slices_possible or (state.plan is not None and state.plan.dp_shard > 1)
     delta = PlanDelta(epoch=epoch, reason=reason, layout=MeshLayout(**new.layout.to_dict()),
                       global_batch=config.global_batch, abort=abort, senders=senders, micro_batch=list(new.micro),
                       resume_path=resume.path if resume else "", resume_step=resume.step if resume else 0,
@@ -126,7 +133,7 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
         result = replace(result, reason=f"{result.reason}; every member loads checkpoint {resume.path} "
                                         f"(step {resume.step})")
     old = set(state.plan.members) if state.plan else set()
-    recipients = sorted((old | set(new.members)) & set(state.workers))
+    recipients = sorted((old | set(new.members) | set(senders)) & set(state.workers))
     workers = {n: replace(w, nudged_at=now) if n in recipients else w for n, w in state.workers.items()}
     hosts = {n: state.cluster.devices[n].host for n in new.members if n in state.cluster.devices}
     loads = {h: state.cluster.load(h, new.members) for h in set(hosts.values())}

@@ -14,6 +14,7 @@ import pytest
 from coordinator import membership as m
 from plan import Graph
 from plan.graph import Layer
+from plan.layout import parse_pin
 from transport import (ERR_NAME_TAKEN, ERR_STALE_EPOCH, Abort, Ack, Checkpointed, CheckpointNow, Error, Join, PlanDelta,
                        ResumeFailed, StateLost, StepReport, Stop)
 
@@ -673,3 +674,47 @@ def test_a_coordinator_stall_fails_nobody_for_the_heartbeats_it_did_not_read() -
         if failed:
             break
     assert failed == [{"worker": "b", "detected_by": "lease"}]
+
+
+def _sharded_sim() -> Sim:
+    """A job pinned to `--layout dp=1` (every member a shard: FSDP over all of them), with a graph,
+    trained by "a" alone (a whole replica: one member), which is then drained while "b" and "c"
+    are ready to take over (made ready together: one re-plan)."""
+    sim = Sim(config=_config(layout=parse_pin("dp=1")))
+    sim(m.GraphReceived(GRAPH))
+    sim.running("a")
+    sim(report("a", 1))
+    sim.join("b", ready=False)
+    sim.join("c", ready=False)
+    sim.state = replace(sim.state, workers={n: replace(w, ready=True) for n, w in sim.state.workers.items()})
+    return sim
+
+
+def test_a_whole_replica_hands_its_state_to_a_sharded_plan_as_a_sender() -> None:
+    """The only holder (one member: a whole replica) is drained and two newcomers are planned as
+    shards: it hands the state over as a sender, never as a member with no samples (which would
+    make the pinned all-shards layout a replicated one)."""
+    sim = _sharded_sim()
+    effects = sim(m.DrainRequested("a"))
+    d = the_delta(effects)
+    assert d.members == ["b", "c"] and d.layout.dp_replicate == 1 and d.layout.dp_shard == 2, d
+    assert d.senders == ["a"] and "a" in deltas(effects), "the sender is told, or the members wait for it"
+
+
+def test_a_sender_outside_the_last_plan_is_still_told_and_nudged() -> None:
+    """A holder that handed off in an epoch that never completed stays a sender of the next one,
+    though it is in neither the last plan nor the new one: it must get that delta (the chaos suite
+    hung on this: the members waited at the rendezvous for a rank nobody told), and again if it
+    still heartbeats an older epoch a lease later."""
+    sim = _sharded_sim()
+    sim.join("d", ready=False)
+    sim.state = replace(sim.state, workers={n: replace(w, ready=True) for n, w in sim.state.workers.items()})
+    sim(m.DrainRequested("a"))
+    assert sim.state.plan is not None and sim.state.plan.members == ("b", "c", "d")
+    sim.ack("b")  # the switch is not complete everywhere: c and d never acknowledge
+    effects = sim(m.Lost("c", "disconnect"))
+    d = the_delta(effects)
+    assert "a" in d.senders and "a" not in d.members and "a" in deltas(effects), d
+    sim.now += LEASE_S * 1.5
+    effects = sim(m.Seen("a", epoch=d.epoch - 1, step=1))
+    assert "a" in deltas(effects), "a sender that lost the delta is sent it again"
