@@ -60,6 +60,7 @@ from coordinator.state import (
     Worker,
 )
 from plan import Device, PlanResult
+from plan.cost import step_comm_features
 from plan.prediction import repredict
 from transport import (ERR_NAME_TAKEN, ERR_STALE_EPOCH, Abort, Ack, Checkpointed, CheckpointNow, Error, Join,
                        ResumeFailed, SaveModel, Slowdown, StepReport, Stop)
@@ -245,8 +246,11 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
         for f in findings:
             match f:
                 case steps.Measured(ranks=ranks, comm_s=comm_s) if state.graph is not None:
-                    cluster = cluster.with_allreduce(ranks, state.graph.param_bytes, comm_s,
-                                                     cross_host=cluster.spans_hosts(tracker.members))
+                    # The step's communication as the cost model has it: an all-reduce, or
+                    # FSDP's gathers and scatters with the copies (the workers time those too).
+                    shards = state.plan.dp_shard if state.plan is not None and tracker.epoch == state.epoch else 1
+                    f0, f1 = step_comm_features(state.graph, ranks, shards)
+                    cluster = cluster.with_comm(f0, f1, comm_s, cross_host=cluster.spans_hosts(tracker.members))
                 case steps.SpeedChange(name=name, kind=kind, speed=speed, expected=expected, recent=recent):
                     changes.append(kind)
                     if kind != "calibration":  # (a calibration's measurements are the model already)

@@ -279,7 +279,13 @@ class Cluster:
         """Fold one measured ring all-reduce (its pure communication time) into the link fit."""
         if ranks < 2:
             return self
-        f0, f1 = 2.0 * (ranks - 1), 2.0 * (ranks - 1) / ranks * n_bytes
+        return self.with_comm(2.0 * (ranks - 1), 2.0 * (ranks - 1) / ranks * n_bytes, seconds, cross_host=cross_host)
+
+    def with_comm(self, f0: float, f1: float, seconds: float, *, cross_host: bool) -> Cluster:
+        """Fold one step's measured communication, modelled as α·f0 + β·f1 (`step_comm_features`),
+        into the link fit."""
+        if f0 <= 0 and f1 <= 0:
+            return self
         if cross_host:
             return replace(self, inter_host=self.inter_host.observe(f0, f1, seconds))
         return replace(self, intra_host=self.intra_host.observe(f0, f1, seconds))

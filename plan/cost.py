@@ -135,6 +135,23 @@ def hsdp_comm_s(graph: Graph, replicas: int, shards: int, link: Link) -> float:
             + allreduce_s(graph.param_bytes / max(shards, 1), replicas, link))
 
 
+def step_comm_s(graph: Graph, members: int, dp_shard: int, link: Link) -> float:
+    """The modelled communication of one step of a plan of `members` with `dp_shard` shards per
+    replica: the gradients' all-reduce when every member is a replica, else the sharded step
+    (`sharded_comm_s`) or HSDP's (`hsdp_comm_s`)."""
+    if dp_shard <= 1:
+        return allreduce_s(graph.param_bytes, members, link)
+    replicas = max(members // dp_shard, 1)
+    return sharded_comm_s(graph, dp_shard, link) if replicas == 1 else hsdp_comm_s(graph, replicas, dp_shard, link)
+
+
+def step_comm_features(graph: Graph, members: int, dp_shard: int) -> tuple[float, float]:
+    """(messages, bytes) of `step_comm_s`: its time is α·f0 + β·f1 over any link (every term is
+    linear in α and β), which is what a measured step's communication fits the link by."""
+    return (step_comm_s(graph, members, dp_shard, Link(alpha_s=1.0, beta_s_per_byte=0.0)),
+            step_comm_s(graph, members, dp_shard, Link(alpha_s=0.0, beta_s_per_byte=1.0)))
+
+
 def pipeline_step_s(stage_s_per_micro_batch: Sequence[float], micro_batches: int,
                     boundary_bytes: Sequence[float] = (), link: Link | None = None) -> float:
     """One 1F1B pipeline step: (m + p − 1) × the slowest stage's forward + backward time per

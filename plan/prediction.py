@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from plan.cluster import Cluster
-from plan.cost import allreduce_s, hsdp_comm_s, memory_bytes, sharded_comm_s, sharded_static_bytes
+from plan.cost import allreduce_s, memory_bytes, sharded_static_bytes, step_comm_s
 from plan.graph import Graph
 from plan.layout import Layout
 
@@ -95,7 +95,7 @@ def predict_sharded(cluster: Cluster, graph: Graph, members: Sequence[str], shar
         raise ValueError(f"{n} members do not split into {replicas} replicas")
     shards = n // replicas
     link = cluster.link(members)
-    comm = sharded_comm_s(graph, n, link) if replicas == 1 else hsdp_comm_s(graph, replicas, shards, link)
+    comm = step_comm_s(graph, n, shards, link)
     static = sharded_static_bytes(graph, shards, copies=replicas == 1, optimizer_state_factor=graph.optimizer_state_factor)
     busiest = max((c.compute_s + c.overhead_s for c in base.costs), default=0.0)
     micro = tuple(micro) or (0,) * n

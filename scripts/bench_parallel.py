@@ -216,12 +216,13 @@ def reshard_join(job_ref: str, workdir: Path) -> dict[str, Any]:
     scenario = workdir / "scenario.json"
     path, name = job_ref.split(":")
     scenario.write_text(json.dumps({"processes": ["a", "b", "c"], "job": str(Path(path).resolve().relative_to(ROOT)),
-                                    "job_name": name, "graph": str(graph), "port": _free_port(),
+                                    "job_name": name, "graph": str(graph),
                                     # c joins, is drained, joins again, ...: JOINS joins measured
                                     "epochs": [{"layout": layout(["a", "b"]), "steps": 1},
                                                *[{"layout": layout(m), "steps": 1} for _ in range(JOINS)
                                                  for m in (["a", "b", "c"], ["a", "b"])]]}))
     harness = ROOT / "tests" / "system" / "parallel_harness.py"
+    (workdir / "store.port").unlink(missing_ok=True)  # (process a writes its store's port there)
     procs = [subprocess.Popen([sys.executable, str(harness), str(scenario), n, str(workdir)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for n in ("a", "b", "c")]
     outs = [p.communicate(timeout=600)[0].decode(errors="replace") for p in procs]

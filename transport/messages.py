@@ -132,7 +132,9 @@ class StepReport:
     `loss` is the loss of the whole global batch (identical on every replica); `compute_s` is the
     time spent in forward/backward on this replica's share (stretched by a `--slowdown`), `comm_s`
     the time from issuing the gradient all-reduce to its end (waiting for slower replicas
-    included), `step_s` the wall time of the step. The coordinator refines its cost model from
+    included), `step_s` the wall time of the step. In a sharded layout FSDP2's gathers and
+    reduce-scatters (and the copies' exchange) run inside forward/backward: their time, waits
+    included, is counted in `comm_s`, not `compute_s`. The coordinator refines its cost model from
     these: compute speed, pure communication (the smallest `comm_s` of a step) and the overhead
     `step_s − compute_s − comm_s` (copying gradients, the optimizer step).
     `digest` is a hash of the parameters after the step when the worker runs with

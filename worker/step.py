@@ -120,6 +120,7 @@ def sharded(t: Trainer, g: Group, sharded: Sharded) -> PlanDelta | None:
     start, stop = g.layout.batch_slice(g.rank)
     ids = sample_ids(job.seed, t.step, len(job.dataset), G)[start:stop]
     sharded.optimizer.zero_grad(set_to_none=True)
+    sharded.comm.take()  # (FSDP2's gathers and scatters of this step from here on)
     loss_sum = torch.zeros((), dtype=torch.float64, device=t.device)
     # Micro-batches: every member runs as many forward/backward passes as the member that needs
     # the most (each pass gathers the units), with no samples once its own share is done.
@@ -143,11 +144,15 @@ def sharded(t: Trainer, g: Group, sharded: Sharded) -> PlanDelta | None:
         if is_comm_error(e) or t.agent.superseded(g.epoch):
             raise Superseded(f"the step's gathers failed: {str(e).splitlines()[0][:200]}") from None
         raise
-    compute_s = time.perf_counter() - t0
+    # This member's own compute: the step so far less FSDP2's collectives (where it also waited
+    # for the slowest member), which count as communication, as the cost model has them.
+    gathers_s = sharded.comm.take()
+    compute_s = time.perf_counter() - t0 - gathers_s
     factor = t.agent.slowdown
-    if factor > 1.0 and len(ids):  # the --slowdown test knob
+    if factor > 1.0 and len(ids):  # the --slowdown test knob: its own compute stretched
+        t_slow = time.perf_counter()
         time.sleep((factor - 1.0) * compute_s)
-        compute_s = time.perf_counter() - t0
+        compute_s += time.perf_counter() - t_slow
     _pause(t, "backward")
     # Every member gets its copy's gradients: from here on the step may be rolled forward.
     t_copies = time.perf_counter()
@@ -155,6 +160,7 @@ def sharded(t: Trainer, g: Group, sharded: Sharded) -> PlanDelta | None:
                        for _, p in sharded.model.named_parameters()),
                       g.members, g.pg, lambda work, buf: t.wait(g, work, buf), t.device)
     t.redundancy_s = time.perf_counter() - t_copies  # (what the copies cost this step: --trace-steps)
+    gathers_s += t.redundancy_s
     _pause(t, "exchange")
     t.pending = True
     grads = [gr for p in t.params if (gr := local_grad(p)) is not None]
@@ -168,7 +174,7 @@ def sharded(t: Trainer, g: Group, sharded: Sharded) -> PlanDelta | None:
                        torch.tensor(1.0 if t.agent.checkpoint_waiting() else 0.0, dtype=torch.float64)]).to(t.device)
     t_comm = time.perf_counter()
     t.wait(g, g.pg.allreduce([buf]), buf)
-    comm_s = time.perf_counter() - t_comm
+    comm_s = time.perf_counter() - t_comm + gathers_s
     grad_norm = float(buf[1].sqrt())
     _pause(t, "optimizer")
     if t.config.pause_at == ("abandon", t.step + 1):

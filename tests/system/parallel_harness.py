@@ -37,6 +37,24 @@ from worker import epoch as epoch_entry  # noqa: E402
 from worker.parallel.slices import LocalState, execute, from_module  # noqa: E402
 
 
+def _store(out: Path, names: list[str], me: str) -> Any:
+    """The TCPStore process 0 serves on a port the OS picks (port 0: no race with other tests for a
+    port chosen beforehand); it writes the port to OUT/store.port, where the others read it."""
+    port_file = out / "store.port"
+    timeout = timedelta(seconds=60)
+    if names.index(me) == 0:
+        store = dist.TCPStore("127.0.0.1", 0, len(names), True, timeout, wait_for_workers=False)  # type: ignore[attr-defined]
+        (out / "store.port.partial").write_text(str(store.port))
+        (out / "store.port.partial").rename(port_file)
+        return store
+    deadline = time.monotonic() + 60
+    while not port_file.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{port_file} never appeared")
+        time.sleep(0.01)
+    return dist.TCPStore("127.0.0.1", int(port_file.read_text()), len(names), False, timeout)  # type: ignore[attr-defined]
+
+
 def main() -> None:
     scenario = json.loads(Path(sys.argv[1]).read_text())
     me = sys.argv[2]
@@ -46,7 +64,7 @@ def main() -> None:
     graph = Graph.from_dict(json.loads(Path(scenario["graph"]).read_text()))
     tensors = [TensorShape(t.fqn, t.rows, t.numel) for t in graph.tensors]
     device = torch.device("cpu")
-    store = dist.TCPStore("127.0.0.1", scenario["port"], len(names), names.index(me) == 0, timedelta(seconds=60))  # type: ignore[attr-defined]
+    store = _store(out, names, me)
 
     torch.manual_seed(job.seed)  # step 0: every process can build the seeded model
     model0 = job.model()

@@ -13,7 +13,6 @@ epochs; the coordinator is not involved here):
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -51,12 +50,6 @@ def _reference(job: Job, steps: int) -> list[float]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _layout(members: list[str], shares: list[int], *, shard: bool, replicas: int = 1) -> dict[str, Any]:
     n = len(members)
     if shard:
@@ -71,7 +64,8 @@ def _run(tmp_path: Path, ref: str, processes: list[str], epochs: list[dict[str, 
     graph.write_text(json.dumps(capture_graph(_job(ref)).to_dict()))
     scenario = tmp_path / "scenario.json"
     scenario.write_text(json.dumps({"processes": processes, "job": job_path, "job_name": job_name,
-                                    "graph": str(graph), "port": _free_port(), "epochs": epochs}))
+                                    "graph": str(graph), "epochs": epochs}))
+    (tmp_path / "store.port").unlink(missing_ok=True)  # (process 0 writes its store's port there)
     procs = [subprocess.Popen([sys.executable, str(HARNESS), str(scenario), name, str(tmp_path)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for name in processes]
     outputs = [p.communicate(timeout=300)[0].decode(errors="replace") for p in procs]

@@ -378,3 +378,25 @@ def test_a_slice_and_its_copy_both_lost_stop_the_job_naming_them(tmp_path: Path)
         assert exits["w3"] == 0, job.tail("w3")
         assert job.wait_coordinator(30) is not None
         assert max(job.steps()) < NUM_STEPS, "nothing trained on after the loss"
+
+
+@pytest.mark.timeout(300)
+def test_a_sharded_members_speed_is_its_own_compute_not_the_slowest_members(tmp_path: Path) -> None:
+    """In a sharded step every member waits for the slowest inside FSDP2's gathers, so its raw step
+    time is the slowest member's whatever its own share. The workers time those collectives apart:
+    the planner sees w2 (`--slowdown 4`) about 4x slower than w1 and gives w1 the larger share.
+    (Counted with the waits, a small share read as a slow device and a share of 0 once measured as
+    an infinitely fast one: the chaos suite saw plans of one member and of members with no samples.)"""
+    paced = f"{Path(__file__).resolve().parents[2] / 'examples' / 'paced.py'}:job"
+    with LocalJob(paced, tmp_path, min_workers=2, coordinator_args=["--layout", "dp=1"]) as job:
+        job.start()
+        job.add_worker("w1")
+        job.add_worker("w2", "--slowdown", "4")
+        job.wait_step(60, 240)
+        workers = {w["name"]: w for w in job.ctl("status")["workers"]}
+        speeds = {n: float(w["speed"]) for n, w in workers.items()}
+        plan = max((e for e in job.events() if e["kind"] == "plan"), key=lambda e: e["epoch"])
+        job.ctl("stop")
+        assert 2.5 <= speeds["w1"] / speeds["w2"] <= 6, speeds
+        shares = dict(zip(plan["layout"]["members"], plan["layout"]["shares"]))
+        assert shares.get("w1", 0) > 2 * shares.get("w2", 0) > 0, (shares, speeds)

@@ -17,6 +17,7 @@ the parameters (DTensor); a job may ask for bf16 compute (`MixedPrecisionPolicy`
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,21 @@ from worker.parallel.slices import PARAM, LocalState, Piece
 
 Wait = Callable[[Any, torch.Tensor | None], None]  # the trainer's abortable wait (raises when superseded)
 
-__all__ = ["Sharded", "apply_fsdp", "extract"]
+__all__ = ["CommTime", "Sharded", "apply_fsdp", "extract"]
+
+
+@dataclass(slots=True)
+class CommTime:
+    """Seconds this member spent in FSDP2's gathers and scatters since the last `take`, waiting for
+    slower members included: a step's compute is its time less this (inside forward and backward,
+    FSDP2 waits for every member at each unit, so the raw time is the slowest member's, whatever
+    this member's share; the planner would read a small share as a slow device)."""
+
+    seconds: float = 0.0
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
 
 
 @dataclass(slots=True)
@@ -44,6 +59,7 @@ class Sharded:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     mesh: DeviceMesh
+    comm: CommTime
 
 
 def apply_fsdp(job: Job, units: Sequence[str], layout: Layout, rank: int, mesh: DeviceMesh, local: LocalState,
@@ -67,13 +83,14 @@ def apply_fsdp(job: Job, units: Sequence[str], layout: Layout, rank: int, mesh: 
         if any(True for _ in module.parameters()):
             fully_shard(module, **kwargs)
     fully_shard(model, **kwargs)
+    comm = CommTime()
     for module in model.modules():
         if isinstance(module, FSDPModule):  # exact sums on gloo (no PREMUL_SUM)
             module.set_force_sum_reduction_for_comms(True)
             module.set_gradient_divide_factor(1.0)
             if wait is not None:
-                module.set_custom_all_gather(AbortableAllGather(wait))
-                module.set_custom_reduce_scatter(AbortableReduceScatter(wait))
+                module.set_custom_all_gather(AbortableAllGather(wait, comm))
+                module.set_custom_reduce_scatter(AbortableReduceScatter(wait, comm))
     model.to_empty(device=device)
     with torch.no_grad():
         for fqn, p in model.named_parameters():
@@ -86,15 +103,16 @@ def apply_fsdp(job: Job, units: Sequence[str], layout: Layout, rank: int, mesh: 
                 buf.copy_(local.buffers[name])
     optimizer = job.optimizer(model.parameters())
     _load_optimizer(optimizer, model, layout, rank, local)
-    return Sharded(model=model, optimizer=optimizer, mesh=mesh)
+    return Sharded(model=model, optimizer=optimizer, mesh=mesh, comm=comm)
 
 
 class _FreshBuffers:
     """Every call's output in a buffer of its own: an abandoned op that completes late writes into
-    memory nobody reads."""
+    memory nobody reads. Each call's time is added to `comm`."""
 
-    def __init__(self, wait: Wait) -> None:
+    def __init__(self, wait: Wait, comm: CommTime) -> None:
         self._wait = wait
+        self._comm = comm
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -107,8 +125,10 @@ class AbortableAllGather(_FreshBuffers, AllGather):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> dist.Work | None:
+        t0 = time.perf_counter()
         work = dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=True)
         self._wait(work, output_tensor)
+        self._comm.seconds += time.perf_counter() - t0
         return None
 
 
@@ -117,8 +137,10 @@ class AbortableReduceScatter(_FreshBuffers, ReduceScatter):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: Any, async_op: bool = False) -> dist.Work | None:
+        t0 = time.perf_counter()
         work = dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op, async_op=True)
         self._wait(work, output_tensor)
+        self._comm.seconds += time.perf_counter() - t0
         return None
 
 
