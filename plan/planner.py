@@ -435,7 +435,9 @@ def _standby_reason(ctx: _Ctx, name: str, chosen: Alternative, *, kept: bool) ->
         return f"--max-workers {ctx.limits.max_workers}"
     if kept:
         return "the current members are kept: a plan with it gains less than 3% of a step"
-    return f"too slow to pay for its part of the all-reduce: {ctx.speeds[name]:.3g} samples/s"
+    fixed = ctx.fixed.get(name, 0.0) + ctx.cluster.devices[name].overhead_s
+    per_step = f" after {fixed * 1e3:.0f} ms per step whatever its share" if fixed >= 1e-3 else ""
+    return f"too slow to pay for its part of the step's communication: {ctx.speeds[name]:.3g} samples/s{per_step}"
 
 
 def _too_small(ctx: _Ctx, usable: list[str]) -> str:
