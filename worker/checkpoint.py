@@ -20,9 +20,14 @@ mid-write blocks that thread only, until the group's timeout; the checkpoint the
 step ever waited for it. Why not DCP's `use_collectives=False`: every member would then write every
 replicated tensor, and it changes the checkpoint format.
 
-Loading (`load`) takes no group: each member checks the manifest's checksums and reads the whole
-checkpoint into the plain model (`no_dist`), as the seed path builds the whole model; the epoch's
-entry then keeps what its layout gives it.
+Loading takes no group: each member checks the manifest's checksums, then either reads the whole
+checkpoint into the plain model (`load`, for a replicated layout, `no_dist`) or, for a sharded one,
+only its own slices of every parameter and optimizer tensor plus the small whole-state part
+(buffers, optimizer scalars and hyper-parameters: `load_slices`), so that a model no member could
+hold whole resumes too. The epoch's entry then brings each member exactly what its layout gives it
+(the copies of a sharded layout come from their holders, as after any reshard). DCP reads a slice
+through a load planner that asks for one row range of each tensor (`_RowsPlanner`): DCP's own
+resharding does the rest, whatever layout wrote the checkpoint.
 """
 
 from __future__ import annotations
@@ -40,6 +45,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from plan.layout import Layout
+from plan.reshard import TensorShape
+from worker.parallel.slices import PARAM, LocalState, Piece
 
 MANIFEST = "adaptrain.json"
 FORMAT = 1  # the manifest's version
@@ -237,6 +250,138 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     if step != manifest["step"]:
         raise CheckpointError(f"{path}: holds step {step}, the manifest says {manifest['step']}")
     return step
+
+
+@dataclass(frozen=True, slots=True)
+class Slices:
+    """What `load_slices` read: the member's state, and the tensor bytes it read of how many."""
+
+    local: LocalState
+    read_bytes: int
+    total_bytes: int
+
+
+def load_slices(path: str, tensors: list[TensorShape], layout: Layout, rank: int) -> Slices:
+    """Member `rank`'s slices of `layout` (`Layout.slice_of` of every parameter and of every
+    optimizer tensor shaped like it) and the whole-state part, read from the checkpoint at `path`
+    after checking its checksums, as a LocalState of the checkpoint's step. CheckpointError when it
+    is damaged or does not fit the job's parameters."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    manifest = verify(path)
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as e:  # noqa: BLE001 (any unreadable metadata is a damaged checkpoint)
+        raise CheckpointError(f"{path}/.metadata: unreadable ({str(e).splitlines()[0][:300]})") from None
+    paths: dict[str, tuple[Any, ...]] = dict(metadata.planner_data or {})
+    params = {t.name: t for t in tensors}
+    missing = [n for n in params if f"model.{n}" not in metadata.state_dict_metadata]
+    if missing:
+        raise CheckpointError(f"{path}: does not hold {', '.join(missing[:5])} of this job's model")
+    ranges = {n: layout.slice_of(rank, t.rows, t.numel) for n, t in params.items()}
+    dest: dict[str, Any] = {}
+    rows_at: dict[str, int] = {}  # key -> the first row of the slice it reads
+    sliced: dict[str, tuple[str, str]] = {}  # key -> (parameter, optimizer key or PARAM) read as a slice
+    total = 0
+    for key, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            dest[key] = None  # (a hyper-parameter, the param_groups' names: read whole)
+            continue
+        total += md.size.numel() * md.properties.dtype.itemsize
+        dest[key] = torch.empty(md.size, dtype=md.properties.dtype)
+        where = paths.get(key, (key,))
+        fqn, name = (where[1], PARAM) if where[0] == "model" and len(where) == 2 else (
+            (where[2], where[3]) if where[:2] == ("optim", "state") and len(where) == 4 else ("", ""))
+        t = params.get(fqn)
+        if t is None:
+            continue  # a buffer, the step
+        if name == PARAM and (md.size.numel() != t.numel or (md.size[0] if len(md.size) else 0) != t.rows):
+            raise CheckpointError(f"{path}: {fqn} has shape {list(md.size)} there, which does not fit this "
+                                  f"job's model ({t.rows} rows, {t.numel} elements)")
+        param_md = metadata.state_dict_metadata[f"model.{fqn}"]
+        if not isinstance(param_md, TensorStorageMetadata) or tuple(md.size) != tuple(param_md.size):
+            continue  # optimizer state not shaped like its parameter (Adam's step): whole, a scalar
+        sliced[key] = (fqn, name)
+        lo, hi = ranges[fqn]
+        if t.rows and (lo, hi) != (0, t.numel):
+            per_row = t.numel // t.rows
+            rows_at[key] = lo // per_row
+            dest[key] = torch.empty(((hi - lo) // per_row, *md.size[1:]), dtype=md.properties.dtype)
+    try:
+        planner = _RowsPlanner(rows_at)
+        dcp_load(dest, checkpoint_id=path, planner=planner, no_dist=True)
+        dest.update(planner.values)
+    except (RuntimeError, KeyError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable ({str(e).splitlines()[0][:300]})") from None
+    step = int(dest["step"])
+    if step != manifest["step"]:
+        raise CheckpointError(f"{path}: holds step {step}, the manifest says {manifest['step']}")
+    read = sum(v.numel() * v.element_size() for v in dest.values() if isinstance(v, torch.Tensor))
+    return Slices(_as_local(step, params, paths, dest, ranges, sliced), read, total)
+
+
+def _as_local(step: int, params: dict[str, TensorShape], paths: dict[str, tuple[Any, ...]], dest: dict[str, Any],
+              ranges: dict[str, tuple[int, int]], sliced: dict[str, tuple[str, str]]) -> LocalState:
+    """The LocalState of what `load_slices` read: keys in one order on every member (the parameter,
+    then its optimizer tensors by name)."""
+    local = LocalState(step=step, keys={})
+    data: dict[str, dict[str, torch.Tensor]] = {n: {} for n in params}
+    scalars: dict[str, dict[str, Any]] = {n: {} for n in params}
+    groups: dict[int, dict[str, Any]] = {}
+    for key, value in dest.items():
+        where = paths.get(key, (key,))
+        if key in sliced:
+            fqn, name = sliced[key]
+            data[fqn][name] = value.reshape(-1)
+        elif where[:2] == ("optim", "state") and len(where) == 4 and where[2] in params:
+            scalars[where[2]][where[3]] = value
+        elif where[:2] == ("optim", "param_groups") and len(where) == 4 and where[3] != "params":
+            groups.setdefault(int(where[2]), {})[where[3]] = value
+        elif where[0] == "model" and len(where) == 2 and where[1] not in params:
+            local.buffers[where[1]] = value
+    for fqn in params:
+        ordered = {PARAM: data[fqn][PARAM], **{k: v for k, v in sorted(data[fqn].items()) if k != PARAM}}
+        lo, hi = ranges[fqn]
+        local.keys[fqn] = tuple(ordered)
+        local.dtypes[fqn] = {k: str(v.dtype).removeprefix("torch.") for k, v in ordered.items()}
+        local.pieces[fqn] = [Piece(lo, hi, ordered)] if hi > lo else []
+        local.scalars[fqn] = scalars[fqn]
+    local.hyper = [groups[i] for i in sorted(groups)]
+    return local
+
+
+class _RowsPlanner(DefaultLoadPlanner):
+    """DCP's load planner, asking for rows [r, r + len) of the tensors in `rows_at` (the
+    destination tensor holds just those rows) and for the whole of everything else."""
+
+    def __init__(self, rows_at: dict[str, int]) -> None:
+        super().__init__(flatten_state_dict=False)
+        self._rows_at = rows_at
+        self.values: dict[str, Any] = {}  # the non-tensor items read (DCP's load keeps them in a copy of ours)
+
+    def lookup_tensor(self, index: Any) -> torch.Tensor:
+        tensor: torch.Tensor = self.state_dict[index.fqn]  # (a slice: DCP's own lookup wants a whole tensor there)
+        return tensor
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        self.values[read_item.dest_index.fqn] = torch.load(value, weights_only=False)
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        whole = {k: v for k, v in self.state_dict.items() if k not in self._rows_at}
+        plan = create_default_local_load_plan(whole, self.metadata, True)
+        items = list(plan.items)
+        for key, row in self._rows_at.items():
+            tensor = self.state_dict[key]
+            if tensor.numel() == 0:
+                continue
+            md = self.metadata.state_dict_metadata[key]
+            assert isinstance(md, TensorStorageMetadata)
+            offsets = torch.Size((row, *([0] * (tensor.dim() - 1))))
+            items += create_read_items_for_chunk_list(key, md, [ChunkStorageMetadata(offsets=offsets,
+                                                                                       sizes=tensor.size())])
+        return LoadPlan(items)
 
 
 def _sha256(path: Path) -> str:

@@ -117,6 +117,7 @@ class Trainer:
         # Durable checkpoints (`worker.checkpoint`): the writes in flight, and each epoch's group for
         # their collectives (formed at the epoch's first checkpoint; forgotten once no write uses it).
         self.checkpoints = checkpoint.Writer(self.log)
+        self.resumed: LocalState | None = None  # this member's slices read from a checkpoint, for the entry
         self.checkpoint_groups: list[tuple[int, dist.ProcessGroup]] = []
 
     def _build(self) -> None:
@@ -276,20 +277,30 @@ class Trainer:
 
     def _resume(self, delta: PlanDelta) -> bool:
         """The state is lost and the plan resumes from a checkpoint: drop what this member holds and
-        load it (every member reads the whole of it; the epoch's entry keeps its part). False, said
-        to the coordinator, when it cannot be loaded."""
+        load it. Into a sharded layout each member reads only its own slices (and the small
+        whole-state part), so a model no member could hold whole resumes too; the epoch's entry
+        brings the copies. Into a replicated one each reads the whole of it. False, said to the
+        coordinator, when it cannot be loaded."""
         self._drop_state()  # (a checkpoint write in flight is left to end on its own)
-        self._build()
+        layout = Layout.from_dict(dataclasses.asdict(delta.layout))
         t0 = time.perf_counter()
         try:
-            self.step = checkpoint.load(delta.resume_path, self.model, self.optimizer)
+            if layout.sharded:
+                slices = checkpoint.load_slices(delta.resume_path, self.tensors, layout,
+                                                list(layout.members).index(self.name))
+                self.resumed, self.step = slices.local, slices.local.step
+                read = f"its slices, {slices.read_bytes / 1e6:.1f} of {slices.total_bytes / 1e6:.1f} MB"
+            else:
+                self._build()
+                self.step = checkpoint.load(delta.resume_path, self.model, self.optimizer)
+                read = "whole"
         except checkpoint.CheckpointError as e:
             self.log(f"epoch {delta.epoch}: cannot resume from {delta.resume_path}: {e}")
             self.agent.send(ResumeFailed(name=self.name, epoch=delta.epoch, path=delta.resume_path,
                                          detail=str(e)[:1000]))
             return False
         self.stale = False
-        self.log(f"epoch {delta.epoch}: loaded checkpoint {delta.resume_path} (step {self.step}) in "
+        self.log(f"epoch {delta.epoch}: loaded checkpoint {delta.resume_path} (step {self.step}, {read}) in "
                  f"{time.perf_counter() - t0:.2f} s")
         return True
 
@@ -307,7 +318,8 @@ class Trainer:
     def _reshard(self, g: Group) -> tuple[LocalState, int]:
         """Bring this member to exactly its slices of the new layout (`worker.epoch`); the new state
         and the bytes received."""
-        local = None if self.stale else self._local_state()
+        local = self.resumed if self.resumed is not None else None if self.stale else self._local_state()
+        self.resumed = None
         self.before_reshard = local
         new, received, plan = epoch.enter(g.layout, self.tensors, self.name, g.members, local, g.pg,
                                        lambda work, buf: self.wait(g, work, buf), self.device, self._seed_state,
@@ -371,7 +383,7 @@ class Trainer:
         """This member holds nothing current any more (it handed its slices over, or they are lost)."""
         self._forget_groups()
         self.copies, self.pending = Copies.none(), False
-        self.stale, self.before_reshard = True, None
+        self.stale, self.before_reshard, self.resumed = True, None, None
 
     def _local_state(self) -> LocalState:
         """What this member holds now, as slices (views of the executor's tensors)."""

@@ -10,7 +10,8 @@
 - a sharded job (FSDP2 over three members) checkpointed, then the coordinator and every worker
   SIGKILLed; a new coordinator on the same state dir waits for the journaled members, gives them
   up, and two new workers resume from the checkpoint in the planner's layout (replicated): exact
-  against the single-process recipe, and the event log is appended to, not restarted.
+  against the single-process recipe, and the event log is appended to, not restarted. Resumed
+  sharded instead, each new worker reads only its own slices of the checkpoint (exact too).
 - a coordinator SIGKILLed mid-run (replicated and sharded) and started again on its journal: the
   workers train on, register again by themselves, no step is missing, the next join is planned.
 - a damaged journal is moved aside and said; the job resumes from the newest checkpoint.
@@ -191,6 +192,41 @@ def test_a_sharded_job_resumes_after_a_total_loss_in_another_layout(tmp_path: Pa
         _assert_exact(events, reference)  # the latest of each step: the resumed run's after the checkpoint
         plans = [e for e in events[before:] if e["kind"] == "plan" and e.get("layout")]
         assert plans and plans[0]["layout"]["dp_shard"] == 1, "resumed in the planner's replicated layout"
+
+
+@pytest.mark.timeout(400)
+def test_a_sharded_resume_reads_only_each_members_slices(tmp_path: Path) -> None:
+    """Every worker of a sharded job killed; three new ones resume sharded from the checkpoint,
+    each reading only its own slices (together the checkpoint about once, none of them half of it:
+    a model that no member could hold whole resumes too), the copies coming from their holders in
+    the entry's reshard; exact against the single-process recipe."""
+    import re
+
+    reference = single_process()
+    with LocalJob(GPT_JOB, tmp_path, min_workers=3,
+                  coordinator_args=["--layout", "dp=1", "--checkpoint-every", "10"]) as job:
+        job.start()
+        for name in ("w1", "w2", "w3"):
+            job.add_worker(name, "--slowdown", "2")
+        written = job.wait_event(lambda e: e["kind"] == "checkpoint" and e["step"] >= 10, 240, "a checkpoint")
+        for name in ("w1", "w2", "w3"):
+            job.workers[name].send_signal(signal.SIGKILL)
+        job.wait_workers(30)
+        for name in ("w4", "w5", "w6"):  # (--min-workers 3 before the first plan)
+            job.add_worker(name)
+        resumed = job.wait_event(lambda e: e["kind"] == "resumed", 240, "resumed")
+        assert resumed["step"] >= written["step"], resumed
+        assert job.wait_coordinator(300) == 0, job.tail("coordinator.out")
+        _assert_exact(job.events(), reference)
+        plan = next(e for e in job.events() if e["kind"] == "plan" and e["epoch"] == resumed["epoch"])
+        assert plan["layout"]["dp_shard"] == 3, plan["layout"]
+        reads = []
+        for name in ("w4", "w5", "w6"):
+            said = re.search(r"loaded checkpoint \S+ \(step \d+, its slices, ([\d.]+) of ([\d.]+) MB\)", job.tail(name, 400))
+            assert said, job.tail(name)
+            reads.append(float(said.group(1)))
+            total = float(said.group(2))
+        assert max(reads) < 0.5 * total and 0.9 * total < sum(reads) < 1.2 * total, (reads, total)
 
 
 @pytest.mark.timeout(300)
