@@ -43,7 +43,7 @@ from localjob import LocalJob, read_jsonl  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("throughput", "reshard", "join", "kill")
-JOINS = 3  # reshard: the newcomer's receive is measured over this many joins (the median is reported)
+JOINS = 9  # reshard: the newcomer's receive is measured over this many joins (the median is reported)
 
 
 def _free_port() -> int:
