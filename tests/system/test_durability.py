@@ -155,15 +155,20 @@ def _load_with_plain_torch(checkpoint: Path, out: Path) -> None:
     assert result == {"step": step, "loaded": step, "same": True, "optim": ["net.0.bias"], "worker": False}, result
 
 
+def _sharded_to_a_checkpoint(job: LocalJob) -> dict[str, Any]:
+    """Start the coordinator and w1..w3 (sharded) and wait for a checkpoint of step 10 or later."""
+    job.start()
+    for name in ("w1", "w2", "w3"):
+        job.add_worker(name, "--slowdown", "2")
+    return job.wait_event(lambda e: e["kind"] == "checkpoint" and e["step"] >= 10, 240, "checkpoint of step 10")
+
+
 @pytest.mark.timeout(400)
 def test_a_sharded_job_resumes_after_a_total_loss_in_another_layout(tmp_path: Path) -> None:
     reference = single_process()
     with LocalJob(GPT_JOB, tmp_path, min_workers=3,
                   coordinator_args=["--layout", "dp=1", "--checkpoint-every", "10"]) as job:
-        job.start()
-        for name in ("w1", "w2", "w3"):
-            job.add_worker(name, "--slowdown", "2")
-        job.wait_event(lambda e: e["kind"] == "checkpoint" and e["step"] >= 10, 240, "checkpoint of step 10")
+        _sharded_to_a_checkpoint(job)
         assert job.coordinator is not None
         job.coordinator.send_signal(signal.SIGKILL)  # everything at once: a whole zone reclaimed
         for name in ("w1", "w2", "w3"):
@@ -205,10 +210,7 @@ def test_a_sharded_resume_reads_only_each_members_slices(tmp_path: Path) -> None
     reference = single_process()
     with LocalJob(GPT_JOB, tmp_path, min_workers=3,
                   coordinator_args=["--layout", "dp=1", "--checkpoint-every", "10"]) as job:
-        job.start()
-        for name in ("w1", "w2", "w3"):
-            job.add_worker(name, "--slowdown", "2")
-        written = job.wait_event(lambda e: e["kind"] == "checkpoint" and e["step"] >= 10, 240, "a checkpoint")
+        written = _sharded_to_a_checkpoint(job)
         for name in ("w1", "w2", "w3"):
             job.workers[name].send_signal(signal.SIGKILL)
         job.wait_workers(30)
