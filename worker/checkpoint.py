@@ -274,40 +274,37 @@ def load_slices(path: str, tensors: list[TensorShape], layout: Layout, rank: int
         metadata = FileSystemReader(path).read_metadata()
     except Exception as e:  # noqa: BLE001 (any unreadable metadata is a damaged checkpoint)
         raise CheckpointError(f"{path}/.metadata: unreadable ({str(e).splitlines()[0][:300]})") from None
-    paths: dict[str, tuple[Any, ...]] = dict(metadata.planner_data or {})
+    entries = metadata.state_dict_metadata
     params = {t.name: t for t in tensors}
-    missing = [n for n in params if f"model.{n}" not in metadata.state_dict_metadata]
+    missing = [n for n in params if f"model.{n}" not in entries]
     if missing:
         raise CheckpointError(f"{path}: does not hold {', '.join(missing[:5])} of this job's model")
     ranges = {n: layout.slice_of(rank, t.rows, t.numel) for n, t in params.items()}
+    roles = {key: _role(where, params) for key, where in (metadata.planner_data or {}).items()}
     dest: dict[str, Any] = {}
     rows_at: dict[str, int] = {}  # key -> the first row of the slice it reads
-    sliced: dict[str, tuple[str, str]] = {}  # key -> (parameter, optimizer key or PARAM) read as a slice
     total = 0
-    for key, md in metadata.state_dict_metadata.items():
+    for key, md in entries.items():
         if not isinstance(md, TensorStorageMetadata):
             dest[key] = None  # (a hyper-parameter, the param_groups' names: read whole)
             continue
         total += md.size.numel() * md.properties.dtype.itemsize
-        dest[key] = torch.empty(md.size, dtype=md.properties.dtype)
-        where = paths.get(key, (key,))
-        fqn, name = (where[1], PARAM) if where[0] == "model" and len(where) == 2 else (
-            (where[2], where[3]) if where[:2] == ("optim", "state") and len(where) == 4 else ("", ""))
+        kind, fqn, name = roles.get(key, ("other", "", ""))
         t = params.get(fqn)
-        if t is None:
-            continue  # a buffer, the step
-        if name == PARAM and (md.size.numel() != t.numel or (md.size[0] if len(md.size) else 0) != t.rows):
+        shape = (md.size.numel(), md.size[0] if len(md.size) else 0)
+        if kind == "param" and t is not None and shape != (t.numel, t.rows):
             raise CheckpointError(f"{path}: {fqn} has shape {list(md.size)} there, which does not fit this "
                                   f"job's model ({t.rows} rows, {t.numel} elements)")
-        param_md = metadata.state_dict_metadata[f"model.{fqn}"]
-        if not isinstance(param_md, TensorStorageMetadata) or tuple(md.size) != tuple(param_md.size):
-            continue  # optimizer state not shaped like its parameter (Adam's step): whole, a scalar
-        sliced[key] = (fqn, name)
-        lo, hi = ranges[fqn]
-        if t.rows and (lo, hi) != (0, t.numel):
-            per_row = t.numel // t.rows
-            rows_at[key] = lo // per_row
-            dest[key] = torch.empty(((hi - lo) // per_row, *md.size[1:]), dtype=md.properties.dtype)
+        param_md = entries.get(f"model.{fqn}")
+        if kind in ("param", "optim") and isinstance(param_md, TensorStorageMetadata) and md.size == param_md.size:
+            roles[key] = ("sliced", fqn, name)  # shaped like its parameter: this member's rows of it
+            lo, hi = ranges[fqn]
+            if t is not None and t.rows and (lo, hi) != (0, t.numel):
+                per_row = t.numel // t.rows
+                rows_at[key] = lo // per_row
+                dest[key] = torch.empty(((hi - lo) // per_row, *md.size[1:]), dtype=md.properties.dtype)
+                continue
+        dest[key] = torch.empty(md.size, dtype=md.properties.dtype)  # (Adam's step, a buffer: whole)
     try:
         planner = _RowsPlanner(rows_at)
         dcp_load(dest, checkpoint_id=path, planner=planner, no_dist=True)
@@ -318,11 +315,23 @@ def load_slices(path: str, tensors: list[TensorShape], layout: Layout, rank: int
     if step != manifest["step"]:
         raise CheckpointError(f"{path}: holds step {step}, the manifest says {manifest['step']}")
     read = sum(v.numel() * v.element_size() for v in dest.values() if isinstance(v, torch.Tensor))
-    return Slices(_as_local(step, params, paths, dest, ranges, sliced), read, total)
+    return Slices(_as_local(step, params, roles, dest, ranges), read, total)
 
 
-def _as_local(step: int, params: dict[str, TensorShape], paths: dict[str, tuple[Any, ...]], dest: dict[str, Any],
-              ranges: dict[str, tuple[int, int]], sliced: dict[str, tuple[str, str]]) -> LocalState:
+def _role(where: tuple[Any, ...], params: dict[str, TensorShape]) -> tuple[str, str, str]:
+    """What a checkpoint key holds, from DCP's path of it: ("param", fqn, PARAM), ("optim", fqn,
+    key), ("group", index, name), ("buffer", name, ""), or ("other", "", "")."""
+    if where[0] == "model" and len(where) == 2:
+        return ("param", where[1], PARAM) if where[1] in params else ("buffer", where[1], "")
+    if where[:2] == ("optim", "state") and len(where) == 4 and where[2] in params:
+        return "optim", where[2], where[3]
+    if where[:2] == ("optim", "param_groups") and len(where) == 4 and where[3] != "params":
+        return "group", str(where[2]), where[3]
+    return "other", "", ""
+
+
+def _as_local(step: int, params: dict[str, TensorShape], roles: dict[str, tuple[str, str, str]],
+              dest: dict[str, Any], ranges: dict[str, tuple[int, int]]) -> LocalState:
     """The LocalState of what `load_slices` read: keys in one order on every member (the parameter,
     then its optimizer tensors by name)."""
     local = LocalState(step=step, keys={})
@@ -330,16 +339,15 @@ def _as_local(step: int, params: dict[str, TensorShape], paths: dict[str, tuple[
     scalars: dict[str, dict[str, Any]] = {n: {} for n in params}
     groups: dict[int, dict[str, Any]] = {}
     for key, value in dest.items():
-        where = paths.get(key, (key,))
-        if key in sliced:
-            fqn, name = sliced[key]
-            data[fqn][name] = value.reshape(-1)
-        elif where[:2] == ("optim", "state") and len(where) == 4 and where[2] in params:
-            scalars[where[2]][where[3]] = value
-        elif where[:2] == ("optim", "param_groups") and len(where) == 4 and where[3] != "params":
-            groups.setdefault(int(where[2]), {})[where[3]] = value
-        elif where[0] == "model" and len(where) == 2 and where[1] not in params:
-            local.buffers[where[1]] = value
+        kind, owner, name = roles.get(key, ("other", "", ""))
+        if kind == "sliced":
+            data[owner][name] = value.reshape(-1)
+        elif kind == "optim":
+            scalars[owner][name] = value
+        elif kind == "group":
+            groups.setdefault(int(owner), {})[name] = value
+        elif kind == "buffer":
+            local.buffers[owner] = value
     for fqn in params:
         ordered = {PARAM: data[fqn][PARAM], **{k: v for k, v in sorted(data[fqn].items()) if k != PARAM}}
         lo, hi = ranges[fqn]

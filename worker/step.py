@@ -146,8 +146,8 @@ def sharded(t: Trainer, g: Group, sharded: Sharded) -> PlanDelta | None:
         raise
     # This member's own compute: the step so far less FSDP2's collectives (where it also waited
     # for the slowest member), which count as communication, as the cost model has them.
-    gathers_s = sharded.comm.take()
-    compute_s = time.perf_counter() - t0 - gathers_s
+    collectives_s = sharded.comm.take()
+    compute_s = time.perf_counter() - t0 - collectives_s
     factor = t.agent.slowdown
     if factor > 1.0 and len(ids):  # the --slowdown test knob: its own compute stretched
         t_slow = time.perf_counter()
@@ -160,7 +160,7 @@ def sharded(t: Trainer, g: Group, sharded: Sharded) -> PlanDelta | None:
                        for _, p in sharded.model.named_parameters()),
                       g.members, g.pg, lambda work, buf: t.wait(g, work, buf), t.device)
     t.redundancy_s = time.perf_counter() - t_copies  # (what the copies cost this step: --trace-steps)
-    gathers_s += t.redundancy_s
+    collectives_s += t.redundancy_s  # (the copies' exchange: communication too)
     _pause(t, "exchange")
     t.pending = True
     grads = [gr for p in t.params if (gr := local_grad(p)) is not None]
@@ -174,7 +174,7 @@ def sharded(t: Trainer, g: Group, sharded: Sharded) -> PlanDelta | None:
                        torch.tensor(1.0 if t.agent.checkpoint_waiting() else 0.0, dtype=torch.float64)]).to(t.device)
     t_comm = time.perf_counter()
     t.wait(g, g.pg.allreduce([buf]), buf)
-    comm_s = time.perf_counter() - t_comm + gathers_s
+    comm_s = time.perf_counter() - t_comm + collectives_s
     grad_norm = float(buf[1].sqrt())
     _pause(t, "optimizer")
     if t.config.pause_at == ("abandon", t.step + 1):
