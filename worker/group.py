@@ -9,7 +9,8 @@ sender's exit can never stall a step.
 
 `mesh` turns the epoch's group into the DeviceMesh FSDP2 wants (`worker.parallel.mesh`): the whole
 group registered as the default group, and for HSDP this member's replica and shard sub-groups,
-formed with the epoch's timeout and registered too. Every group it registers is recorded as it is
+formed with the epoch's timeout and registered too (FSDP2 shards over the shard group; the
+replica group carries the all-reduce that keeps the replicas equal). Every group it registers is recorded as it is
 registered (in the caller's list), so that one formed before a failure part way is still forgotten
 (`forget`); their backends are left alone (a hung op on them ends at its own timeout).
 """
@@ -69,28 +70,35 @@ def without_senders(g: Group, delta: PlanDelta, device: torch.device, *, timeout
                  shares=list(delta.shares), layout=g.layout, micro=list(delta.micro_batch))
 
 
+@dataclass(slots=True)
+class ShardMesh:
+    """Where a sharded executor runs: FSDP2's 1-D mesh (the whole group, or for HSDP this member's
+    shard group) and, for HSDP, this member's replica group, over which its shards are all-reduced."""
+
+    mesh: DeviceMesh
+    replicate: dist.ProcessGroup | None = None
+
+
 def mesh(g: Group, device: torch.device, registered: list[dist.ProcessGroup], *, timeout_s: float,
-         superseded: Callable[[], bool]) -> DeviceMesh:
-    """The DeviceMesh of a sharded layout over the epoch's group: 1-D over the members, or 2-D
-    (dp_replicate, dp_shard) for HSDP. Appends every group it registers to `registered` (the whole
-    group first), as it registers it."""
+         superseded: Callable[[], bool]) -> ShardMesh:
+    """The mesh of a sharded layout over the epoch's group: 1-D over the members, or for HSDP 1-D
+    over this member's shard group, with its replica group beside it. Appends every group it
+    registers to `registered` (the whole group first), as it registers it."""
     prefixed = dist.PrefixStore(f"epoch{g.epoch}/", g.store)  # type: ignore[attr-defined]
     whole = meshes.register(g.pg, prefixed, g.rank, len(g.members), g.epoch, device)
     registered.append(whole)
-    out = meshes.mesh_of(whole, device, g.epoch)
-    if g.layout.dp_replicate > 1:  # HSDP: a 2-D mesh of this member's replica row and shard column
-        sub_groups: list[dist.ProcessGroup] = []
-        for part, ranks in (("replicate", g.layout.replicate_group(g.rank)),
-                            ("shard", g.layout.shard_group(g.rank))):
-            name = f"{part}{ranks[0]}"
-            raw = comm.form_group(g.store, g.epoch, ranks.index(g.rank), len(ranks), device,
-                                  timeout_s=timeout_s, superseded=superseded, part=f"{name}/")
-            sub_store = dist.PrefixStore(f"epoch{g.epoch}/{name}/", g.store)  # type: ignore[attr-defined]
-            sub_groups.append(meshes.register(raw, sub_store, ranks.index(g.rank), len(ranks), g.epoch,
-                                              device, part=name, ranks=ranks))
-            registered.append(sub_groups[-1])
-        out = meshes.mesh_of(whole, device, g.epoch, (g.layout.dp_replicate, g.layout.dp_shard), sub_groups)
-    return out
+    if g.layout.dp_replicate == 1:
+        return ShardMesh(meshes.mesh_of(whole, device, g.epoch))
+    subs: dict[str, dist.ProcessGroup] = {}
+    for part, ranks in (("replicate", g.layout.replicate_group(g.rank)), ("shard", g.layout.shard_group(g.rank))):
+        name = f"{part}{ranks[0]}"
+        raw = comm.form_group(g.store, g.epoch, ranks.index(g.rank), len(ranks), device,
+                              timeout_s=timeout_s, superseded=superseded, part=f"{name}/")
+        sub_store = dist.PrefixStore(f"epoch{g.epoch}/{name}/", g.store)  # type: ignore[attr-defined]
+        subs[part] = meshes.register(raw, sub_store, ranks.index(g.rank), len(ranks), g.epoch, device,
+                                     part=name, ranks=ranks)
+        registered.append(subs[part])
+    return ShardMesh(meshes.mesh_of(subs["shard"], device, g.epoch), replicate=subs["replicate"])
 
 
 def forget(registered: list[dist.ProcessGroup]) -> None:

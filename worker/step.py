@@ -157,7 +157,7 @@ def sharded(t: Trainer, g: Group, sharded: Sharded) -> PlanDelta | None:
     # Every member gets its copy's gradients: from here on the step may be rolled forward.
     t_copies = time.perf_counter()
     t.copies.exchange(((p.to_local() if isinstance(p, DTensor) else p, local_grad(p))
-                       for _, p in sharded.model.named_parameters()),
+                       for p in sharded.params.values()),
                       g.members, g.pg, lambda work, buf: t.wait(g, work, buf), t.device)
     t.redundancy_s = time.perf_counter() - t_copies  # (what the copies cost this step: --trace-steps)
     collectives_s += t.redundancy_s  # (the copies' exchange: communication too)

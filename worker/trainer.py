@@ -353,15 +353,24 @@ class Trainer:
 
     def _build_executor(self, g: Group, local: LocalState) -> None:
         """The layout's executor from this member's slices: FSDP2 on the group for a sharded layout,
-        a plain replica otherwise."""
-        self._forget_groups()
+        a plain replica otherwise. Until the new one is built, the last one stays what this member
+        holds: forming the sharded groups can be superseded (a peer stopped), and the next epoch's
+        entry then describes the old executor's slices, as held before this epoch's reshard."""
+        old, self.registered = self.registered, []
         if g.layout.sharded:
-            mesh = groups.mesh(g, self.device, self.registered, timeout_s=self.config.group_timeout_s,
-                               superseded=lambda: self.agent.superseded(g.epoch))
+            try:
+                on = groups.mesh(g, self.device, self.registered, timeout_s=self.config.group_timeout_s,
+                                 superseded=lambda: self.agent.superseded(g.epoch))
+            except BaseException:
+                groups.forget(self.registered)
+                self.registered = old
+                raise
+            groups.forget(old)
             mp = (MixedPrecisionPolicy(param_dtype=getattr(torch, self.job.compute_dtype), reduce_dtype=torch.float32)
                   if self.job.compute_dtype else None)
-            self.sharded = apply_fsdp(self.job, self.units(), g.layout, g.rank, mesh, local, self.device,
-                                      mp_policy=mp, wait=lambda work, buf: self.wait(g, work, buf))
+            self.sharded = apply_fsdp(self.job, self.units(), g.layout, g.rank, on.mesh, local, self.device,
+                                      replicate=on.replicate, mp_policy=mp,
+                                      wait=lambda work, buf: self.wait(g, work, buf))
             self.sharded_at = (g.layout, g.rank)
             self.model, self.optimizer = self.sharded.model, self.sharded.optimizer
             self.copies = Copies.of(g.layout, self.name, local, self.tensors)
@@ -369,6 +378,8 @@ class Trainer:
                 self.buckets.close()
                 self.buckets = None
         else:
+            groups.forget(old)
+            self.sharded, self.sharded_at = None, None
             replica = apply_replicated(self.job, local, self.device)
             self.model, self.optimizer = replica.model, replica.optimizer
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -392,7 +403,7 @@ class Trainer:
             local = extract(self.sharded, layout, rank, self.step)
             local.pending, local.coefficient = self.pending, self.coefficient
             if self.pending:  # the interrupted step's gradients, kept for a roll forward
-                for fqn, p in self.sharded.model.named_parameters():
+                for fqn, p in self.sharded.params.items():
                     for piece in local.pieces.get(fqn, []):
                         grad = local_grad(p)
                         piece.data[GRAD] = (grad.reshape(-1) if grad is not None
@@ -404,6 +415,8 @@ class Trainer:
                 # reshard still counts (another member may have died before it had its new slices).
                 local.add(before.pieces)
             return local
+        if isinstance(self.model, FSDPModule):  # (never: a sharded model is held with its layout)
+            raise RuntimeError("internal error: a sharded model without the layout it was built for")
         return from_module(self.step, self.model, self.optimizer)
 
     def _seed_state(self) -> LocalState:

@@ -119,15 +119,16 @@ def main() -> None:
         rank = members.index(me)
         pg = meshes.register(raw, prefixed, rank, len(members), e, device)
         executor: Sharded | Replica
-        if layout.sharded and layout.dp_replicate > 1:  # HSDP: a 2-D mesh of this member's row and column
-            subs = []
+        if layout.sharded and layout.dp_replicate > 1:  # HSDP: FSDP2 on this member's row, summed down its column
+            subs = {}
             for part, ranks in (("replicate", layout.replicate_group(rank)), ("shard", layout.shard_group(rank))):
                 sub_store = dist.PrefixStore(f"epoch{e}/{part}{ranks[0]}/", store)  # type: ignore[attr-defined]
                 sub = dist.ProcessGroupGloo(sub_store, ranks.index(rank), len(ranks), timedelta(seconds=60))
-                subs.append(meshes.register(sub, sub_store, ranks.index(rank), len(ranks), e,
-                                            device, part=f"{part}{ranks[0]}", ranks=ranks))
-            mesh = meshes.mesh_of(pg, device, e, (layout.dp_replicate, layout.dp_shard), subs)
-            executor = apply_fsdp(job, [layer.name for layer in graph.layers], layout, rank, mesh, local, device)
+                subs[part] = meshes.register(sub, sub_store, ranks.index(rank), len(ranks), e,
+                                             device, part=f"{part}{ranks[0]}", ranks=ranks)
+            executor = apply_fsdp(job, [layer.name for layer in graph.layers], layout, rank,
+                                  meshes.mesh_of(subs["shard"], device, e), local, device,
+                                  replicate=subs["replicate"])
         elif layout.sharded:
             executor = apply_fsdp(job, [layer.name for layer in graph.layers], layout, rank, meshes.mesh_of(pg, device, e), local, device)
         else:

@@ -8,6 +8,7 @@ shards the GPT example's state over every member (FSDP2 on each epoch's group).
 - SIGKILL of a member paused in the forward, the backward or before the update: its slices come
   back from the copy its keeper holds (a ring of copies, refreshed every step from the gradient
   slices), and the loss curve is the single-process one;
+- SIGSTOP of an HSDP member: its replica peer, held in the replicas' all-reduce, is released at once;
 - SIGKILL of a slice's holder and of its copy's keeper together: the job stops with a `state_lost`
   event naming what was lost; it never trains on made-up state.
 """
@@ -321,6 +322,36 @@ def test_hsdp_2x2_is_exact(tmp_path: Path) -> None:
         layouts = [e["layout"] for e in events if e["kind"] == "plan" and e.get("layout")]
         assert layouts and all((lay["dp_replicate"], lay["dp_shard"]) == (2, 2) for lay in layouts), layouts
         _assert_exact(events, reference)
+
+
+@pytest.mark.timeout(400)
+def test_a_stopped_hsdp_member_releases_its_replica_from_the_all_reduce(tmp_path: Path) -> None:
+    """HSDP 2 x 2 (`--layout fsdp=2`: the replicas planned): SIGSTOP of w4 for longer than the lease
+    holds its shard-group peer in FSDP2's gathers and its replica peer in the replicas' all-reduce
+    (FSDP2's all-reduce hook). Both wait abortably: they train again within seconds of the failure,
+    not after the 60 s group timeout, w4's shard comes from its replica, and after SIGCONT w4 is
+    fenced and joins again. Every step equals the single-process recipe's."""
+    reference = single_process()
+    with LocalJob(JOB, tmp_path, min_workers=4, lease_s=1.0, coordinator_args=["--layout", "fsdp=2"]) as job:
+        job.start()
+        for name in ("w1", "w2", "w3", "w4"):  # (w1 the slowest: w4's two peers train on without it)
+            job.add_worker(name, *(["--slowdown", "1.5"] if name == "w1" else []))
+        job.wait_step(8, 240)
+        layout = _plans(job)[-1]["layout"]
+        assert (layout["dp_replicate"], layout["dp_shard"]) == (2, 2), layout
+        job.signal("w4", signal.SIGSTOP)
+        failed = job.wait_event(lambda e: e["kind"] == "failed", 30, "failed")
+        assert failed["worker"] == "w4"
+        plan = job.wait_event(lambda e: e["kind"] == "plan" and e["reason"] == "failure", 10, "failure plan")
+        first = job.wait_event(lambda e: e["kind"] == "step" and e["epoch"] == plan["epoch"], 40, "a step without w4")
+        assert first["ts"] - failed["ts"] < 20, (first["ts"] - failed["ts"], job.tail("w2"))
+        job.signal("w4", signal.SIGCONT)
+        exits = job.wait_workers(300)
+        assert exits == {"w1": 0, "w2": 0, "w3": 0, "w4": 0}, {n: job.tail(n) for n in exits}
+        events = job.events()
+        assert not [e for e in events if e["kind"] == "state_lost"]
+        _assert_exact(events, reference)
+        assert "fenced" in job.tail("w4", 200)
 
 
 BF16_JOB = """

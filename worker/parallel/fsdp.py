@@ -2,8 +2,11 @@
 
 `apply_fsdp` builds the job's model on the meta device (no memory for the whole model), shards every
 unit of the captured graph (its blocks) and then the root on a DeviceMesh of the epoch's registered
-group (`worker.parallel.mesh`): 1-D over the members for pure sharding, 2-D (dp_replicate, dp_shard)
-for HSDP. Then it materialises only this member's shards (`to_empty`) and fills them, and the
+group (`worker.parallel.mesh`): 1-D over the members for pure sharding. HSDP is FSDP2 over this
+member's shard group (its replica row) with the replicas' all-reduce in FSDP2's all-reduce hook,
+over the replica group: FSDP2's native HSDP (a 2-D mesh) issues that all-reduce as a blocking call
+with no custom-comm hook, so a stopped peer would hold the survivors for the whole group timeout,
+where the hook waits for it abortably like the gathers and reduce-scatters. Then it materialises only this member's shards (`to_empty`) and fills them, and the
 optimizer's state (DTensors with the parameters' placements), from the member's `LocalState`:
 exactly the slices `Layout.slice_of` gives it, which the reshard brought. `extract` gives the state
 back as a LocalState for the next epoch's reshard.
@@ -37,7 +40,7 @@ from worker.parallel.slices import PARAM, LocalState, Piece
 
 Wait = Callable[[Any, torch.Tensor | None], None]  # the trainer's abortable wait (raises when superseded)
 
-__all__ = ["CommTime", "Sharded", "apply_fsdp", "extract"]
+__all__ = ["AbortableAllReduce", "CommTime", "Sharded", "apply_fsdp", "extract"]
 
 
 @dataclass(slots=True)
@@ -56,17 +59,29 @@ class CommTime:
 
 @dataclass(slots=True)
 class Sharded:
+    """The executor. `params`: the sharded parameters (DTensors) by name, as the optimizer holds
+    them. Read the state through them, not `model.named_parameters()`: a step abandoned inside a
+    unit's forward or backward leaves FSDP2's *unsharded* parameters registered on that unit
+    (the root keeps them from forward to backward anyway), and those are neither this member's
+    slice nor what the optimizer's state is keyed by."""
+
     model: nn.Module
     optimizer: torch.optim.Optimizer
     mesh: DeviceMesh
     comm: CommTime
+    params: dict[str, nn.Parameter]
 
 
 def apply_fsdp(job: Job, units: Sequence[str], layout: Layout, rank: int, mesh: DeviceMesh, local: LocalState,
-               device: torch.device, *, mp_policy: MixedPrecisionPolicy | None = None,
-               wait: Wait | None = None) -> Sharded:
+               device: torch.device, *, replicate: dist.ProcessGroup | None = None,
+               mp_policy: MixedPrecisionPolicy | None = None, wait: Wait | None = None) -> Sharded:
     """The job's model, each of `units` (module paths: the graph's layers but the root) sharded on
-    its own and then the root, over `mesh`, and loaded with this member's slices of `local`."""
+    its own and then the root, over `mesh`, and loaded with this member's slices of `local`. HSDP:
+    `mesh` is this member's shard group and `replicate` its replica group, over which every reduced
+    gradient shard is summed. `wait` (the trainer's abortable wait) waits for every collective;
+    without it they are waited for plainly."""
+    if (replicate is not None) != (layout.dp_replicate > 1):
+        raise ValueError(f"{layout.describe()}: a replica group is needed exactly when dp_replicate > 1")
     with torch.device("meta"):
         torch.manual_seed(job.seed)
         model = job.model()
@@ -91,6 +106,8 @@ def apply_fsdp(job: Job, units: Sequence[str], layout: Layout, rank: int, mesh: 
             if wait is not None:
                 module.set_custom_all_gather(AbortableAllGather(wait, comm))
                 module.set_custom_reduce_scatter(AbortableReduceScatter(wait, comm))
+            if replicate is not None:
+                module.set_all_reduce_hook(AbortableAllReduce(wait or _plain_wait, comm, replicate))
     model.to_empty(device=device)
     with torch.no_grad():
         for fqn, p in model.named_parameters():
@@ -101,9 +118,10 @@ def apply_fsdp(job: Job, units: Sequence[str], layout: Layout, rank: int, mesh: 
         for name, buf in model.named_buffers():
             if name in local.buffers:
                 buf.copy_(local.buffers[name])
-    optimizer = job.optimizer(model.parameters())
-    _load_optimizer(optimizer, model, layout, rank, local)
-    return Sharded(model=model, optimizer=optimizer, mesh=mesh, comm=comm)
+    params = dict(model.named_parameters())  # (all sharded now: nothing has run)
+    optimizer = job.optimizer(params.values())
+    _load_optimizer(optimizer, params, layout, rank, local)
+    return Sharded(model=model, optimizer=optimizer, mesh=mesh, comm=comm, params=params)
 
 
 class _FreshBuffers:
@@ -144,13 +162,34 @@ class AbortableReduceScatter(_FreshBuffers, ReduceScatter):
         return None
 
 
+class AbortableAllReduce:
+    """HSDP's sum of a reduced gradient shard over the replica group, as FSDP2's all-reduce hook
+    (called on each unit's reduce-scatter output, a fresh buffer of `AbortableReduceScatter`'s, so
+    an abandoned sum writes only into the abandoned step's gradients), waited for abortably."""
+
+    def __init__(self, wait: Wait, comm: CommTime, group: dist.ProcessGroup) -> None:
+        self._wait = wait
+        self._comm = comm
+        self._group = group
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        work = dist.all_reduce(reduce_output, group=self._group, async_op=True)
+        self._wait(work, reduce_output)
+        self._comm.seconds += time.perf_counter() - t0
+
+
+def _plain_wait(work: Any, _buf: torch.Tensor | None) -> None:
+    work.wait()
+
+
 def extract(sharded: Sharded, layout: Layout, rank: int, step: int) -> LocalState:
     """This member's slices of the model and optimizer as a LocalState (views, not copies)."""
     model, optimizer = sharded.model, sharded.optimizer
     local = LocalState(step=step, keys={})
-    by_param = {id(p): n for n, p in model.named_parameters()}
+    by_param = {id(p): n for n, p in sharded.params.items()}
     opt_state = {by_param[id(p)]: s for p, s in optimizer.state.items() if id(p) in by_param}
-    for fqn, p in model.named_parameters():
+    for fqn, p in sharded.params.items():
         lo, hi = _range(layout, rank, p)
         data = {PARAM: _local(p).detach().reshape(-1)}
         scalars: dict[str, Any] = {}
@@ -177,12 +216,12 @@ def _range(layout: Layout, rank: int, p: torch.Tensor) -> tuple[int, int]:
     return layout.slice_of(rank, rows, p.numel())
 
 
-def _load_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, layout: Layout, rank: int,
+def _load_optimizer(optimizer: torch.optim.Optimizer, params: dict[str, nn.Parameter], layout: Layout, rank: int,
                     local: LocalState) -> None:
     """Hyper-parameters and per-parameter state from `local` (a fresh job starts with none)."""
     for group, hyper in zip(optimizer.param_groups, local.hyper):
         group.update(hyper)
-    for fqn, p in model.named_parameters():
+    for fqn, p in params.items():
         keys = [k for k in local.keys.get(fqn, ()) if k != PARAM]
         if not keys and not local.scalars.get(fqn):
             continue

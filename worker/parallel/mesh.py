@@ -46,21 +46,17 @@ def register(backend: Any, store: Any, rank: int, world: int, epoch: int, device
     return pg
 
 
-def mesh_of(pg: dist.ProcessGroup, device: torch.device, epoch: int, shape: tuple[int, ...] = (),
-            sub_groups: list[dist.ProcessGroup] | None = None) -> DeviceMesh:
-    """A 1-D mesh over the whole group, or (with `sub_groups`: this member's group along each
-    dimension, made by the caller with the epoch's timeout) a mesh of `shape`: (dp_replicate,
-    dp_shard) for HSDP, ranks row-major.
+def mesh_of(pg: dist.ProcessGroup, device: torch.device, epoch: int) -> DeviceMesh:
+    """A 1-D mesh over `pg`: the whole group for pure sharding, this member's shard group (its
+    replica row) for HSDP, whose replicas are kept equal by an all-reduce FSDP2 leaves to a hook
+    (`worker.parallel.fsdp`: FSDP2's own HSDP all-reduce on a 2-D mesh is a blocking call that a
+    stopped peer would hold for the whole group timeout).
 
-    The dimension names carry the epoch: DeviceMesh equality ignores the groups (it compares ranks,
+    The dimension name carries the epoch: DeviceMesh equality ignores the groups (it compares ranks,
     device type and names), and DTensor caches redistribution plans by mesh, so without it a new
     epoch's mesh over the same ranks would be served the old epoch's (unregistered) groups (seen:
     "Could not resolve the process group registered under the name adaptrain-epoch1")."""
-    if not sub_groups:
-        return DeviceMesh.from_group(pg, device.type, mesh_dim_names=(f"epoch{epoch}.dp_shard",))
-    ranks = torch.arange(pg.size()).reshape(shape)
-    names = tuple(f"epoch{epoch}.{n}" for n in ("dp_replicate", "dp_shard")[-len(shape):])
-    return DeviceMesh.from_group(sub_groups, device.type, mesh=ranks, mesh_dim_names=names)
+    return DeviceMesh.from_group(pg, device.type, mesh_dim_names=(f"epoch{epoch}.dp_shard",))
 
 
 def forget(pg: dist.ProcessGroup | None) -> None:
