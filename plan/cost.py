@@ -129,10 +129,11 @@ def sharded_comm_s(graph: Graph, shards: int, link: Link, *, copies: bool = True
 
 def hsdp_comm_s(graph: Graph, replicas: int, shards: int, link: Link) -> float:
     """Communication of one HSDP step (`replicas` rows of `shards`): the sharded step within a row,
-    without copies (the other rows hold every shard), plus the all-reduce of each gradient shard
-    across the rows."""
+    without copies (the other rows hold every shard), plus each unit's gradient shard all-reduced
+    across the rows (one all-reduce per unit, as FSDP2's all-reduce hook issues them)."""
     return (sharded_comm_s(graph, shards, link, copies=False)
-            + allreduce_s(graph.param_bytes / max(shards, 1), replicas, link))
+            + sum(allreduce_s(layer.param_bytes / max(shards, 1), replicas, link)
+                  for layer in graph.layers if layer.param_bytes > 0))
 
 
 def step_comm_s(graph: Graph, members: int, dp_shard: int, link: Link) -> float:

@@ -208,38 +208,91 @@ def _sharded(ctx: _Ctx) -> Plan | None:
     return predict_sharded(ctx.cluster, g, members, shares, micro_sizes(shares, [caps[m] for m in members]))
 
 
+def _hsdp(ctx: _Ctx) -> list[Plan]:
+    """HSDP plans, one per shard degree S: R >= 2 replicas of S >= 2 members each, FSDP2 within a
+    replica and each gradient shard summed across replicas. No ring of copies: every replica holds
+    every shard, so any single failure loses nothing and a member needs no room for another's
+    shard. The fastest devices that hold a shard beside one sample, as many whole replicas as
+    they fill, shares balanced by speed."""
+    g, d = ctx.graph, ctx.cluster.devices
+    ranked = sorted(d, key=lambda n: (-ctx.speeds[n], n))[: ctx.limits.max_workers or len(d)]
+    out: list[Plan] = []
+    for shards in range(2, len(ranked) // 2 + 1):
+        static = sharded_static_bytes(g, shards, copies=False, optimizer_state_factor=g.optimizer_state_factor)
+        caps = {n: samples_that_fit(d[n].memory_bytes, static, g.activation_bytes) for n in ranked}
+        fit = [n for n in ranked if (caps[n] or 0) >= 1]
+        replicas = len(fit) // shards
+        if replicas < 2:
+            continue
+        members = ctx.ranked(fit[: replicas * shards])
+        shares = assign([ctx.speeds[m] for m in members], [d[m].overhead_s + ctx.fixed[m] for m in members],
+                        [float(ctx.limits.global_batch)] * len(members), ctx.limits.global_batch)
+        if shares is not None:
+            out.append(predict_sharded(ctx.cluster, g, members, shares, micro_sizes(shares, [caps[m] for m in members]),
+                                       replicas=replicas))
+    return out
+
+
+def _sharded_kind(plan: Plan) -> str:
+    """How a sharded plan is named in reasons: "sharded over 3 members (FSDP2)" or "HSDP: 2 replicas
+    of 2 shards"."""
+    replicas = len(plan.members) // plan.dp_shard
+    if replicas == 1:
+        return f"sharded over {len(plan.members)} members (FSDP2)"
+    return f"HSDP: {replicas} replicas of {plan.dp_shard} shards"
+
+
+def _sharded_standby_reason(ctx: _Ctx, name: str, plan: Plan) -> str:
+    replicas = len(plan.members) // plan.dp_shard
+    g = ctx.graph
+    static = sharded_static_bytes(g, plan.dp_shard, copies=replicas == 1, optimizer_state_factor=g.optimizer_state_factor)
+    if (samples_that_fit(ctx.cluster.devices[name].memory_bytes, static, g.activation_bytes) or 0) < 1:
+        return "its memory cannot hold a shard"
+    if replicas > 1:
+        return f"HSDP takes whole replicas of {plan.dp_shard}: it would start another"
+    if ctx.limits.max_workers is not None and len(plan.members) >= ctx.limits.max_workers:
+        return f"--max-workers {ctx.limits.max_workers}"
+    return "left out of the sharded plan"
+
+
 def _with_sharding(ctx: _Ctx, replicated: PlanResult) -> PlanResult:
-    """The layout decision: sharded exactly when it is faster by the cost model (by MIN_GAIN) or
-    when no replicated plan fits; the reason says which, with the other as runner-up."""
-    sharded = _sharded(ctx)
-    if sharded is None or sharded.predicted_step_s is None:
+    """The layout decision: the best sharded layout (fully sharded or HSDP, by the same objective)
+    exactly when it is faster than the replicated plan by the cost model (by MIN_GAIN) or when no
+    replicated plan fits; the reason says which, with the other as runner-up."""
+    candidates = [ctx.score(p, _sharded_kind(p)) for p in (_sharded(ctx), *_hsdp(ctx))
+                  if p is not None and p.predicted_step_s is not None]
+    if not candidates:
         return replicated
-    alt = ctx.score(sharded, f"sharded over {len(sharded.members)} members (FSDP2)")
+    alt = min(candidates, key=lambda a: a.objective_s)
+    sharded, kind = alt.plan, alt.description
+    assert sharded.predicted_step_s is not None
+    out = tuple(sorted(set(ctx.cluster.devices) - set(sharded.members)))
+    out_why = tuple(_sharded_standby_reason(ctx, n, sharded) for n in out)
+    copy_note = (" with a copy of another's shard" if len(sharded.members) == sharded.dp_shard
+                 else " (the other replicas hold the copies)")
     state = ctx.graph.param_bytes * (2.0 + ctx.graph.optimizer_state_factor)
     if replicated.plan is None:
         biggest = max(dev.memory_bytes for dev in ctx.cluster.devices.values())
-        why = (f"sharded over {len(sharded.members)} members: no replica fits (parameters, gradients and "
-               f"optimizer state need {state / 2**20:.1f} MiB, the largest device has {biggest / 2**20:.1f} MiB); "
-               f"each member holds {sharded.costs[0].memory_bytes / 2**20:.1f} MiB or less with a copy of "
-               f"another's shard ({replicated.reason})")
-        return PlanResult(plan=sharded, status="optimal", reason=why, objective_s=alt.objective_s,
-                          standby=tuple(sorted(set(ctx.cluster.devices) - set(sharded.members))),
-                          standby_why=tuple("its memory cannot hold a shard" for _ in
-                                            sorted(set(ctx.cluster.devices) - set(sharded.members))))
+        why = (f"{kind}: no replica fits (parameters, gradients and optimizer state need {state / 2**20:.1f} MiB, "
+               f"the largest device has {biggest / 2**20:.1f} MiB); each member holds "
+               f"{max(c.memory_bytes for c in sharded.costs) / 2**20:.1f} MiB or less{copy_note} ({replicated.reason})")
+        others = [a for a in candidates if a is not alt]
+        runner = min(others, key=lambda a: a.objective_s) if others else None
+        return PlanResult(plan=sharded, status="optimal", reason=why, objective_s=alt.objective_s, runner_up=runner,
+                          standby=out, standby_why=out_why)
     assert replicated.objective_s is not None and replicated.plan.predicted_step_s is not None
     if replicated.plan.dp_shard > 1:  # the planner kept the current (sharded) plan: a new one must beat it
         if alt.objective_s < replicated.objective_s * (1 - MIN_GAIN) and not sharded.same_assignment(replicated.plan):
-            return replace(replicated, plan=sharded, objective_s=alt.objective_s,
-                           reason=f"sharded over {len(sharded.members)} members, re-balanced")
+            return replace(replicated, plan=sharded, objective_s=alt.objective_s, reason=f"{kind}, re-balanced")
         return replicated
     if alt.objective_s < replicated.objective_s * (1 - MIN_GAIN):
         runner = Alternative(description="replicated", plan=replicated.plan, objective_s=replicated.objective_s,
                              moved_bytes=replicated.moved_bytes)
-        why = (f"sharded over {len(sharded.members)} members: predicted {sharded.predicted_step_s * 1e3:.1f} "
+        why = (f"{kind}: predicted {sharded.predicted_step_s * 1e3:.1f} "
                f"against {replicated.plan.predicted_step_s * 1e3:.1f} ms/step replicated")
         return replace(replicated, plan=sharded, reason=why, objective_s=alt.objective_s, runner_up=runner,
-                       standby=tuple(sorted(set(ctx.cluster.devices) - set(sharded.members))), standby_why=())
-    return replace(replicated, reason=f"{replicated.reason}; replicated: sharded over {len(sharded.members)} "
+                       standby=out, standby_why=out_why)
+    return replace(replicated, reason=f"{replicated.reason}; replicated: {kind} "
                                       f"would take {sharded.predicted_step_s * 1e3:.1f} ms/step")
 
 

@@ -217,9 +217,10 @@ def test_a_stopped_shard_holder_is_planned_out_and_rejoins(tmp_path: Path) -> No
 @pytest.mark.timeout(600)
 def test_a_model_no_worker_can_replicate_trains_sharded_in_micro_batches(tmp_path: Path) -> None:
     """Every worker's --memory-limit is below what a replica needs (parameters, gradients, AdamW
-    state, one sample's activations). Without a pinned layout the planner shards the state over the
-    members, with micro-batches of what fits beside a shard; it trains exactly through a kill (4 ->
-    3 members, still fitting) and a join (back to 4)."""
+    state, one sample's activations). Without a pinned layout the planner shards the state, with
+    micro-batches of what fits beside a shard: over 4 members as HSDP 2 x 2 (its halves fit, and the
+    cost model predicts it faster than 4 shards with copies), over 3 fully sharded. It trains
+    exactly through a kill of an HSDP member (4 -> 3) and a join (back to HSDP over 4)."""
     from plan.cost import sharded_static_bytes, static_bytes
     from worker.graph import capture_graph
     from worker.job import load_job
@@ -236,15 +237,17 @@ def test_a_model_no_worker_can_replicate_trains_sharded_in_micro_batches(tmp_pat
         for worker in ("w1", "w2", "w3", "w4"):  # --slowdown: margin for w5 to join before the end
             job.add_worker(worker, *memory, "--slowdown", "2")
         first = job.wait_event(lambda e: e["kind"] == "plan" and e["layout"] is not None, 180, "a plan")
-        assert first["layout"]["dp_shard"] == 4 and "no replica fits" in first["detail"], first
+        assert (first["layout"]["dp_replicate"], first["layout"]["dp_shard"]) == (2, 2), first
+        assert "HSDP: 2 replicas of 2 shards: no replica fits" in first["detail"], first
         assert first["micro_batch"] and max(first["micro_batch"]) < max(first["layout"]["shares"]), first
         job.wait_step(8, 240)
         job.kill("w4")
         failure = job.wait_event(lambda e: e["kind"] == "plan" and e["reason"] == "failure", 60, "failure plan")
-        assert failure["layout"]["dp_shard"] == 3, failure
+        assert (failure["layout"]["dp_replicate"], failure["layout"]["dp_shard"]) == (1, 3), failure
         job.add_worker("w5", *memory)
-        job.wait_event(lambda e: e["kind"] == "plan" and "w5" in (e["layout"] or {}).get("members", []), 180,
-                       "w5 planned in")
+        joined = job.wait_event(lambda e: e["kind"] == "plan" and "w5" in (e["layout"] or {}).get("members", []),
+                                180, "w5 planned in")
+        assert (joined["layout"]["dp_replicate"], joined["layout"]["dp_shard"]) == (2, 2), joined
         exits = job.wait_workers(400)
         assert exits == {"w1": 0, "w2": 0, "w3": 0, "w4": -signal.SIGKILL, "w5": 0}, {n: job.tail(n) for n in exits}
         events = job.events()

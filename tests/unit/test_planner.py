@@ -246,20 +246,36 @@ def test_a_previous_plan_of_another_batch_is_never_kept_as_it_is() -> None:
 
 def test_sharded_when_no_replica_fits_and_replicated_when_it_is_faster() -> None:
     """A model whose parameters, gradients and Adam state do not fit any one device is sharded over
-    the members (each holds a quarter, the largest unit gathered, a copy of another's quarter);
-    with memory to spare the same devices stay replicated, sharding's gathers only cost time."""
+    the members: fully (each holds a quarter, two units gathered, a copy of another's quarter: 64
+    MB) when HSDP's halves do not fit (72 MB), HSDP 2 x 2 when both fit and the cost model predicts
+    it faster (no copy to refresh, gathers among two); with memory to spare the same devices stay
+    replicated, sharding's gathers only cost time."""
+    from plan.cost import hsdp_comm_s, sharded_comm_s
     from plan.graph import Layer
     blocks = tuple(Layer(name=f"b{i}", kind="block", forward_flops=1e6, param_bytes=4 * MB, activation_bytes=1000)
                    for i in range(8))
     graph = Graph(blocks, optimizer_state_bytes=64 * MB)  # 32 MB of parameters: 128 MB of state
-    tight = cluster(*(device(f"d{i}", 100.0, memory=80 * MB) for i in range(4)))
-    result = make_plan(tight, graph, None, limits=PlanLimits(global_batch=32))
-    assert result.plan is not None and result.plan.dp_shard == 4, result.reason
-    assert "no replica fits" in result.reason and result.plan.layout.describe() == "dp_shard=4"
+    limits = PlanLimits(global_batch=32)
+    tight = cluster(*(device(f"d{i}", 100.0, memory=70 * MB) for i in range(4)))
+    result = make_plan(tight, graph, None, limits=limits)
+    assert result.plan is not None and result.plan.layout.describe() == "dp_shard=4", result.reason
+    assert "no replica fits" in result.reason and "with a copy of another's shard" in result.reason
+    assert all(c.memory_bytes <= 70 * MB for c in result.plan.costs)
+
+    both = cluster(*(device(f"d{i}", 100.0, memory=80 * MB) for i in range(4)))
+    link = both.link(["d0", "d1", "d2", "d3"])
+    assert hsdp_comm_s(graph, 2, 2, link) < sharded_comm_s(graph, 4, link)
+    result = make_plan(both, graph, None, limits=limits)
+    assert result.plan is not None and result.plan.layout.describe() == "dp_replicate=2 x dp_shard=2", result.reason
+    assert result.reason.startswith("HSDP: 2 replicas of 2 shards: no replica fits"), result.reason
+    assert result.runner_up is not None and result.runner_up.plan.layout.describe() == "dp_shard=4"
+    assert result.objective_s is not None and result.runner_up.objective_s > result.objective_s
     assert all(c.memory_bytes <= 80 * MB for c in result.plan.costs)
+
     roomy = cluster(*(device(f"d{i}", 100.0, memory=1 << 34) for i in range(4)))
-    result = make_plan(roomy, graph, None, limits=PlanLimits(global_batch=32))
-    assert result.plan is not None and result.plan.dp_shard == 1 and "sharded over 4 would take" in result.reason
+    result = make_plan(roomy, graph, None, limits=limits)
+    assert result.plan is not None and result.plan.dp_shard == 1, result.reason
+    assert "replicated: HSDP: 2 replicas of 2 shards would take" in result.reason, result.reason
 
 
 def test_a_pinned_layout_cuts_members_to_its_degrees() -> None:
