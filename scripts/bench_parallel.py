@@ -20,7 +20,7 @@ thread per process), on one model (default the 10M-parameter GPT, examples/gpt.p
 Goals (issue #11): sharded >= 0.95x torchrun + FSDP2 samples/s; reshard >= 0.7x raw p2p; 10M join
 <= 1 s from ready to first step; kill -> next step <= 0.5 s. Prints a table, writes JSON.
 
-usage: python scripts/bench_parallel.py [--quick] [--workers 2,3] [--sections ...] [--out FILE]
+usage: python scripts/bench_parallel.py [--quick] [--workers 2,3] [--repeats R] [--sections ...] [--out FILE]
 """
 
 from __future__ import annotations
@@ -285,6 +285,21 @@ def join_and_kill(job_ref: str, n: int, workdir: Path, sections: tuple[str, ...]
     return out
 
 
+def _median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from interleaved rounds: each system's run with its median samples/s (and that run's
+    other figures), every round's samples/s, and the median of the rounds' ratios (each ratio
+    compares runs made minutes apart, so the machine's drift cancels in it)."""
+    out: dict[str, Any] = {}
+    for system in rounds[0]:
+        runs = sorted((r[system] for r in rounds), key=lambda x: x["samples_per_s"])
+        out[system] = {**runs[len(runs) // 2], "rounds": [r[system]["samples_per_s"] for r in rounds]}
+    out["ratio_replicated_ddp"] = statistics.median(r["replicated"]["samples_per_s"] / r["torchrun_ddp"]["samples_per_s"]
+                                                    for r in rounds)
+    out["ratio_sharded_fsdp2"] = statistics.median(r["sharded"]["samples_per_s"] / r["torchrun_fsdp2"]["samples_per_s"]
+                                                   for r in rounds)
+    return out
+
+
 def table(r: dict[str, Any]) -> str:
     lines = [f"bench_parallel: {r['settings']['job']} ({r['settings']['machine']})", ""]
     if "throughput" in r:
@@ -293,12 +308,19 @@ def table(r: dict[str, Any]) -> str:
         for n, row in sorted(r["throughput"].items()):
             rep, sh, tr, ddp = row["replicated"], row["sharded"], row["torchrun_fsdp2"], row["torchrun_ddp"]
             lines.append(f"{n:>8} {rep['samples_per_s']:>11.1f} {ddp['samples_per_s']:>13.1f}"
-                         f" {rep['samples_per_s'] / ddp['samples_per_s']:>9.3f} {sh['samples_per_s']:>9.1f}"
-                         f" {tr['samples_per_s']:>15.1f} {sh['samples_per_s'] / tr['samples_per_s']:>12.3f}"
+                         f" {row['ratio_replicated_ddp']:>9.3f} {sh['samples_per_s']:>9.1f}"
+                         f" {tr['samples_per_s']:>15.1f} {row['ratio_sharded_fsdp2']:>12.3f}"
                          f" {sh.get('redundancy_share', 0.0):>7.1%}"
                          f" {max(rep['peak_rss_bytes']) / 2**20:>13.0f} {max(sh['peak_rss_bytes']) / 2**20:>14.0f}")
-        lines.append("  (samples/s; copies = the sharded step's time on the redundancy, median per worker and step;"
+        lines.append("  (samples/s, each system's median over the rounds; ratios: the median of the rounds' ratios;"
+                     " copies = the sharded step's time on the redundancy, median per worker and step;"
                      " peak = the largest worker's VmHWM)")
+        for n, row in sorted(r["throughput"].items()):
+            if len(row["sharded"]["rounds"]) > 1:
+                lines.append(f"  {n} workers, every round: " + "; ".join(
+                    f"{name} {' '.join(f'{v:.1f}' for v in row[key]['rounds'])}" for name, key in
+                    (("replicated", "replicated"), ("DDP", "torchrun_ddp"), ("sharded", "sharded"),
+                     ("FSDP2", "torchrun_fsdp2"))))
     if "reshard" in r:
         rs, p2p = r["reshard"], r["raw_p2p"]
         lines.append("")
@@ -339,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"any of {', '.join(SECTIONS)}")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=1, metavar="R",
+                   help="throughput: run the four systems R times, interleaved, and report each one's median "
+                        "samples/s and the median of the rounds' ratios (this machine's speed drifts by 20%%)")
     p.add_argument("--quick", action="store_true", help="the small GPT, 2 workers, fewer steps (minutes)")
     p.add_argument("--out", type=Path, default=Path("bench-out/parallel.json"))
     p.add_argument("--keep", type=Path, default=None, metavar="DIR",
@@ -367,14 +392,17 @@ def main(argv: list[str] | None = None) -> int:
         if "throughput" in sections:
             result["throughput"] = {}
             for n in counts:
-                print(f"throughput with {n} workers ...", flush=True)
-                result["throughput"][n] = {
-                    "replicated": adaptrain_throughput(job_ref, n, "fsdp=1", a.warmup, a.steps, work / f"rep{n}"),
-                    "sharded": adaptrain_throughput(job_ref, n, "dp=1", a.warmup, a.steps, work / f"shard{n}"),
-                    "torchrun_fsdp2": torchrun_throughput(job_ref, n, a.warmup, a.steps, work / f"torchrun{n}"),
-                    "torchrun_ddp": torchrun_throughput(job_ref, n, a.warmup, a.steps, work / f"ddp{n}",
-                                                        script="_torchrun_job.py"),
-                }
+                rounds: list[dict[str, Any]] = []
+                for k in range(a.repeats):  # interleaved: a slow spell of the machine hits every system alike
+                    print(f"throughput with {n} workers, round {k + 1}/{a.repeats} ...", flush=True)
+                    rounds.append({
+                        "replicated": adaptrain_throughput(job_ref, n, "fsdp=1", a.warmup, a.steps, work / f"rep{n}-{k}"),
+                        "sharded": adaptrain_throughput(job_ref, n, "dp=1", a.warmup, a.steps, work / f"shard{n}-{k}"),
+                        "torchrun_fsdp2": torchrun_throughput(job_ref, n, a.warmup, a.steps, work / f"torchrun{n}-{k}"),
+                        "torchrun_ddp": torchrun_throughput(job_ref, n, a.warmup, a.steps, work / f"ddp{n}-{k}",
+                                                            script="_torchrun_job.py"),
+                    })
+                result["throughput"][n] = _median_round(rounds)
         if "reshard" in sections:
             print("reshard and raw p2p ...", flush=True)
             result["raw_p2p"] = raw_p2p(work / "p2p")
