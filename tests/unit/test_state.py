@@ -43,3 +43,17 @@ def test_pack_unpack_roundtrip_is_bit_identical() -> None:
         o.step()
     for a, b in zip(model.parameters(), replica.parameters()):
         assert torch.equal(a, b)
+
+
+def test_the_skeleton_keeps_tuples_and_refuses_what_cannot_travel() -> None:
+    """The skeleton is msgpack with a tuple type (Adam's betas stay a tuple, a list stays a list) and
+    never executes anything it reads; a state holding an object it cannot carry is refused by name."""
+    import pytest
+    packed = state.pack({"betas": (0.9, 0.99), "params": [0, 1], "nested": {3: (1, [2, (3,)])},
+                         "t": torch.ones(2)}, torch.device("cpu"))
+    back = state.unpack(state.read_meta(packed.skeleton), packed.buffers)
+    assert back["betas"] == (0.9, 0.99) and isinstance(back["betas"], tuple)
+    assert back["params"] == [0, 1] and isinstance(back["params"], list)
+    assert back["nested"] == {3: (1, [2, (3,)])} and torch.equal(back["t"], torch.ones(2))
+    with pytest.raises(TypeError, match="holds a object"):
+        state.pack({"x": object()}, torch.device("cpu"))
