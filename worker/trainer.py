@@ -85,7 +85,7 @@ class Trainer:
         self.config = config
         self.name = agent.name
         self.device = torch.device(config.device)
-        self._build()
+        self._build(meta=True)
         self.numel = sum(p.numel() for p in self.params)
         self.stale = False  # our state may differ from the survivors' (we were fenced): take theirs
         self.waiter = comm.Waiter(self.device)
@@ -120,10 +120,17 @@ class Trainer:
         self.resumed: LocalState | None = None  # this member's slices read from a checkpoint, for the entry
         self.checkpoint_groups: list[tuple[int, dist.ProcessGroup]] = []
 
-    def _build(self) -> None:
-        """The model and optimizer as at step 0, identical on every worker (seeded)."""
+    def _build(self, *, meta: bool = False) -> None:
+        """The model and optimizer as at step 0, identical on every worker (seeded). `meta`: only
+        their structure (names, shapes, learning rates), no memory: a worker starts so, and
+        materialises the whole model only when a layout needs it (a replica, or the seeded state
+        of a job nobody holds yet); a newcomer to a sharded job never holds it whole."""
         torch.manual_seed(self.job.seed)
-        self.model = self.job.model().to(self.device)
+        if meta:
+            with torch.device("meta"):
+                self.model = self.job.model()
+        else:
+            self.model = self.job.model().to(self.device)
         self.optimizer = self.job.optimizer(self.model.parameters())
         # The schedule multiplies these; a state received from a peer carries the lr it last used,
         # so each step sets every group's lr from its base again (exact under churn).
@@ -247,6 +254,8 @@ class Trainer:
                     self._forget_groups()  # it handed its slices over or was fenced: a plain model
                     self._build()  # to receive the state into
                     self.stale = True
+                elif self._on_meta():  # a replica holds the whole model: the seeded one of step 0
+                    self._build()
                 received, self.largest_sender = epoch.reconcile(
                     group.pg, group.rank, len(group.members), -1 if self.stale else self.step, self._state,
                     lambda work, buf: self.wait(group, work, buf), self.device, restart=self._restart, load=self._load)
@@ -318,7 +327,9 @@ class Trainer:
     def _reshard(self, g: Group) -> tuple[LocalState, int]:
         """Bring this member to exactly its slices of the new layout (`worker.epoch`); the new state
         and the bytes received."""
-        local = self.resumed if self.resumed is not None else None if self.stale else self._local_state()
+        # (a worker that never materialised its model holds nothing: if nobody does, all seed it)
+        local = (self.resumed if self.resumed is not None
+                 else None if self.stale or self._on_meta() else self._local_state())
         self.resumed = None
         self.before_reshard = local
         new, received, plan = epoch.enter(g.layout, self.tensors, self.name, g.members, local, g.pg,
@@ -418,6 +429,10 @@ class Trainer:
         if isinstance(self.model, FSDPModule):  # (never: a sharded model is held with its layout)
             raise RuntimeError("internal error: a sharded model without the layout it was built for")
         return from_module(self.step, self.model, self.optimizer)
+
+    def _on_meta(self) -> bool:
+        """The model is still the structure built at start (`_build(meta=True)`), never materialised."""
+        return any(p.is_meta for p in self.model.parameters())
 
     def _seed_state(self) -> LocalState:
         """The state of step 0, seeded: the same on every worker."""
