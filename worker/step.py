@@ -87,8 +87,7 @@ def replicated(t: Trainer, g: Group) -> PlanDelta | None:
     comm_s = time.perf_counter() - t_comm
 
     summed = [out for _, out in works[:-1]]
-    grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(b, dtype=torch.float64)
-                                                            for b in summed])))  # every parameter
+    grad_norm = float(torch.stack([squared_norm(b) for b in summed]).sum().sqrt())  # every parameter
     if job.grad_clip is not None:  # as torch.nn.utils.clip_grad_norm_ does in one process
         coefficient = min(1.0, job.grad_clip / (grad_norm + 1e-6))
         for b in summed:
@@ -164,7 +163,7 @@ def sharded(t: Trainer, g: Group, sharded: Sharded) -> PlanDelta | None:
     _pause(t, "exchange")
     t.pending = True
     grads = [gr for p in t.params if (gr := local_grad(p)) is not None]
-    squares = sum((gr.double().pow(2).sum() for gr in grads), torch.zeros((), dtype=torch.float64))
+    squares = sum((squared_norm(gr) for gr in grads), torch.zeros((), dtype=torch.float64, device=t.device))
     # The vote: the switch to a planned delta, and a `ctl save` and a checkpoint every member has
     # (writing either is a collective: all of them take it at the same step boundary).
     pending = t.agent.pending_planned(g.epoch)
@@ -234,6 +233,22 @@ def is_comm_error(e: BaseException) -> bool:
     """An error from the data plane (a peer gone mid-collective), not from the job's own code."""
     text = str(e).lower()
     return isinstance(e, dist.DistError) or any(w in text for w in ("gloo", "nccl", "connection", "peer", "timed out"))
+
+
+NORM_CHUNK = 1 << 14
+
+
+def squared_norm(x: torch.Tensor) -> torch.Tensor:
+    """The squared L2 norm of `x` as a float64 scalar, from float32 norms of 16K-element chunks
+    summed in float64. Measured on 10M elements: one float32 norm is 3.6e-4 off (beyond the 1e-4
+    the loss curve is held to), a float64 one copies every gradient first (30 ms, 5% of a 10M GPT
+    step); chunks are 3e-8 off and take 1 ms."""
+    flat = x.reshape(-1)
+    whole = flat.numel() // NORM_CHUNK * NORM_CHUNK
+    total: torch.Tensor = torch.linalg.vector_norm(flat[:whole].view(-1, NORM_CHUNK), dim=1).double().pow(2).sum()
+    if whole < flat.numel():
+        total = total + torch.linalg.vector_norm(flat[whole:]).double().pow(2)
+    return total
 
 
 def local_grad(p: torch.Tensor) -> torch.Tensor | None:

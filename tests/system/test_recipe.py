@@ -44,7 +44,8 @@ def single_process(keep: dict[str, Any] | None = None) -> dict[int, dict[str, fl
             p.grad = None
         loss = job.loss(model(x), y)
         (loss / job.global_batch).backward()
-        # clip_grad_norm_'s own arithmetic, with the norm summed in float64 as the workers do
+        # clip_grad_norm_'s own arithmetic, with the norm in float64 (the workers sum float32 norms of
+        # 16K-element chunks in float64: the same to ~1e-7)
         norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad, dtype=torch.float64)
                                                            for p in params if p.grad is not None])))
         torch.nn.utils.clip_grads_with_norm_(params, job.grad_clip, torch.tensor(norm))

@@ -12,7 +12,7 @@ a step that some members applied before a failure is rolled forward with them.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,6 +31,11 @@ class Copies:
     keeper: str | None  # who keeps a copy of this member's slices
     source: str | None  # whose slices this member keeps a copy of
     copy: LocalState | None  # that copy (None without a source)
+    # The last exchange's buffers, by dtype, kept only when every one of its ops was waited for to
+    # the end: an abandoned op may still write into its buffer, so the next exchange takes fresh ones.
+    # (Fresh buffers every step cost the page faults of both directions' bytes.)
+    outbox: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+    inbox: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
 
     @staticmethod
     def none() -> Copies:
@@ -66,10 +71,16 @@ class Copies:
             mine.setdefault(local.dtype, []).append(
                 grad.reshape(-1) if grad is not None else torch.zeros(local.numel(), dtype=local.dtype, device=local.device))
         dtypes = sorted(mine, key=str)
+        reused_out, reused_in = self.outbox, self.inbox
+        self.outbox, self.inbox = {}, {}  # (kept again below once every op has completed)
         works: list[tuple[Any, torch.Tensor]] = []
+        outbox: dict[torch.dtype, torch.Tensor] = {}
         if self.keeper is not None:
             for d, dtype in enumerate(dtypes):
-                buf = torch.cat(mine[dtype])
+                size = sum(g.numel() for g in mine[dtype])
+                kept = reused_out.get(dtype)
+                outbox[dtype] = buf = torch.cat(mine[dtype], out=kept) if kept is not None and kept.numel() == size \
+                    else torch.cat(mine[dtype])
                 works.append((pg.send([buf], list(members).index(self.keeper), GRAD_TAG + d), buf))
         inbox: dict[torch.dtype, torch.Tensor] = {}
         copy = self.copy
@@ -79,10 +90,13 @@ class Copies:
                 dtype = copy.dtype(fqn, PARAM)
                 sizes[dtype] = sizes.get(dtype, 0) + sum(q.hi - q.lo for q in pieces)
             for d, dtype in enumerate(dtypes):
-                inbox[dtype] = torch.empty(sizes.get(dtype, 0), dtype=dtype, device=device)
+                kept = reused_in.get(dtype)
+                inbox[dtype] = kept if kept is not None and kept.numel() == sizes.get(dtype, 0) \
+                    else torch.empty(sizes.get(dtype, 0), dtype=dtype, device=device)
                 works.append((pg.recv([inbox[dtype]], list(members).index(self.source), GRAD_TAG + d), inbox[dtype]))
         for work, buf in works:
             wait(work, buf)
+        self.outbox, self.inbox = outbox, inbox
         if copy is not None:
             at: dict[torch.dtype, int] = {}
             for fqn, pieces in copy.pieces.items():
