@@ -21,6 +21,9 @@ The agent watches its socket's handshakes: a coordinator that refuses its key, w
 not have, or runs without keys it was given is a `FatalError` with a sentence saying which. An
 `ERR_BUSY` answer to a Join (too many workers joining at once) is retried after JOIN_RETRY_S.
 
+The loop sleeps in one poll of the socket, its handshake monitor and a pipe the trainer's sends
+write to, until one of them has something or a heartbeat is due (never a fixed short tick).
+
 Every send is non-blocking, with what zmq cannot take yet kept in order for the next turn of the loop:
 a DEALER whose only connection was refused at the handshake (a protocol error: zmq does not
 reconnect) has no pipe, and a blocking send waits forever. Seen on a loaded machine: the refusal
@@ -67,7 +70,8 @@ from transport import (
 from transport.security import HANDSHAKE_EVENTS, ClientKeys, handshake_failure, harden_client, no_detail_failure
 from worker.calibrate import Calibration
 
-POLL_S = 0.01
+POLL_S = 0.01  # while zmq cannot take what is unsent (a full pipe, a closing flush): look again this often
+IDLE_S = 0.25  # otherwise the loop wakes on a frame, a handshake event, the trainer's send, or a heartbeat due
 JOIN_RETRY_S = 1.0
 NO_DETAIL_GRACE_S = 3.0  # handshakes failing without detail (and none succeeding) for this long: give up
 REJOIN_GRACE_S = 1.0  # stale-epoch answers this soon after a Join are echoes of older heartbeats
@@ -117,6 +121,12 @@ class Agent:
         self._rejoined_at = 0.0
         self._closing = threading.Event()
         self._close_by = 0.0  # monotonic: stop trying to flush the unsent after this (set by close)
+        # The trainer's sends wake the loop through this pipe, so the loop sleeps until something
+        # happens instead of waking every few ms: measured, a 10 ms poll loop took 9% of a sharded
+        # worker's samples on 3 workers sharing 2 cores, and the GIL from the training thread.
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._thread = threading.Thread(target=self._run, name="adaptrain-agent", daemon=True)
 
     # --- trainer-facing API (thread-safe) ----------------------------------------------------
@@ -126,6 +136,13 @@ class Agent:
 
     def send(self, msg: Message) -> None:
         self._outbox.put(msg)
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except OSError:  # the pipe is full (the loop is awake already), or the loop has ended
+            pass
 
     def say_goodbye(self, msg: Leave) -> None:
         """Send the final `Leave`: from now on no heartbeats, and fencing no longer re-joins
@@ -207,6 +224,7 @@ class Agent:
         """Flush what is queued (up to `linger_s`) and stop the thread."""
         self._close_by = time.monotonic() + linger_s
         self._closing.set()
+        self._wake()
         self._thread.join(timeout=linger_s + 1.0)
 
     # --- the thread ----------------------------------------------------------------------------
@@ -232,6 +250,7 @@ class Agent:
             sock.disable_monitor()
             monitor.close(linger=0)
             sock.close()
+            os.close(self._wake_r)  # (the write end stays: a late send must not fail)
 
     def _watch_handshakes(self, monitor: zmq.Socket[bytes]) -> None:
         """Turn a handshake the coordinator refused into a fatal error that says why. A failure
@@ -273,7 +292,12 @@ class Agent:
         self._box.joined_at = time.monotonic()
         self._send(sock, self._join_message())
         next_beat = time.monotonic()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         while True:
+            self._drain_wakes()
             self._watch_handshakes(monitor)
             if self._box.fatal is not None and self._box.welcome is None:
                 return  # refused at the door: nothing to flush
@@ -302,9 +326,24 @@ class Agent:
                 # No heartbeat queues behind a backlog: a stale one says nothing the next will not.
                 self._send(sock, Heartbeat(name=self.name, epoch=self.epoch, step=self.step))
                 next_beat = time.monotonic() + welcome.heartbeat_s
-            if sock.poll(int(POLL_S * 1000)):
-                while int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # drain: the FD is edge-triggered
-                    self._handle(sock, sock.recv())
+            # Sleep until a frame, a handshake event or a send from the trainer, or until the next
+            # heartbeat or join retry is due; briefly while zmq holds back what is unsent.
+            wake_at = [time.monotonic() + (IDLE_S if flushed and not self._unsent else POLL_S)]
+            if welcome is not None and not self._gone:
+                wake_at.append(next_beat)
+            if self._box.retry_join_at is not None:
+                wake_at.append(self._box.retry_join_at)
+            timeout_ms = max(0, int((min(wake_at) - time.monotonic()) * 1000) + 1)
+            poller.poll(timeout_ms)
+            while int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # drain after every wake: the FD is edge-triggered
+                self._handle(sock, sock.recv())
+
+    def _drain_wakes(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
 
     def _handle(self, sock: zmq.Socket[bytes], frame: bytes) -> None:
         try:

@@ -238,9 +238,11 @@ class Trainer:
         try:
             group = groups.form(store, delta, ranks, rank, self.device, timeout_s=self.config.group_timeout_s,
                                 superseded=superseded)
+            phases = {"group": time.perf_counter() - t0}
             if group.layout.sharded or delta.from_sharded or senders:
                 # Any epoch with sharded state on either side goes through the slice reshard.
                 local, received = self._reshard(group)
+                phases["reshard"] = time.perf_counter() - t0 - sum(phases.values())
                 if self.name not in delta.members:
                     self._drop_state()
                     self.log(f"epoch {delta.epoch}: handed over my slices ({local.nbytes()} bytes kept)")
@@ -249,6 +251,7 @@ class Trainer:
                     group = groups.without_senders(group, delta, self.device, timeout_s=self.config.group_timeout_s,
                                                    superseded=superseded)
                 self._build_executor(group, local)
+                phases["executor"] = time.perf_counter() - t0 - sum(phases.values())
             else:  # replicated to replicated keeps the model and sends whole states (the fast path)
                 if self.stale and (self.sharded is not None or isinstance(self.model, FSDPModule)):
                     self._forget_groups()  # it handed its slices over or was fenced: a plain model
@@ -259,6 +262,7 @@ class Trainer:
                 received, self.largest_sender = epoch.reconcile(
                     group.pg, group.rank, len(group.members), -1 if self.stale else self.step, self._state,
                     lambda work, buf: self.wait(group, work, buf), self.device, restart=self._restart, load=self._load)
+                phases["state"] = time.perf_counter() - t0 - sum(phases.values())
         except epoch.StateLost as e:
             self.log(f"epoch {delta.epoch}: the training state is lost: {e}")
             self.agent.send(StateLost(name=self.name, epoch=delta.epoch, detail=str(e)[:1000]))
@@ -280,7 +284,8 @@ class Trainer:
                             reshard_largest_sender=self.largest_sender,
                             reshard_s=seconds))
         self.log(f"epoch {delta.epoch} ({delta.reason}): rank {rank}/{world}, share "
-                 f"{delta.shares[rank]}/{delta.global_batch}, step {self.step}, formed in {seconds * 1e3:.0f} ms"
+                 f"{delta.shares[rank]}/{delta.global_batch}, step {self.step}, formed in {seconds * 1e3:.0f} ms ("
+                 + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in phases.items()) + ")"
                  + (f", received {received / 1e6:.1f} MB" if received else ""))
         return group
 
