@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python scripts/demo.py scripts/bench_recipe.py
+	$(BIN)/python scripts/demo.py
 
 test: $(STAMP)
 	$(BIN)/mypy plan transport coordinator worker scripts/localjob.py scripts/bench_planner.py scripts/bench_planner_solve.py scripts/bench_planner_quality.py scripts/bench_planner_latency.py scripts/fuzzer.py scripts/bench_control.py scripts/bench_planner_stability.py scripts/record_steps.py scripts/demo.py scripts/bench_recipe.py scripts/bench_parallel.py scripts/_torchrun_fsdp.py scripts/bench_faults.py

@@ -33,7 +33,7 @@ from localjob import LocalJob  # noqa: E402
 from coordinator import report  # noqa: E402
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--job", default=f"{ROOT / 'examples' / 'gpt.py'}:job", help="job to train (default: the GPT)")
     p.add_argument("--kill-at", type=int, default=60, metavar="STEP", help="SIGKILL worker w2 at this step")
@@ -43,7 +43,12 @@ def main() -> int:
     p.add_argument("--state-dir", type=Path,
                    help="keep logs, events.jsonl and report.png here (default: a temp dir, deleted at the end; "
                         "the plot then goes to ./adaptrain-demo.png)")
-    args = p.parse_args()
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
     if args.join_at <= args.kill_at:
         p.error("--join-at must come after --kill-at")
 
