@@ -238,11 +238,15 @@ class Trainer:
         try:
             group = groups.form(store, delta, ranks, rank, self.device, timeout_s=self.config.group_timeout_s,
                                 superseded=superseded)
-            phases = {"group": time.perf_counter() - t0}
+            phases: dict[str, float] = {}  # where the entry's time went, for the log line
+
+            def lap(name: str) -> None:
+                phases[name] = time.perf_counter() - t0 - sum(phases.values())
+            lap("group")
             if group.layout.sharded or delta.from_sharded or senders:
                 # Any epoch with sharded state on either side goes through the slice reshard.
                 local, received = self._reshard(group)
-                phases["reshard"] = time.perf_counter() - t0 - sum(phases.values())
+                lap("reshard")
                 if self.name not in delta.members:
                     self._drop_state()
                     self.log(f"epoch {delta.epoch}: handed over my slices ({local.nbytes()} bytes kept)")
@@ -251,7 +255,7 @@ class Trainer:
                     group = groups.without_senders(group, delta, self.device, timeout_s=self.config.group_timeout_s,
                                                    superseded=superseded)
                 self._build_executor(group, local)
-                phases["executor"] = time.perf_counter() - t0 - sum(phases.values())
+                lap("executor")
             else:  # replicated to replicated keeps the model and sends whole states (the fast path)
                 if self.stale and (self.sharded is not None or isinstance(self.model, FSDPModule)):
                     self._forget_groups()  # it handed its slices over or was fenced: a plain model
@@ -262,7 +266,7 @@ class Trainer:
                 received, self.largest_sender = epoch.reconcile(
                     group.pg, group.rank, len(group.members), -1 if self.stale else self.step, self._state,
                     lambda work, buf: self.wait(group, work, buf), self.device, restart=self._restart, load=self._load)
-                phases["state"] = time.perf_counter() - t0 - sum(phases.values())
+                lap("state")
         except epoch.StateLost as e:
             self.log(f"epoch {delta.epoch}: the training state is lost: {e}")
             self.agent.send(StateLost(name=self.name, epoch=delta.epoch, detail=str(e)[:1000]))

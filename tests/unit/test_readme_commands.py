@@ -5,23 +5,22 @@ once, unnoticed, because CI runs only `make test`.)"""
 from __future__ import annotations
 
 import shlex
-import shutil
-import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _recipe(target: str) -> list[str]:
-    """The commands `make -n TARGET` would run, with the venv counted as installed."""
-    if shutil.which("make") is None:
-        pytest.skip("make is not installed")
-    out = subprocess.run(["make", "-n", "-o", ".venv/.installed", target], cwd=ROOT, capture_output=True,
-                         text=True, check=True).stdout
-    return [line for line in out.splitlines() if line.strip()]
+    """The command lines of `target` in the Makefile (read as text: no `make` needed to check it)."""
+    lines = (ROOT / "Makefile").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"{target}:"))
+    out: list[str] = []
+    for line in lines[start + 1:]:
+        if not line.startswith("\t"):
+            break
+        out.append(line.strip())
+    return out
 
 
 def test_make_demo_runs_the_demo_with_arguments_it_accepts() -> None:

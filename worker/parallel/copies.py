@@ -78,9 +78,7 @@ class Copies:
         if self.keeper is not None:
             for d, dtype in enumerate(dtypes):
                 size = sum(g.numel() for g in mine[dtype])
-                kept = reused_out.get(dtype)
-                outbox[dtype] = buf = torch.cat(mine[dtype], out=kept) if kept is not None and kept.numel() == size \
-                    else torch.cat(mine[dtype])
+                outbox[dtype] = buf = torch.cat(mine[dtype], out=_kept_or_fresh(reused_out, dtype, size, device))
                 works.append((pg.send([buf], list(members).index(self.keeper), GRAD_TAG + d), buf))
         inbox: dict[torch.dtype, torch.Tensor] = {}
         copy = self.copy
@@ -90,9 +88,7 @@ class Copies:
                 dtype = copy.dtype(fqn, PARAM)
                 sizes[dtype] = sizes.get(dtype, 0) + sum(q.hi - q.lo for q in pieces)
             for d, dtype in enumerate(dtypes):
-                kept = reused_in.get(dtype)
-                inbox[dtype] = kept if kept is not None and kept.numel() == sizes.get(dtype, 0) \
-                    else torch.empty(sizes.get(dtype, 0), dtype=dtype, device=device)
+                inbox[dtype] = _kept_or_fresh(reused_in, dtype, sizes.get(dtype, 0), device)
                 works.append((pg.recv([inbox[dtype]], list(members).index(self.source), GRAD_TAG + d), inbox[dtype]))
         for work, buf in works:
             wait(work, buf)
@@ -122,3 +118,10 @@ class Copies:
                 for piece in pieces:
                     piece.data.pop(GRAD, None)
         return self.copy.pieces
+
+
+def _kept_or_fresh(kept: Mapping[torch.dtype, torch.Tensor], dtype: torch.dtype, numel: int,
+                   device: torch.device) -> torch.Tensor:
+    """The last exchange's buffer of `dtype` when it has the size asked for, else a fresh one."""
+    buf = kept.get(dtype)
+    return buf if buf is not None and buf.numel() == numel else torch.empty(numel, dtype=dtype, device=device)
