@@ -82,7 +82,7 @@ def adaptrain_throughput(job_ref: str, n: int, layout: str, warmup: int, steps: 
         job.start()
         for i in range(n):
             job.add_worker(f"w{i + 1}", "--trace-steps", str(workdir / f"w{i + 1}.steps.jsonl"))
-        job.wait_step(warmup + steps, 1200)
+        job.wait_step(warmup + steps, 1200, poll_s=0.5)  # (as torchrun_throughput polls)
         rss = _peak_rss([p.pid for p in job.workers.values()])
         events = job.events()
         job.ctl("stop")

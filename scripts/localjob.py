@@ -167,8 +167,10 @@ class LocalJob:
     def events(self) -> list[dict[str, Any]]:
         return read_jsonl(self.state_dir / "events.jsonl")
 
-    def wait_until(self, found: Callable[[list[dict[str, Any]]], T | None], timeout_s: float, what: str) -> T:
-        """Poll the event log (read once a poll) until `found(events)` is not None; return it."""
+    def wait_until(self, found: Callable[[list[dict[str, Any]]], T | None], timeout_s: float, what: str,
+                   poll_s: float = 0.02) -> T:
+        """Poll the event log (read once a poll, every `poll_s`) until `found(events)` is not None;
+        return it. (A benchmark polls slowly: each poll parses the whole log, CPU the job would use.)"""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             result = found(self.events())
@@ -176,7 +178,7 @@ class LocalJob:
                 return result
             if self.coordinator is not None and self.coordinator.poll() is not None:
                 break
-            time.sleep(0.02)
+            time.sleep(poll_s)
         raise TimeoutError(f"no {what} within {timeout_s} s; coordinator: {self.tail('coordinator.out')}")
 
     def wait_event(self, match: Callable[[dict[str, Any]], bool], timeout_s: float,
@@ -189,8 +191,9 @@ class LocalJob:
         self.wait_until(lambda events: sum(e["kind"] == "step" and e["epoch"] == epoch for e in events) >= n or None,
                         timeout_s, f"{n} steps of epoch {epoch}")
 
-    def wait_step(self, step: int, timeout_s: float) -> dict[str, Any]:
-        return self.wait_event(lambda e: e["kind"] == "step" and e["step"] >= step, timeout_s, f"step {step}")
+    def wait_step(self, step: int, timeout_s: float, poll_s: float = 0.02) -> dict[str, Any]:
+        return self.wait_until(lambda events: next((e for e in events if e["kind"] == "step" and e["step"] >= step), None),
+                               timeout_s, f"step {step}", poll_s)
 
     def steps(self) -> dict[int, dict[str, Any]]:
         """The last `step` event of every step number."""

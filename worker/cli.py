@@ -157,6 +157,9 @@ def _exit(code: int) -> None:
 
 def _main(argv: list[str] | None) -> int:
     cfg = parse_args(argv)
+    from worker.heap import keep_freed_memory
+
+    keep_freed_memory()  # before torch allocates: a step's freed memory serves the next (worker.heap)
     import torch  # after argument parsing: --help stays fast
     import torch._dynamo  # noqa: F401  (part of torch's import cost: the first optimizer pulls it in)
 

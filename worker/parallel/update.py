@@ -31,8 +31,8 @@ GRAD = "grad"  # a piece's pending gradient (never moved by a reshard: not a com
 def apply_update(optimizer_factory: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer],
                  local: LocalState, pieces: Mapping[str, list[Piece]], shapes: Mapping[str, tuple[int, ...]],
                  lr: Callable[[int], float], coefficient: float) -> int:
-    """Apply one optimizer step to every piece of `pieces` that has a pending GRAD (scaled by the
-    clipping `coefficient`), in place; `lr(group_index)` is the learning rate of each parameter
+    """Apply one optimizer step to every piece of `pieces` that has a pending GRAD (scaled in place by
+    the clipping `coefficient`: a copy of it cost a fresh slice-sized buffer every step), in place; `lr(group_index)` is the learning rate of each parameter
     group. Returns the number of pieces updated. The per-parameter scalars (Adam's `step`) in
     `local.scalars` advance with it."""
     params: list[torch.nn.Parameter] = []
@@ -43,7 +43,9 @@ def apply_update(optimizer_factory: Callable[[Iterable[torch.nn.Parameter]], tor
                 continue
             view = _rows(piece.data[PARAM], shapes[fqn])
             p = torch.nn.Parameter(view, requires_grad=True)
-            p.grad = _rows(piece.data[GRAD], shapes[fqn]).mul(coefficient)
+            p.grad = _rows(piece.data[GRAD], shapes[fqn])
+            if coefficient != 1.0:  # in place: the pending gradient is this step's, used once
+                p.grad.mul_(coefficient)
             params.append(p)
             order.append((fqn, piece))
     if not params:
