@@ -182,21 +182,21 @@ def execute(plan: ReshardPlan, me: str, ranks: Mapping[str, int], local: LocalSt
     # a peer and dtype, unpacked once every receive is done. Both sides number a pair's messages
     # alike, from the plan's order.
     for peer, transfers in _by_peer(sends, lambda t: t.dst).items():
-        direct, packed = _messages(local, transfers)
+        direct, small = _messages(local, transfers)
         for tag, (t, key) in enumerate(direct, start=DATA_TAG):
             out = local.read(t.tensor, key, t.lo, t.hi)
             works.append((pg.send([out], ranks[peer], tag), out))
-        for tag, group in enumerate(packed.values(), start=DATA_TAG + len(direct)):
+        for tag, group in enumerate(small.values(), start=DATA_TAG + len(direct)):
             out = torch.cat([local.read(t.tensor, key, t.lo, t.hi) for t, key in group])
             works.append((pg.send([out], ranks[peer], tag), out))
     unpack: list[tuple[torch.Tensor, list[tuple[Transfer, str]]]] = []
     for peer, transfers in _by_peer(recvs, lambda t: t.src).items():
-        direct, packed = _messages(local, transfers)
+        direct, small = _messages(local, transfers)
         for tag, (t, key) in enumerate(direct, start=DATA_TAG):
             buf = _view(new, t.tensor, key, t.lo, t.hi)
             works.append((pg.recv([buf], ranks[peer], tag), buf))
             received += buf.numel() * buf.element_size()
-        for tag, (dtype, group) in enumerate(packed.items(), start=DATA_TAG + len(direct)):
+        for tag, (dtype, group) in enumerate(small.items(), start=DATA_TAG + len(direct)):
             buf = torch.empty(sum(t.elements for t, _ in group), dtype=dtype, device=device)
             works.append((pg.recv([buf], ranks[peer], tag), buf))
             received += buf.numel() * buf.element_size()
