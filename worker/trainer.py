@@ -51,6 +51,7 @@ from worker.parallel.fsdp import Sharded, apply_fsdp, extract
 from worker.parallel.replicated import GradBuckets, apply_replicated
 from worker.parallel import mesh as meshes
 from worker.parallel.copies import Copies
+from worker.parallel.meta import meta_model
 from worker.parallel.slices import PARAM, LocalState, from_module
 from worker.parallel.update import GRAD, apply_update
 from worker.save import save_model, save_state
@@ -125,11 +126,10 @@ class Trainer:
         their structure (names, shapes, learning rates), no memory: a worker starts so, and
         materialises the whole model only when a layout needs it (a replica, or the seeded state
         of a job nobody holds yet); a newcomer to a sharded job never holds it whole."""
-        torch.manual_seed(self.job.seed)
         if meta:
-            with torch.device("meta"):
-                self.model = self.job.model()
+            self.model = meta_model(self.job)
         else:
+            torch.manual_seed(self.job.seed)
             self.model = self.job.model().to(self.device)
         self.optimizer = self.job.optimizer(self.model.parameters())
         # The schedule multiplies these; a state received from a peer carries the lr it last used,

@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from plan.graph import ROOT_UNIT
 from plan.layout import Layout
 from worker.job import Job
+from worker.parallel.meta import meta_model
 from worker.parallel.slices import PARAM, LocalState, Piece
 
 Wait = Callable[[Any, torch.Tensor | None], None]  # the trainer's abortable wait (raises when superseded)
@@ -82,9 +83,7 @@ def apply_fsdp(job: Job, units: Sequence[str], layout: Layout, rank: int, mesh: 
     without it they are waited for plainly."""
     if (replicate is not None) != (layout.dp_replicate > 1):
         raise ValueError(f"{layout.describe()}: a replica group is needed exactly when dp_replicate > 1")
-    with torch.device("meta"):
-        torch.manual_seed(job.seed)
-        model = job.model()
+    model = meta_model(job)
     kwargs: dict[str, Any] = {"mesh": mesh}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy

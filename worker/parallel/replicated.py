@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from worker.job import Job
+from worker.parallel.meta import meta_model
 from worker.parallel.slices import PARAM, LocalState, from_module
 
 __all__ = ["Replica", "apply_replicated", "extract_replicated"]
@@ -25,9 +26,7 @@ class Replica:
 
 def apply_replicated(job: Job, local: LocalState, device: torch.device) -> Replica:
     """The job's whole model and optimizer on `device`, loaded from `local` (which holds every element)."""
-    with torch.device("meta"):
-        torch.manual_seed(job.seed)
-        model = job.model()
+    model = meta_model(job)
     model.to_empty(device=device)
     with torch.no_grad():
         for fqn, p in model.named_parameters():
