@@ -182,9 +182,9 @@ class LocalJob:
         raise TimeoutError(f"no {what} within {timeout_s} s; coordinator: {self.tail('coordinator.out')}")
 
     def wait_event(self, match: Callable[[dict[str, Any]], bool], timeout_s: float,
-                   what: str = "event") -> dict[str, Any]:
+                   what: str = "event", poll_s: float = 0.02) -> dict[str, Any]:
         """The first event that `match`es."""
-        return self.wait_until(lambda events: next((e for e in events if match(e)), None), timeout_s, what)
+        return self.wait_until(lambda events: next((e for e in events if match(e)), None), timeout_s, what, poll_s)
 
     def wait_epoch_steps(self, epoch: int, n: int, timeout_s: float) -> None:
         """Wait until epoch `epoch` has committed `n` steps."""
@@ -192,8 +192,7 @@ class LocalJob:
                         timeout_s, f"{n} steps of epoch {epoch}")
 
     def wait_step(self, step: int, timeout_s: float, poll_s: float = 0.02) -> dict[str, Any]:
-        return self.wait_until(lambda events: next((e for e in events if e["kind"] == "step" and e["step"] >= step), None),
-                               timeout_s, f"step {step}", poll_s)
+        return self.wait_event(lambda e: e["kind"] == "step" and e["step"] >= step, timeout_s, f"step {step}", poll_s)
 
     def steps(self) -> dict[int, dict[str, Any]]:
         """The last `step` event of every step number."""

@@ -28,12 +28,13 @@ def meta_model(job: Job) -> nn.Module:
     torch.manual_seed(job.seed)
     if _template is None or _template[0] is not job:
         _template = (job, _build(job))
-        try:
-            copy.deepcopy(_template[1])
-        except Exception:  # noqa: BLE001 (any failure to copy: build every time instead)
-            _template = (job, None)
     model = _template[1]
-    return copy.deepcopy(model) if model is not None else _build(job)
+    if model is not None:
+        try:
+            return copy.deepcopy(model)
+        except Exception:  # noqa: BLE001 (any failure to copy: build every time from now on)
+            _template = (job, None)
+    return _build(job)
 
 
 def _build(job: Job) -> nn.Module:

@@ -31,10 +31,10 @@ GRAD = "grad"  # a piece's pending gradient (never moved by a reshard: not a com
 def apply_update(optimizer_factory: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer],
                  local: LocalState, pieces: Mapping[str, list[Piece]], shapes: Mapping[str, tuple[int, ...]],
                  lr: Callable[[int], float], coefficient: float) -> int:
-    """Apply one optimizer step to every piece of `pieces` that has a pending GRAD (scaled in place by
-    the clipping `coefficient`: a copy of it cost a fresh slice-sized buffer every step), in place; `lr(group_index)` is the learning rate of each parameter
-    group. Returns the number of pieces updated. The per-parameter scalars (Adam's `step`) in
-    `local.scalars` advance with it."""
+    """Apply one optimizer step, in place, to every piece of `pieces` that has a pending GRAD (which
+    the clipping `coefficient` scales in place: a scaled copy cost a slice-sized buffer every step);
+    `lr(group_index)` is the learning rate of each parameter group. Returns the number of pieces
+    updated. The per-parameter scalars (Adam's `step`) in `local.scalars` advance with it."""
     params: list[torch.nn.Parameter] = []
     order: list[tuple[str, Piece]] = []
     for fqn, ps in pieces.items():
