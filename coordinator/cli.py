@@ -120,6 +120,13 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
     p.add_argument("--horizon", type=int, default=200, metavar="STEPS",
                    help="steps over which a re-plan's one-off cost (new group, state moved) is amortised "
                         "when deciding whether a new plan pays off (default 200, or the steps left)")
+    p.add_argument("--join-abandons", choices=("auto", "always", "never"), default="auto",
+                   help="whether the members abandon the step in flight to take a newcomer in at once, instead of "
+                        "switching at the next step boundary (up to a step later). auto (default): when the cost model "
+                        "predicts it pays: the new plan is faster and little enough of the step has run (with M equal "
+                        "members and one more like them, the first 1/(M+1) of the step); the plan event's detail says "
+                        "so. always: whenever a step is in flight (the fastest join; the step is done again). never: "
+                        "a join always waits for the step boundary. Nothing is lost either way")
     p.add_argument("--layout", metavar="dp=R,fsdp=S",
                    help="pin the layout's degrees: dp = replicas (dp_replicate), fsdp = members that shard the "
                         "state between them (dp_shard, FSDP2); an omitted one is planned. E.g. --layout dp=1 shards "
@@ -199,7 +206,7 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
                             solve_time_limit_s=a.solve_time_limit, horizon_steps=a.horizon, stability=a.stability,
                             layout=layout, checkpoint_dir=a.checkpoint_dir or state_dir / "checkpoints",
                             checkpoint_every=a.checkpoint_every, checkpoint_keep=a.checkpoint_keep,
-                            recovery_grace_s=a.recovery_grace,
+                            recovery_grace_s=a.recovery_grace, join_abandons=a.join_abandons,
                             solver=a.solver, metrics_port=a.metrics_port, metrics_host=metrics_host(a.bind))
     return cfg, a.job
 

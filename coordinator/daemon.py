@@ -124,6 +124,7 @@ class CoordinatorConfig:
     checkpoint_every: int = 0  # --checkpoint-every (0: only on `ctl checkpoint` and SIGTERM)
     checkpoint_keep: int = 3  # --checkpoint-keep
     recovery_grace_s: float = 10.0  # --recovery-grace
+    join_abandons: str = "auto"  # --join-abandons
     quiet: bool = False
     planner: str = "milp"
     solve_time_limit_s: float = 0.5
@@ -183,7 +184,7 @@ class Core:
                                stability=cfg.stability, layout=cfg.layout,
                                solver=cfg.solver, drain_deadline_s=cfg.drain_deadline_s,
                                checkpoint_dir=str(cfg.checkpoint_dir or ""), checkpoint_keep=cfg.checkpoint_keep,
-                               recovery_grace_s=cfg.recovery_grace_s)
+                               recovery_grace_s=cfg.recovery_grace_s, join_abandons=cfg.join_abandons)
         self.state = m.State()
         self.journal, self.endpoints = journal, endpoints or {}
         self._graph_dict: tuple[Graph, dict[str, Any]] | None = None  # the graph as journaled, encoded once
@@ -397,11 +398,12 @@ class Core:
                 self.log.write(kind, **fields)
                 self.metrics.observe(kind, fields)
                 self._echo(kind, fields)
-            case m.Planned(result, epoch, reason):
+            case m.Planned(result, epoch, reason, abandons_step):
                 plan = result.plan
                 runner = result.runner_up
                 planned: dict[str, Any] = {
                     "epoch": epoch, "reason": reason, "status": result.status, "detail": result.reason,
+                    "abandons_step": abandons_step,
                     "predicted_step_s": plan.predicted_step_s if plan else None,
                     "solve_s": round(elapsed_s, 6), "mode": plan.mode if plan else "sync",
                     "layout": plan.layout.to_dict() if plan else None,

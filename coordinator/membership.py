@@ -273,7 +273,7 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
             effects += [Send(n, Stop(reason="the job is over")) for n in state.workers if n not in members]
         predicted = state.plan.predicted_step_s if state.plan is not None and r.epoch == state.epoch else None
         if r.step > state.last_step:
-            state = replace(state, last_lr=r.lr, last_grad_norm=r.grad_norm)
+            state = replace(state, last_lr=r.lr, last_grad_norm=r.grad_norm, last_step_at=now)
         state = replace(state, last_step=max(state.last_step, r.step), finished=state.finished or done,
                         unlogged=unlogged)
         effects.append(Log("step", {"step": r.step, "epoch": r.epoch, "loss": r.loss, "samples": r.global_batch,

@@ -42,6 +42,7 @@ from transport import MeshLayout, PlanDelta
 GAIN_REASONS = ("straggler", "recovered", "contention", "calibration")  # re-plans that must pay for themselves
 MIN_REL_GAIN = 0.03  # ... by at least this fraction of the step
 NOISE_WINDOW = 32  # measured steps the epoch's step-time noise is taken over
+ABANDON_MARGIN = 0.8  # a join abandons the step in flight only within 80% of where it starts to pay
 
 
 def replan(state: State, config: Config, reason: str, *, abort: bool, now: float) -> Result:
@@ -121,6 +122,12 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
             told: list[Effect] = [Log("kept", {"reason": reason, "detail": kept.kept})] if verdict.detail else []
             return kept, [*said, *told, *benched]
         result = replace(result, reason=f"{result.reason}; {verdict.detail}")
+    abandons = False
+    if not abort and reason == "join" and config.join_abandons != "never":
+        why = _abandon_for_join(state, new, config.join_abandons == "always", now)
+        if why:
+            abandons = abort = True  # the members abandon the step in flight, as for a failure
+            result = replace(result, reason=f"{result.reason}; {why}")
     if state.changed:
         result = replace(result, reason=f"{result.reason}; changed: {'; '.join(state.changed)}")
     epoch = state.epoch + 1
@@ -146,7 +153,44 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
                     changed=(),
                     kept=None, calibrating=guessed,
                     replan_wanted=f"{handoff} handed off" if handoff else None)
-    return state, [*said, Planned(result, epoch, reason), *benched, *(Send(n, delta) for n in recipients)]
+    return state, [*said, Planned(result, epoch, reason, abandons_step=abandons), *benched,
+                   *(Send(n, delta) for n in recipients)]
+
+
+def _abandon_for_join(state: State, new: Plan, always: bool, now: float) -> str:
+    """Why the members should abandon the step in flight to take a newcomer in at once ("": they
+    should not, and switch at the step boundary they vote on, up to a step later).
+
+    Abandoning throws away what the step has run so far (`elapsed` of a step of `step_s`); waiting
+    leaves the new plan idle for the rest of it. Over the time the step has left, the new plan
+    (predicted `ratio` of the current plan's step time) does (step_s - elapsed) / (ratio × step_s)
+    steps counted from the abandoned one, against the one step waiting commits: abandoning pays
+    while elapsed < (1 - ratio) × step_s. With M equal members and one more of their kind that is
+    the first 1/(M + 1) of the step; a join that makes the step no faster (a host's cores already
+    busy) never abandons. ABANDON_MARGIN keeps clear of the prediction's error and the messages'
+    latency. `always` (`--join-abandons always`): whenever a step is in flight."""
+    current, tracker = state.plan, state.tracker
+    if current is None or state.last_step_at <= 0 or new.predicted_step_s is None or state.graph is None:
+        return ""  # (no step committed yet: nothing in flight worth weighing)
+    if not set(current.members) <= set(new.members):
+        return ""  # (a join that also plans a member out is a different trade: it waits for the boundary)
+    measured = tracker.measured[-NOISE_WINDOW:] if tracker is not None and tracker.epoch == state.epoch else ()
+    step_s = statistics.median(measured) if measured else current.predicted_step_s  # (a young epoch: predicted)
+    if not step_s:
+        return ""
+    elapsed = now - state.last_step_at
+    if always:
+        return f"the members abandon the step in flight ({elapsed:.2f} s of ~{step_s:.2f} s run): --join-abandons always"
+    now_s = repredict(state.cluster.contended(current.members), state.graph, current).predicted_step_s
+    if not now_s:
+        return ""
+    ratio = new.predicted_step_s / now_s
+    limit = ABANDON_MARGIN * (1.0 - ratio) * step_s
+    if elapsed >= limit:
+        return ""
+    return (f"the members abandon the step in flight: {elapsed:.2f} s of ~{step_s:.2f} s run, and the new plan "
+            f"(predicted {ratio:.2f}x the step time) gains more over the rest of it than it loses while less than "
+            f"{limit:.2f} s has run")
 
 
 class Verdict(NamedTuple):

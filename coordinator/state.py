@@ -34,6 +34,7 @@ class Config:
     checkpoint_dir: str = ""  # where the workers write durable checkpoints ("": none)
     checkpoint_keep: int = 3  # the newest this many are kept (0: all)
     recovery_grace_s: float = 10.0  # a restarted coordinator waits this long for the plan's members to come back
+    join_abandons: str = "auto"  # a join abandons the step in flight: "auto" (when it pays), "always", "never"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -84,6 +85,7 @@ class State:
     kept: str | None = None  # why the latest re-plan that found a better plan kept the current one
     calibrating: bool = True  # the latest plan rests on a guess for some member (not measured yet)
     last_step: int = 0  # highest step reported (and logged)
+    last_step_at: float = 0.0  # when its first report arrived (the members then began the next step)
     last_lr: float | None = None  # learning rate and gradient norm (before clipping) of that step
     last_grad_norm: float | None = None
     last_eval: tuple[int, float, int] | None = None  # (step, loss, samples) of the latest evaluation
@@ -289,6 +291,7 @@ class Planned:
     result: PlanResult
     epoch: int
     reason: str
+    abandons_step: bool = False  # a join that abandons the members' step in flight (`replan`)
 
 
 @dataclass(frozen=True, slots=True)

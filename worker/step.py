@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,6 +48,8 @@ def replicated(t: Trainer, g: Group) -> PlanDelta | None:
     for p in t.params:
         p.grad = None
     buckets = _grad_buckets(t)
+    _abandon_points(t)
+    t.computing = g.epoch  # (until the compute ends: the units' hooks may give the step up)
     # Micro-batches (the plan's, where a share does not fit memory at once): gradients accumulate
     # over the passes, and the buckets go out during the last pass's backward only.
     size = g.micro[g.rank] or len(ids) or 1
@@ -54,7 +57,8 @@ def replicated(t: Trainer, g: Group) -> PlanDelta | None:
     loss_sum: torch.Tensor | float = 0.0
     for i, chunk in enumerate(chunks):
         if i == len(chunks) - 1:
-            buckets.start(lambda b: g.pg.allreduce([b]))  # each bucket goes as soon as the backward fills it
+            buckets.start(lambda b: g.pg.allreduce([b]), t.give_up_if_superseded)  # each bucket goes as
+            # soon as the backward fills it
         inputs, targets = job.dataset[chunk]
         inputs, targets = inputs.to(t.device), targets.to(t.device)
         with _autocast(t):
@@ -70,8 +74,9 @@ def replicated(t: Trainer, g: Group) -> PlanDelta | None:
         if t.device.type == "cuda":
             torch.cuda.synchronize(t.device)
             compute_s = time.perf_counter() - t0
-        time.sleep((factor - 1.0) * compute_s)
+        _stretch(t, (factor - 1.0) * compute_s)
         compute_s = time.perf_counter() - t0
+    t.computing = 0
 
     # The vote and the loss: the switch to a planned delta all replicas hold, and the loss sum.
     # Asked now, not at the step's start: a delta that arrived during the compute is voted on
@@ -150,7 +155,9 @@ def sharded(t: Trainer, g: Group, sharded: Sharded) -> PlanDelta | None:
     factor = t.agent.slowdown
     if factor > 1.0 and len(ids):  # the --slowdown test knob: its own compute stretched
         t_slow = time.perf_counter()
-        time.sleep((factor - 1.0) * compute_s)
+        t.computing = g.epoch
+        _stretch(t, (factor - 1.0) * compute_s)
+        t.computing = 0
         compute_s += time.perf_counter() - t_slow
     _pause(t, "backward")
     # Every member gets its copy's gradients: from here on the step may be rolled forward.
@@ -213,6 +220,32 @@ def _grad_buckets(t: Trainer) -> GradBuckets:
             t.buckets.close()
         t.buckets = GradBuckets(t.params)
     return t.buckets
+
+
+def _abandon_points(t: Trainer) -> None:
+    """Forward pre-hooks on the current replica's units (and its root) that give the step up once
+    its epoch is superseded (`Trainer.give_up_if_superseded`): a replicated step otherwise first
+    waits, and so first notices an abort, after its whole backward. (The gradients' arrivals are
+    the backward's abandon points: `GradBuckets.start`.) A sharded step needs none: FSDP2's
+    gathers are waited for unit by unit."""
+    if t.abandon_points is not None and t.abandon_points[0]() is t.model:
+        return
+    if t.abandon_points is not None:  # (a replica gone since: its hooks go with it)
+        for handle in t.abandon_points[1]:
+            handle.remove()
+    names = {n for n, _ in t.model.named_modules()}
+    modules = [t.model, *(t.model.get_submodule(u) for u in t.units() if u in names)]
+    # (a weak reference: the hooks must not keep a replica alive once a sharded executor replaced it)
+    t.abandon_points = (weakref.ref(t.model), [m.register_forward_pre_hook(t.give_up_if_superseded)
+                                               for m in modules])
+
+
+def _stretch(t: Trainer, seconds: float) -> None:
+    """The --slowdown knob's extra compute time, given up as real compute would be (`computing`)."""
+    deadline = time.perf_counter() + seconds
+    while (left := deadline - time.perf_counter()) > 0:
+        time.sleep(min(left, 0.02))
+        t.give_up_if_superseded()
 
 
 def _autocast(t: Trainer) -> Any:

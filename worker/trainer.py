@@ -25,6 +25,7 @@ import dataclasses
 import hashlib
 import json
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,6 +103,10 @@ class Trainer:
         self.registered: list[dist.ProcessGroup] = []
         self._units: list[str] | None = None
         self.buckets: GradBuckets | None = None  # the replicated step's gradient buckets (`worker.step`)
+        # The replicated step's abandon points (`worker.step`): hooks on the replica's units that give
+        # its compute up once `computing`, the epoch of the step in flight, is superseded.
+        self.computing = 0
+        self.abandon_points: tuple[weakref.ref[torch.nn.Module], list[Any]] | None = None
         self.largest_sender = 0  # bytes the busiest sender of the last reshard sent (for the Ack)
         self.paused_reshard = False  # the --pause-at reshard knob fires once
         self.redundancy_s = 0.0  # the last sharded step's time on its copies (exchange + update)
@@ -488,6 +493,15 @@ class Trainer:
             if steps.is_comm_error(e) or self.agent.superseded(g.epoch):
                 raise Superseded(f"the step's communication failed: {str(e).splitlines()[0][:200]}") from None
             raise
+        finally:
+            self.computing = 0
+
+    def give_up_if_superseded(self, *_: Any) -> None:
+        """An abandon point inside a replicated step's compute (a unit's forward, a gradient's
+        arrival): the step in flight is given up the moment its epoch is superseded (a failure, or a
+        join that abandons it), not at the next collective's wait after the whole backward."""
+        if self.computing and self.agent.superseded(self.computing):
+            raise Superseded(f"the step in flight is given up in its compute (epoch {self.computing} superseded)")
 
     def after_step(self, g: Group, loss: float, samples: int, compute_s: float, comm_s: float, step_s: float,
                    lr: float, grad_norm: float) -> None:

@@ -718,3 +718,58 @@ def test_a_sender_outside_the_last_plan_is_still_told_and_nudged() -> None:
     sim.now += LEASE_S * 1.5
     effects = sim(m.Seen("a", epoch=d.epoch - 1, step=1))
     assert "a" in deltas(effects), "a sender that lost the delta is sent it again"
+
+
+def _joining_mid_step(elapsed_s: float, *, policy: str = "auto", host: str | None = None,
+                      cores: int = 0) -> tuple[Sim, list[m.Effect]]:
+    """a and b train (0.3 s steps, measured); c becomes ready `elapsed_s` into the step in flight.
+    `host`: all three on that host with `cores` cores, whose compute slows in proportion to the
+    threads per core beyond one (γ = 1, as learned from measurements), else each on its own host."""
+    sim = graph_sim()
+    sim.config = replace(sim.config, min_workers=2, join_abandons=policy)
+    for name in ("a", "b", "c"):
+        msg = _join_msg(name)
+        sim(m.Joined(replace(msg, host=host, cores=cores) if host else msg))
+    sim(m.MadeReady("a"))
+    sim(m.MadeReady("b"))
+    sim.ack_all()
+    train(sim, 8, {"a": 0.01, "b": 0.01})
+    if host:
+        sim.state = replace(sim.state, cluster=replace(sim.state.cluster, gamma={host: 1.0}))
+    sim.now += elapsed_s
+    return sim, sim(m.MadeReady("c"))
+
+
+def test_a_join_early_in_a_step_abandons_it_when_the_new_plan_pays_for_that() -> None:
+    # Two equal members and a third like them: the step is 2/3 as long, so abandoning pays while
+    # less than a third of the step has run (80% of that, for the prediction's error).
+    sim, effects = _joining_mid_step(0.02)
+    [p] = planned(effects)
+    d = the_delta(effects)
+    assert d.reason == "join" and d.members == ["a", "b", "c"]
+    assert d.abort and p.abandons_step, "the members give the step in flight up at once"
+    assert "abandon the step in flight: 0.02 s of ~0.32 s run" in p.result.reason
+    assert not sent(effects, Abort), "nobody failed: the delta itself supersedes the old epoch"
+
+
+def test_a_join_late_in_a_step_waits_for_its_boundary() -> None:
+    sim, effects = _joining_mid_step(0.2)  # 2/3 of the step has run: finishing it is worth more
+    [p] = planned(effects)
+    d = the_delta(effects)
+    assert d.members == ["a", "b", "c"] and not d.abort and not p.abandons_step
+    assert "abandon" not in p.result.reason
+
+
+def test_a_join_that_makes_the_step_no_faster_never_abandons_it() -> None:
+    # All on one host with two cores, two members already busy on them: a third adds no compute.
+    sim, effects = _joining_mid_step(0.01, host="box", cores=2)
+    [p] = planned(effects)
+    d = the_delta(effects)
+    assert "c" in d.members and not d.abort, p.result.reason
+
+
+@pytest.mark.parametrize(("policy", "elapsed", "abandons"), [("never", 0.001, False), ("always", 0.2, True)])
+def test_join_abandons_policy_overrides_the_cost_model(policy: str, elapsed: float, abandons: bool) -> None:
+    sim, effects = _joining_mid_step(elapsed, policy=policy)
+    [p] = planned(effects)
+    assert the_delta(effects).abort is abandons and p.abandons_step is abandons

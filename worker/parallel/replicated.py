@@ -82,15 +82,17 @@ class GradBuckets:
             size += params[i].numel() * 4
         self.owner = {i: b for b, members in enumerate(self.buckets) for i in members}
         self._launch: Any = None
+        self._check: Any = None
         self._remaining: list[int] = []
         self.works: list[tuple[Any, torch.Tensor] | None] = []
         self._reusable: list[torch.Tensor | None] = [None] * len(self.buckets)  # (see the docstring)
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(i))  # type: ignore[no-untyped-call]
                          for i, p in enumerate(params)]
 
-    def start(self, launch: Any) -> None:
-        """A new step: `launch(buffer) -> work` starts one bucket's all-reduce."""
-        self._launch = launch
+    def start(self, launch: Any, check: Any = None) -> None:
+        """A new step: `launch(buffer) -> work` starts one bucket's all-reduce; `check()`, called as
+        each gradient comes in, may raise to give the backward up (the step is abandoned)."""
+        self._launch, self._check = launch, check
         self._remaining = [len(b) for b in self.buckets]
         self.works = [None] * len(self.buckets)
 
@@ -98,6 +100,8 @@ class GradBuckets:
         def ready(_: torch.Tensor) -> None:
             if self._launch is None:
                 return
+            if self._check is not None:
+                self._check()
             b = self.owner[index]
             self._remaining[b] -= 1
             if self._remaining[b] == 0:
