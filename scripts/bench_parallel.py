@@ -11,7 +11,10 @@ thread per process), on one model (default the 10M-parameter GPT, examples/gpt.p
                p2p between two processes measured in the same run (batch_isend_irecv of 100 MB).
   join         adaptrain sharded, one worker more: from the newcomer's plan (it is planned in as
                soon as it is ready) to its group formed with its slices, and to the first step of
-               that epoch; and how long the members paused for it.
+               that epoch; and how long the members paused for it. `--joins K`: K joins one after
+               another (each newcomer drained before the next), under --join-abandons auto (the
+               members give the step in flight up when the cost model says it pays), and the same
+               under --join-abandons never (every join waits for the step boundary).
   kill         adaptrain sharded: SIGKILL of a member -> training again (its slices come back from
                the copy its keeper holds) and the next committed step; against torchrun elastic +
                FSDP2 with a DCP checkpoint every 5 steps (torchrun restarts every worker, which
@@ -20,7 +23,8 @@ thread per process), on one model (default the 10M-parameter GPT, examples/gpt.p
 Goals (issue #11): sharded >= 0.95x torchrun + FSDP2 samples/s; reshard >= 0.7x raw p2p; 10M join
 <= 1 s from ready to first step; kill -> next step <= 0.5 s. Prints a table, writes JSON.
 
-usage: python scripts/bench_parallel.py [--quick] [--workers 2,3] [--repeats R] [--sections ...] [--out FILE]
+usage: python scripts/bench_parallel.py [--quick] [--workers 2,3] [--repeats R] [--sections ...] [--joins K]
+                                        [--out FILE]
 """
 
 from __future__ import annotations
@@ -241,30 +245,35 @@ def reshard_join(job_ref: str, workdir: Path) -> dict[str, Any]:
             "largest_sender_elements": max(runs[n][joins[0]]["sent"] for n in "ab")}
 
 
-def join_and_kill(job_ref: str, n: int, workdir: Path, sections: tuple[str, ...]) -> dict[str, Any]:
-    """adaptrain sharded: N-1 workers, one joins (plan -> its first step); then SIGKILL of one
-    (kill -> the next committed step)."""
+def join_and_kill(job_ref: str, n: int, workdir: Path, sections: tuple[str, ...], *, joins: int = 1,
+                  policy: str = "auto") -> dict[str, Any]:
+    """adaptrain sharded: N-1 workers, one joins (plan -> its first step), `joins` times (each
+    newcomer is drained again before the next one starts); then SIGKILL of one (kill -> the next
+    committed step). `policy`: the coordinator's --join-abandons."""
     out: dict[str, Any] = {}
-    with LocalJob(job_ref, workdir, min_workers=n - 1, coordinator_args=["--layout", "dp=1"]) as job:
+    with LocalJob(job_ref, workdir, min_workers=n - 1,
+                  coordinator_args=["--layout", "dp=1", "--join-abandons", policy]) as job:
         job.start()
         for i in range(n - 1):
             job.add_worker(f"w{i + 1}")
         job.wait_step(3, 900)
         if "join" in sections:
-            job.add_worker(f"w{n}")
-            plan = job.wait_event(lambda e: e["kind"] == "plan" and f"w{n}" in (e["layout"] or {}).get("members", []),
-                                  600, "the newcomer planned in")
-            first = job.wait_event(lambda e: e["kind"] == "step" and e["epoch"] == plan["epoch"], 600, "its first step")
-            reshard = job.wait_event(lambda e: e["kind"] == "reshard" and e["epoch"] == plan["epoch"], 60, "reshard")
-            before = max((e for e in job.events() if e["kind"] == "step" and e["epoch"] < plan["epoch"]),
-                         key=lambda e: e["step"])
-            # The newcomer is planned in the moment it is ready. The members finish the step they are
-            # in and the one that votes the switch; then the group forms and the slices move (the
-            # pause: the time between the old epoch's last step and the new one's first, less that
-            # step's own time); then the first step of the new epoch commits.
-            out["join"] = {"plan_to_first_step_s": first["ts"] - plan["ts"], "plan_to_formed_s": reshard["ts"] - plan["ts"],
-                           "pause_s": first["ts"] - before["ts"] - first["step_s"], "step_s": first["step_s"],
-                           "reshard_bytes": reshard["bytes"], "reshard_s": reshard["seconds"]}
+            every: list[dict[str, Any]] = []
+            for k in range(joins):
+                name = f"w{n}" if k == 0 else f"w{n}-{k + 1}"
+                every.append(_one_join(job, name))
+                if k < joins - 1:  # the newcomer goes again (it hands its slices over), the next one comes
+                    job.ctl("drain", name)
+                    out_plan = job.wait_event(lambda e: e["kind"] == "plan" and name not in e["layout"]["members"]
+                                              and e["epoch"] > every[-1]["epoch"], 600, f"{name} planned out")
+                    job.wait_event(lambda e: e["kind"] == "step" and e["epoch"] == out_plan["epoch"], 600,
+                                   "a step without it")
+                    job.workers[name].wait(timeout=120)
+            first_join = every[0]
+            formed = [j["plan_to_formed_s"] for j in every]
+            out["join"] = {**first_join, "policy": policy, "joins": every,
+                           "median_plan_to_formed_s": statistics.median(formed), "max_plan_to_formed_s": max(formed),
+                           "abandoned": sum(1 for j in every if j["abandoned"])}
         if "kill" in sections:
             job.wait_step(max(job.steps()) + 2, 600)
             last = max(job.steps())
@@ -283,6 +292,28 @@ def join_and_kill(job_ref: str, n: int, workdir: Path, sections: tuple[str, ...]
         job.ctl("stop")
         job.wait_coordinator(60)
     return out
+
+
+def _one_join(job: LocalJob, name: str) -> dict[str, Any]:
+    """Start worker `name` and measure its join: from its plan (it is planned in the moment it is
+    ready) to its group formed with its slices, and to the first step of that epoch."""
+    job.add_worker(name)
+    plan = job.wait_event(lambda e: e["kind"] == "plan" and name in (e["layout"] or {}).get("members", []),
+                          600, f"{name} planned in")
+    first = job.wait_event(lambda e: e["kind"] == "step" and e["epoch"] == plan["epoch"], 600, "its first step")
+    reshard = job.wait_event(lambda e: e["kind"] == "reshard" and e["epoch"] == plan["epoch"], 60, "reshard")
+    before = max((e for e in job.events() if e["kind"] == "step" and e["epoch"] < plan["epoch"]),
+                 key=lambda e: e["step"])
+    # The newcomer is planned in the moment it is ready. The members either finish the step they
+    # are in and switch at its boundary, or (`abandons_step`: the cost model says it pays) give it
+    # up at once; then the group forms and the slices move (the pause: the time between the old
+    # epoch's last step and the new one's first, less that step's own time); then the first step
+    # of the new epoch commits.
+    return {"epoch": plan["epoch"], "abandoned": bool(plan.get("abandons_step")),
+            "plan_to_first_step_s": first["ts"] - plan["ts"], "plan_to_formed_s": reshard["ts"] - plan["ts"],
+            "since_last_step_s": plan["ts"] - before["ts"],
+            "pause_s": first["ts"] - before["ts"] - first["step_s"], "step_s": first["step_s"],
+            "reshard_bytes": reshard["bytes"], "reshard_s": reshard["seconds"]}
 
 
 def _median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -332,11 +363,18 @@ def table(r: dict[str, Any]) -> str:
         if two:
             lines.append(f"  raw p2p with the join's shape (two senders -> one receiver, three processes): "
                          f"{two['bytes_per_s'] / 1e9:.2f} GB/s -> {rs['bytes_per_s'] / two['bytes_per_s']:.2f}x")
-    if "join" in r:
-        j = r["join"]
-        lines.append(f"join (sharded): ready (planned) -> group formed and slices moved {j['plan_to_formed_s']:.2f} s, "
-                     f"-> first step {j['plan_to_first_step_s']:.2f} s (a step: {j['step_s']:.2f} s); the members "
-                     f"paused {j['pause_s']:.2f} s")
+    for key in ("join", "join_never"):
+        if key not in r:
+            continue
+        j = r[key]
+        lines.append(f"join (sharded, --join-abandons {j.get('policy', 'auto')}): ready (planned) -> group formed and "
+                     f"slices moved {j['plan_to_formed_s']:.2f} s, -> first step {j['plan_to_first_step_s']:.2f} s "
+                     f"(a step: {j['step_s']:.2f} s); the members paused {j['pause_s']:.2f} s")
+        if len(j.get("joins", [])) > 1:
+            lines.append(f"  {len(j['joins'])} joins: ready -> formed median {j['median_plan_to_formed_s']:.2f} s, "
+                         f"longest {j['max_plan_to_formed_s']:.2f} s; each (s after the members' last step, "
+                         f"abandoned?): " + ", ".join(f"{x['plan_to_formed_s']:.2f} ({x['since_last_step_s']:.2f}"
+                                                      f"{', abandoned' if x['abandoned'] else ''})" for x in j["joins"]))
         lines.append(f"  reshard {j['reshard_bytes'] / 1e6:.1f} MB; the slowest member's entry took "
                      f"{j['reshard_s']:.2f} s (the newcomer's: from its plan, through the members' steps)")
     if "kill" in r:
@@ -364,6 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1, metavar="R",
                    help="throughput: run the four systems R times, interleaved, and report each one's median "
                         "samples/s and the median of the rounds' ratios (this machine's speed drifts by 20%%)")
+    p.add_argument("--joins", type=int, default=1, metavar="K",
+                   help="joins measured one after another in the join section (each newcomer is drained before "
+                        "the next); with K > 1 the same joins run again under --join-abandons never, side by side")
     p.add_argument("--quick", action="store_true", help="the small GPT, 2 workers, fewer steps (minutes)")
     p.add_argument("--out", type=Path, default=Path("bench-out/parallel.json"))
     p.add_argument("--keep", type=Path, default=None, metavar="DIR",
@@ -410,7 +451,11 @@ def main(argv: list[str] | None = None) -> int:
             result["reshard"] = reshard_join(a.job, work / "reshard")
         if "join" in sections or "kill" in sections:
             print("join and kill ...", flush=True)
-            result.update(join_and_kill(job_ref, 3, work / "joinkill", sections))
+            result.update(join_and_kill(job_ref, 3, work / "joinkill", sections, joins=a.joins))
+        if "join" in sections and a.joins > 1:  # the same joins, each waiting for the members' step boundary
+            print("joins that never abandon a step ...", flush=True)
+            result["join_never"] = join_and_kill(job_ref, 3, work / "join-never", ("join",), joins=a.joins,
+                                                 policy="never")["join"]
         if "kill" in sections:
             print("torchrun elastic kill ...", flush=True)
             try:
