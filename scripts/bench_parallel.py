@@ -14,7 +14,8 @@ thread per process), on one model (default the 10M-parameter GPT, examples/gpt.p
                that epoch; and how long the members paused for it. `--joins K`: K joins one after
                another (each newcomer drained before the next), under --join-abandons auto (the
                members give the step in flight up when the cost model says it pays), and the same
-               under --join-abandons never (every join waits for the step boundary).
+               under --join-abandons always (every join does) and never (every join waits for the
+               step boundary).
   kill         adaptrain sharded: SIGKILL of a member -> training again (its slices come back from
                the copy its keeper holds) and the next committed step; against torchrun elastic +
                FSDP2 with a DCP checkpoint every 5 steps (torchrun restarts every worker, which
@@ -302,8 +303,9 @@ def _one_join(job: LocalJob, name: str) -> dict[str, Any]:
                           600, f"{name} planned in")
     first = job.wait_event(lambda e: e["kind"] == "step" and e["epoch"] == plan["epoch"], 600, "its first step")
     reshard = job.wait_event(lambda e: e["kind"] == "reshard" and e["epoch"] == plan["epoch"], 60, "reshard")
-    before = max((e for e in job.events() if e["kind"] == "step" and e["epoch"] < plan["epoch"]),
-                 key=lambda e: e["step"])
+    events = job.events()
+    before = max((e for e in events if e["kind"] == "step" and e["epoch"] < plan["epoch"]), key=lambda e: e["step"])
+    last = max((e["ts"] for e in events if e["kind"] == "step" and e["ts"] <= plan["ts"]), default=plan["ts"])
     # The newcomer is planned in the moment it is ready. The members either finish the step they
     # are in and switch at its boundary, or (`abandons_step`: the cost model says it pays) give it
     # up at once; then the group forms and the slices move (the pause: the time between the old
@@ -311,7 +313,7 @@ def _one_join(job: LocalJob, name: str) -> dict[str, Any]:
     # of the new epoch commits.
     return {"epoch": plan["epoch"], "abandoned": bool(plan.get("abandons_step")),
             "plan_to_first_step_s": first["ts"] - plan["ts"], "plan_to_formed_s": reshard["ts"] - plan["ts"],
-            "since_last_step_s": plan["ts"] - before["ts"],
+            "since_last_step_s": plan["ts"] - last,  # (how far into the members' step it came)
             "pause_s": first["ts"] - before["ts"] - first["step_s"], "step_s": first["step_s"],
             "reshard_bytes": reshard["bytes"], "reshard_s": reshard["seconds"]}
 
@@ -363,7 +365,7 @@ def table(r: dict[str, Any]) -> str:
         if two:
             lines.append(f"  raw p2p with the join's shape (two senders -> one receiver, three processes): "
                          f"{two['bytes_per_s'] / 1e9:.2f} GB/s -> {rs['bytes_per_s'] / two['bytes_per_s']:.2f}x")
-    for key in ("join", "join_never"):
+    for key in ("join", "join_always", "join_never"):
         if key not in r:
             continue
         j = r[key]
@@ -404,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
                         "samples/s and the median of the rounds' ratios (this machine's speed drifts by 20%%)")
     p.add_argument("--joins", type=int, default=1, metavar="K",
                    help="joins measured one after another in the join section (each newcomer is drained before "
-                        "the next); with K > 1 the same joins run again under --join-abandons never, side by side")
+                        "the next); with K > 1 the same joins run again under --join-abandons always and never, "
+                        "side by side")
     p.add_argument("--quick", action="store_true", help="the small GPT, 2 workers, fewer steps (minutes)")
     p.add_argument("--out", type=Path, default=Path("bench-out/parallel.json"))
     p.add_argument("--keep", type=Path, default=None, metavar="DIR",
@@ -452,10 +455,11 @@ def main(argv: list[str] | None = None) -> int:
         if "join" in sections or "kill" in sections:
             print("join and kill ...", flush=True)
             result.update(join_and_kill(job_ref, 3, work / "joinkill", sections, joins=a.joins))
-        if "join" in sections and a.joins > 1:  # the same joins, each waiting for the members' step boundary
-            print("joins that never abandon a step ...", flush=True)
-            result["join_never"] = join_and_kill(job_ref, 3, work / "join-never", ("join",), joins=a.joins,
-                                                 policy="never")["join"]
+        if "join" in sections and a.joins > 1:  # the same joins under the other policies, side by side
+            for policy in ("always", "never"):
+                print(f"joins under --join-abandons {policy} ...", flush=True)
+                result[f"join_{policy}"] = join_and_kill(job_ref, 3, work / f"join-{policy}", ("join",),
+                                                         joins=a.joins, policy=policy)["join"]
         if "kill" in sections:
             print("torchrun elastic kill ...", flush=True)
             try:
