@@ -156,6 +156,26 @@ class Waiter:
         self._jobs = None
 
 
+def outlive(pg: Any, works: list[tuple[Any, Any]]) -> None:
+    """Ops launched but never handed to a `Waiter` (a step given up in its compute, its gradient
+    buckets already going out): a daemon thread holds their group and buffers until they end by
+    themselves (a peer that gave the step up earlier never joins them: at the latest the group's
+    timeout), so that dropping them never blocks the trainer (see _Wait). NCCL's are aborted."""
+    if not works:
+        return
+    if _is_nccl(pg):
+        threading.Thread(target=_abort_nccl, args=(pg,), daemon=True).start()
+    threading.Thread(target=_wait_quietly, args=(pg, works), daemon=True, name="abandoned-ops").start()
+
+
+def _wait_quietly(pg: Any, works: list[tuple[Any, Any]]) -> None:
+    for work, _ in works:
+        try:
+            work.wait()
+        except BaseException:  # noqa: BLE001 (an abandoned op: how it ends does not matter)
+            pass
+
+
 def _serve_waits(jobs: _Jobs, sync_cuda: bool) -> None:
     while (job := jobs.get()) is not None:
         try:

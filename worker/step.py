@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from transport import PlanDelta
+from worker import comm
 from worker.comm import AllOf, Superseded
 from worker.group import Group
 from worker.job import sample_ids, share_slice
@@ -55,27 +56,31 @@ def replicated(t: Trainer, g: Group) -> PlanDelta | None:
     size = g.micro[g.rank] or len(ids) or 1
     chunks = [ids[i:i + size] for i in range(0, len(ids), size)]
     loss_sum: torch.Tensor | float = 0.0
-    for i, chunk in enumerate(chunks):
-        if i == len(chunks) - 1:
-            buckets.start(lambda b: g.pg.allreduce([b]), t.give_up_if_superseded)  # each bucket goes as
-            # soon as the backward fills it
-        inputs, targets = job.dataset[chunk]
-        inputs, targets = inputs.to(t.device), targets.to(t.device)
-        with _autocast(t):
-            outputs = t.model(inputs)
-        loss = job.loss(outputs, targets)
-        (loss / G).backward()  # type: ignore[no-untyped-call]
-        loss_sum = loss_sum + loss.detach()  # stays on the device: no sync before the all-reduce
-    if not chunks:  # no samples: the buckets still go out (zeros), in `finish`
-        buckets.start(lambda b: g.pg.allreduce([b]))
-    compute_s = time.perf_counter() - t0
-    factor = t.agent.slowdown
-    if factor > 1.0 and len(ids):  # the --slowdown test knob: stretch this step's compute
-        if t.device.type == "cuda":
-            torch.cuda.synchronize(t.device)
-            compute_s = time.perf_counter() - t0
-        _stretch(t, (factor - 1.0) * compute_s)
+    try:
+        for i, chunk in enumerate(chunks):
+            if i == len(chunks) - 1:
+                buckets.start(lambda b: g.pg.allreduce([b]), t.give_up_if_superseded)  # each bucket goes
+                # out as soon as the backward fills it
+            inputs, targets = job.dataset[chunk]
+            inputs, targets = inputs.to(t.device), targets.to(t.device)
+            with _autocast(t):
+                outputs = t.model(inputs)
+            loss = job.loss(outputs, targets)
+            (loss / G).backward()  # type: ignore[no-untyped-call]
+            loss_sum = loss_sum + loss.detach()  # stays on the device: no sync before the all-reduce
+        if not chunks:  # no samples: the buckets still go out (zeros), in `finish`
+            buckets.start(lambda b: g.pg.allreduce([b]))
         compute_s = time.perf_counter() - t0
+        factor = t.agent.slowdown
+        if factor > 1.0 and len(ids):  # the --slowdown test knob: stretch this step's compute
+            if t.device.type == "cuda":
+                torch.cuda.synchronize(t.device)
+                compute_s = time.perf_counter() - t0
+            _stretch(t, (factor - 1.0) * compute_s)
+            compute_s = time.perf_counter() - t0
+    except Superseded:  # given up in the compute: the buckets already out must not block anyone
+        comm.outlive(g.pg, buckets.abandon())
+        raise
     t.computing = 0
 
     # The vote and the loss: the switch to a planned delta all replicas hold, and the loss sum.

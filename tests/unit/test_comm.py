@@ -54,3 +54,38 @@ def test_abandoned_collective_is_released_by_an_interrupt() -> None:
     waiter.wait(a, wa, superseded=lambda: False)
     waiter.wait(b, wb, superseded=lambda: False)
     assert torch.equal(x, torch.full((3,), 3.0))
+
+
+def _short_groups(prefix: str, timeout_s: float) -> list[dist.ProcessGroup]:
+    store = dist.HashStore()
+    pgs: list[dist.ProcessGroup | None] = [None] * 2
+
+    def build(rank: int) -> None:
+        pgs[rank] = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, 2,  # type: ignore[attr-defined]
+                                          timedelta(seconds=timeout_s))
+
+    threads = [threading.Thread(target=build, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [pg for pg in pgs if pg is not None]
+
+
+@pytest.mark.parametrize("left_behind", [False, True])
+def test_ops_given_up_unwaited_do_not_block_whoever_drops_them(left_behind: bool) -> None:
+    """A step given up in its compute (a join that abandons it) has gradient buckets out that its
+    peer, which gave up earlier, never joins. Dropping the group then blocks until the op's timeout
+    (measured: 5.2 s against a 5 s timeout) unless `outlive` keeps it in the background."""
+    pg0, pg1 = _short_groups(f"outlive-{left_behind}/", 3.0)
+    work = pg0.allreduce([torch.ones(1000)])  # rank 1 never joins in
+    t0 = time.perf_counter()
+    if left_behind:
+        comm.outlive(pg0, [(work, None)])
+    del work, pg0
+    dropped_s = time.perf_counter() - t0
+    if left_behind:
+        assert dropped_s < 1.0, f"dropping took {dropped_s:.2f} s"
+    else:  # (the hazard itself, so that this test shows what it guards against)
+        assert dropped_s > 2.0, f"dropping took {dropped_s:.2f} s"
+    del pg1

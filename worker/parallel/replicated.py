@@ -126,6 +126,14 @@ class GradBuckets:
         self._launch = None
         return [w for w in self.works if w is not None]
 
+    def abandon(self) -> list[tuple[Any, torch.Tensor]]:
+        """The step was given up in its backward: the (work, buffer) of every bucket already
+        launched, for the caller to leave behind (`worker.comm.outlive`); none is reused."""
+        launched = [w for w in self.works if w is not None]
+        self._launch, self._check = None, None
+        self.works = [None] * len(self.buckets)
+        return launched
+
     def assign(self) -> None:
         """Give every parameter its summed gradient (in its own dtype) from the waited buffers (each
         reused by the next step, which starts by dropping these gradients)."""
