@@ -71,8 +71,9 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
                         "or shared device would; change it live with `ctl.py slowdown NAME FACTOR`. "
                         "Join-time calibration is not slowed, so the coordinator finds it from step timings")
     p.add_argument("--pause-at", metavar="PHASE@STEP", dest="pause_at",
-                   help="fault-injection knob for tests: in step STEP (1-based) of a sharded layout, sleep 60 s at "
-                        "PHASE (forward: after the forward; backward: after the backward; exchange: after the "
+                   help="fault-injection knob for tests: in step STEP (1-based) of a sharded layout, sleep 60 s (or "
+                        "until the epoch is superseded: the step is given up there) at PHASE (forward: after the "
+                        "forward, in a replicated layout too; backward: after the backward; exchange: after the "
                         "gradient slices went to the copy's keeper; optimizer: after the step's all-reduce, "
                         "before the update), saying so in the log, so that a test can SIGKILL or SIGSTOP it there; "
                         "abandon: after the all-reduce, drop the step as if its result never arrived (the others "

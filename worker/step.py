@@ -66,6 +66,7 @@ def replicated(t: Trainer, g: Group) -> PlanDelta | None:
             with _autocast(t):
                 outputs = t.model(inputs)
             loss = job.loss(outputs, targets)
+            _pause(t, g, "forward")
             (loss / G).backward()  # type: ignore[no-untyped-call]
             loss_sum = loss_sum + loss.detach()  # stays on the device: no sync before the all-reduce
         if not chunks:  # no samples: the buckets still go out (zeros), in `finish`
@@ -141,7 +142,7 @@ def sharded(t: Trainer, g: Group, sharded: Sharded) -> PlanDelta | None:
             if len(chunk):
                 inputs, targets = job.dataset[chunk]
                 loss = job.loss(sharded.model(inputs.to(t.device)), targets.to(t.device))
-                _pause(t, "forward")
+                _pause(t, g, "forward")
                 (loss / G).backward()  # type: ignore[no-untyped-call]
                 loss_sum = loss_sum + loss.detach().double()
             else:  # no samples left: the collectives of the pass still need this member
@@ -164,7 +165,7 @@ def sharded(t: Trainer, g: Group, sharded: Sharded) -> PlanDelta | None:
         _stretch(t, (factor - 1.0) * compute_s)
         t.computing = 0
         compute_s += time.perf_counter() - t_slow
-    _pause(t, "backward")
+    _pause(t, g, "backward")
     # Every member gets its copy's gradients: from here on the step may be rolled forward.
     t_copies = time.perf_counter()
     t.copies.exchange(((p.to_local() if isinstance(p, DTensor) else p, local_grad(p))
@@ -172,7 +173,7 @@ def sharded(t: Trainer, g: Group, sharded: Sharded) -> PlanDelta | None:
                       g.members, g.pg, lambda work, buf: t.wait(g, work, buf), t.device)
     t.redundancy_s = time.perf_counter() - t_copies  # (what the copies cost this step: --trace-steps)
     collectives_s += t.redundancy_s  # (the copies' exchange: communication too)
-    _pause(t, "exchange")
+    _pause(t, g, "exchange")
     t.pending = True
     grads = [gr for p in t.params if (gr := local_grad(p)) is not None]
     squares = sum((squared_norm(gr) for gr in grads), torch.zeros((), dtype=torch.float64, device=t.device))
@@ -187,7 +188,7 @@ def sharded(t: Trainer, g: Group, sharded: Sharded) -> PlanDelta | None:
     t.wait(g, g.pg.allreduce([buf]), buf)
     comm_s = time.perf_counter() - t_comm + collectives_s
     grad_norm = float(buf[1].sqrt())
-    _pause(t, "optimizer")
+    _pause(t, g, "optimizer")
     if t.config.pause_at == ("abandon", t.step + 1):
         t.log(f"abandoning step {t.step + 1} after its all-reduce (--pause-at)")
         raise Superseded
@@ -260,11 +261,17 @@ def _autocast(t: Trainer) -> Any:
         if dtype else contextlib.nullcontext()
 
 
-def _pause(t: Trainer, phase: str) -> None:
-    """The --pause-at knob: sleep where a test wants to kill or stop this worker."""
-    if t.config.pause_at == (phase, t.step + 1):
+def _pause(t: Trainer, g: Group, phase: str) -> None:
+    """The --pause-at knob: sleep where a test wants to kill or stop this worker, for 60 s or until
+    the epoch is superseded (then the step is given up there, as its compute would be). Once."""
+    if t.config.pause_at == (phase, t.step + 1) and not t.paused_step:
+        t.paused_step = True  # (once: a step given up here is done again without a pause)
         t.log(f"pausing at {phase} of step {t.step + 1} (--pause-at)")
-        time.sleep(60)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if t.agent.superseded(g.epoch):
+                raise Superseded(f"given up while paused at {phase} (--pause-at)")
+            time.sleep(0.02)
 
 
 def is_comm_error(e: BaseException) -> bool:

@@ -109,6 +109,7 @@ class Trainer:
         self.abandon_points: tuple[weakref.ref[torch.nn.Module], list[Any]] | None = None
         self.largest_sender = 0  # bytes the busiest sender of the last reshard sent (for the Ack)
         self.paused_reshard = False  # the --pause-at reshard knob fires once
+        self.paused_step = False  # and so do its phases of a step (`worker.step`)
         self.redundancy_s = 0.0  # the last sharded step's time on its copies (exchange + update)
         # What this member held when it entered the current epoch, kept until the epoch's first step
         # commits: a member that finished its reshard while another died before finishing its own
