@@ -8,7 +8,9 @@ The model, optimizer, loss, data and sampler are the job's own (`worker.job.load
 is `sample_ids(seed, k, ...)`, rank r computes the contiguous slice `share_slice(shares, r)` with the
 batch split as evenly as it goes). Each child of the model that holds parameters is a `fully_shard`
 unit, then the root, as adaptrain shards the GPT example. FSDP2 averages gradients over ranks, so
-each rank backpropagates `loss_sum * world / global_batch`: the full global batch's gradient.
+each rank backpropagates `loss_sum * world / global_batch`: the full global batch's gradient. The
+job's recipe (clipping by the global gradient norm, the learning-rate schedule) is applied as in
+the DDP baseline (`_torchrun_job.apply_recipe`).
 
 --events gets one JSON object a line (rank 0 only): step{step,loss,world,ts}, and start{step,ts} when a
 process group is up and the state is loaded.
@@ -47,6 +49,7 @@ def main() -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.fsdp import fully_shard
 
+    from _torchrun_job import apply_recipe  # (this script's directory: the DDP baseline beside it)
     from worker.job import load_job, resolve_job_ref, sample_ids, share_slice
 
     torch.set_num_threads(a.threads)
@@ -67,6 +70,7 @@ def main() -> None:
             fully_shard(child)
     fully_shard(model)
     optimizer = job.optimizer(model.parameters())
+    params, base_lrs = list(model.parameters()), [float(g["lr"]) for g in optimizer.param_groups]
     G = job.global_batch
     shares = [G // world + (1 if r < G % world else 0) for r in range(world)]
     steps = a.steps or job.num_steps
@@ -87,6 +91,7 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         loss = job.loss(model(inputs), targets)
         (loss * (world / G)).backward()  # type: ignore[no-untyped-call]
+        apply_recipe(job, params, optimizer, base_lrs, step)
         optimizer.step()
         if rank == 0:
             os.write(fd, (json.dumps({"ts": time.time(), "kind": "step", "step": step + 1,

@@ -8,7 +8,8 @@ The model, optimizer, loss, data set and sampler are the adaptrain job's own (th
 with `worker.job.load_job`, the batch of step k is `sample_ids(seed, k, ...)`, rank r computes the
 contiguous slice `share_slice(shares, r)` of it with the batch split as evenly as it goes). DDP
 averages gradients over ranks, so each rank backpropagates `loss_sum * world / global_batch`: the
-gradient is exactly the full global batch's, as in adaptrain.
+gradient is exactly the full global batch's, as in adaptrain; the job's recipe (gradient clipping,
+learning-rate schedule) is applied as a torchrun user would (`apply_recipe`), so both train alike.
 
 With --ckpt, rank 0 saves model + optimizer + step after every step (write to a temporary file,
 fsync-free `os.replace`: atomic on one file system) and every process resumes from that file when it
@@ -26,6 +27,24 @@ import json
 import os
 import time
 from datetime import timedelta
+from typing import Any
+
+
+def apply_recipe(job: Any, params: list[Any], optimizer: Any, base_lrs: list[float], step: int) -> None:
+    """What a torchrun user writes for the job's recipe, as adaptrain applies it before each update:
+    the gradient clipped to `grad_clip` by its global norm (a sharded gradient's norm gathered, as
+    torchtitan does), and every group's learning rate set from the schedule."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    if job.grad_clip is not None:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(params, job.grad_clip, norm)
+    multiplier = job.lr_multiplier(step)
+    for group, base in zip(optimizer.param_groups, base_lrs):
+        group["lr"] = base * multiplier
 
 
 def main() -> None:
@@ -68,6 +87,7 @@ def main() -> None:
     ddp = DistributedDataParallel(model)
     G = job.global_batch
     shares = [G // world + (1 if r < G % world else 0) for r in range(world)]
+    params, base_lrs = list(ddp.parameters()), [float(g["lr"]) for g in optimizer.param_groups]
     log("resumed", step=step, rank=rank, world=world)
     last = a.steps or job.num_steps
     while step < last:
@@ -76,6 +96,7 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         loss = job.loss(ddp(inputs), targets)
         (loss * (world / G)).backward()  # type: ignore[no-untyped-call]  # DDP divides by world
+        apply_recipe(job, params, optimizer, base_lrs, step)
         optimizer.step()
         step += 1
         if rank == 0:
