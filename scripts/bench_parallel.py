@@ -4,7 +4,7 @@ thread per process), on one model (default the 10M-parameter GPT, examples/gpt.p
   throughput   global samples/s after a warm-up, for N = 2..4 workers: adaptrain replicated
                (`--layout fsdp=1`), adaptrain sharded (`--layout dp=1`: FSDP2 over every member, with
                the ring of copies), and torchrun + FSDP2 (scripts/_torchrun_fsdp.py: `fully_shard`
-               per block, the same model, batch and sampler); and each worker's peak resident
+               per block, the same model, batch, sampler and recipe); and each worker's peak resident
                memory (VmHWM), replicated against sharded.
   reshard      a join to a sharded job (2 -> 3 members) in real processes (tests/system/
                parallel_harness.py): the bytes the newcomer receives and how fast, against raw gloo
