@@ -181,7 +181,7 @@ def _abandon_for_join(state: State, new: Plan, always: bool, now: float) -> str:
     elapsed = now - state.last_step_at
     if always:
         return f"the members abandon the step in flight ({elapsed:.2f} s of ~{step_s:.2f} s run): --join-abandons always"
-    now_s = repredict(state.cluster.contended(current.members), state.graph, current).predicted_step_s
+    now_s = _current_step_s(state, current)
     if not now_s:
         return ""
     ratio = new.predicted_step_s / now_s
@@ -204,7 +204,7 @@ def _worth_it(state: State, new: Plan, result: PlanResult, horizon: int) -> Verd
     assert current is not None
     if not set(current.members) <= set(state.cluster.devices) or new.predicted_step_s is None:
         return Verdict(True, "the current members cannot all train on")
-    now_s = repredict(state.cluster.contended(current.members), state.graph, current).predicted_step_s
+    now_s = _current_step_s(state, current)
     if now_s is None or now_s <= 0:
         return Verdict(True, "no prediction for the current plan")
     gain = now_s - new.predicted_step_s
@@ -225,6 +225,12 @@ def _worth_it(state: State, new: Plan, result: PlanResult, horizon: int) -> Verd
     if gain / now_s < need or gain * horizon <= cost:
         return Verdict(False, f"not worth a switch: {numbers}")
     return Verdict(True, f"worth a switch: {numbers}")
+
+
+def _current_step_s(state: State, current: Plan) -> float | None:
+    """The running plan's step time as predicted now (its members' latest speeds and contention),
+    on the same scale as a new plan's prediction."""
+    return repredict(state.cluster.contended(current.members), state.graph, current).predicted_step_s
 
 
 def _noise(state: State) -> float:

@@ -77,7 +77,7 @@ def replicated(t: Trainer, g: Group) -> PlanDelta | None:
             if t.device.type == "cuda":
                 torch.cuda.synchronize(t.device)
                 compute_s = time.perf_counter() - t0
-            _stretch(t, (factor - 1.0) * compute_s)
+            _sleep(t, g, (factor - 1.0) * compute_s)
             compute_s = time.perf_counter() - t0
     except Superseded:  # given up in the compute: the buckets already out must not block anyone
         comm.outlive(g.pg, buckets.abandon())
@@ -161,9 +161,7 @@ def sharded(t: Trainer, g: Group, sharded: Sharded) -> PlanDelta | None:
     factor = t.agent.slowdown
     if factor > 1.0 and len(ids):  # the --slowdown test knob: its own compute stretched
         t_slow = time.perf_counter()
-        t.computing = g.epoch
-        _stretch(t, (factor - 1.0) * compute_s)
-        t.computing = 0
+        _sleep(t, g, (factor - 1.0) * compute_s)
         compute_s += time.perf_counter() - t_slow
     _pause(t, g, "backward")
     # Every member gets its copy's gradients: from here on the step may be rolled forward.
@@ -246,12 +244,14 @@ def _abandon_points(t: Trainer) -> None:
                                                for m in modules])
 
 
-def _stretch(t: Trainer, seconds: float) -> None:
-    """The --slowdown knob's extra compute time, given up as real compute would be (`computing`)."""
-    deadline = time.perf_counter() + seconds
-    while (left := deadline - time.perf_counter()) > 0:
+def _sleep(t: Trainer, g: Group, seconds: float, why: str = "the --slowdown stretch") -> None:
+    """Sleep inside a step (the --slowdown knob's extra compute, a --pause-at pause), given up as the
+    step's real compute would be: Superseded the moment its epoch is."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        if t.agent.superseded(g.epoch):
+            raise Superseded(f"given up in {why}")
         time.sleep(min(left, 0.02))
-        t.give_up_if_superseded()
 
 
 def _autocast(t: Trainer) -> Any:
@@ -267,11 +267,7 @@ def _pause(t: Trainer, g: Group, phase: str) -> None:
     if t.config.pause_at == (phase, t.step + 1) and not t.paused_step:
         t.paused_step = True  # (once: a step given up here is done again without a pause)
         t.log(f"pausing at {phase} of step {t.step + 1} (--pause-at)")
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if t.agent.superseded(g.epoch):
-                raise Superseded(f"given up while paused at {phase} (--pause-at)")
-            time.sleep(0.02)
+        _sleep(t, g, 60, f"the --pause-at pause at {phase}")
 
 
 def is_comm_error(e: BaseException) -> bool:
