@@ -265,8 +265,9 @@ def join_and_kill(job_ref: str, n: int, workdir: Path, sections: tuple[str, ...]
                 every.append(_one_join(job, name))
                 if k < joins - 1:  # the newcomer goes again (it hands its slices over), the next one comes
                     job.ctl("drain", name)
-                    out_plan = job.wait_event(lambda e: e["kind"] == "plan" and name not in e["layout"]["members"]
-                                              and e["epoch"] > every[-1]["epoch"], 600, f"{name} planned out")
+                    out_plan = job.wait_event(lambda e: e["kind"] == "plan" and e["layout"] is not None
+                                              and name not in e["layout"]["members"] and e["epoch"] > every[-1]["epoch"],
+                                              600, f"{name} planned out")
                     job.wait_event(lambda e: e["kind"] == "step" and e["epoch"] == out_plan["epoch"], 600,
                                    "a step without it")
                     job.workers[name].wait(timeout=120)
@@ -424,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
         counts = [int(n) for n in a.workers.split(",")]
     except ValueError:
         p.error(f"--workers wants numbers like 2,3, got {a.workers!r}")
+    if a.joins < 1:
+        p.error(f"--joins: at least 1, got {a.joins}")
     if any(n < 2 for n in counts):
         p.error("--workers: at least 2 (sharding needs two members)")
     job_ref = str((ROOT / a.job.split(":")[0]).resolve()) + ":" + a.job.split(":")[1]
