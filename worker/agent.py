@@ -75,6 +75,8 @@ IDLE_S = 0.25  # otherwise the loop wakes on a frame, a handshake event, the tra
 JOIN_RETRY_S = 1.0
 NO_DETAIL_GRACE_S = 3.0  # handshakes failing without detail (and none succeeding) for this long: give up
 REJOIN_GRACE_S = 1.0  # stale-epoch answers this soon after a Join are echoes of older heartbeats
+# Stop reasons that let a worker planned out at a step boundary go (not an order to drop its work).
+PLANNED_EXITS = ("drained", "preempted")
 REPORTS_KEPT = 10_000  # step reports kept for a coordinator that restarts (it logs those it has not seen)
 
 
@@ -167,9 +169,14 @@ class Agent:
             return self._box.welcome
 
     def superseded(self, epoch: int) -> bool:
-        """Whether work of `epoch` must be abandoned now (a failure, fencing, or a stop)."""
+        """Whether work of `epoch` must be abandoned now (a failure, fencing, or a stop). A stop that
+        lets a planned-out worker go ("drained", "preempted") comes once every member has switched
+        at the agreed step boundary: the step this worker may still be finishing is that boundary's,
+        already done by its peers, so it is finished, not abandoned."""
         box = self._box
-        if box.fenced or box.aborted_epoch >= epoch or box.fatal is not None or box.stop is not None:
+        if box.fenced or box.aborted_epoch >= epoch or box.fatal is not None:
+            return True
+        if box.stop is not None and box.stop not in PLANNED_EXITS:
             return True
         return any(d.abort and d.epoch > epoch for d in box.deltas)
 

@@ -107,3 +107,41 @@ def test_a_member_back_from_the_epoch_before_makes_the_plan_switch_again(tmp_pat
     assert logs(effects, "recovered")[0]["missing"] == []
     delta = deltas(effects)["a"]
     assert delta.abort and delta.epoch == 2 and set(delta.members) == {"a", "b"}
+
+
+def test_the_journal_holds_a_change_before_any_event_announces_it(tmp_path: Path) -> None:
+    """Write-ahead: when the `checkpoint` event is written, the journal already lists that
+    checkpoint, so a coordinator killed right after the event restarts knowing it (found in CI: the
+    event was logged, the coordinator killed, and its successor resumed from nothing)."""
+    from coordinator.daemon import Core, CoordinatorConfig
+    from coordinator.events import EventLog
+    from coordinator.jobinfo import JobInfo
+
+    cfg = CoordinatorConfig(bind="", control="", state_dir=tmp_path, keys=None, checkpoint_dir=Path("/ck"), quiet=True)
+    info = JobInfo(ref="job.py:job", path="job.py", name="job", source="", sha256="0" * 64, global_batch=8,
+                   num_steps=100, seed=0, num_params=10, description="")
+    log, journal = EventLog(tmp_path / "events.jsonl"), Journal(tmp_path / "journal.sqlite")
+    assert journal.load() is None  # (a fresh journal)
+    core = Core(cfg, info, None, None, log, run_id="1", journal=journal)  # type: ignore[arg-type]  (no socket used)
+    sim = Sim(config=_config(checkpoint_dir="/ck"))
+    sim.running("a", "b")
+    core.state = sim.state
+    journaled_at_event: list[list[int]] = []
+    write = log.write
+
+    def write_and_look(kind: str, **fields: object) -> None:
+        if kind == "checkpoint":
+            reader = Journal(tmp_path / "journal.sqlite")
+            values = reader.load()
+            reader.close()
+            assert values is not None
+            journaled_at_event.append([c.step for c in recover(values, now=0.0).checkpoints])
+        write(kind, **fields)
+
+    log.write = write_and_look  # type: ignore[method-assign]
+    core.apply(m.CheckpointWritten(Checkpointed(name="a", step=5, path="/ck/step-5", seconds=0.1, bytes=10, error="")))
+    assert journaled_at_event == [[5]]
+    journal.close()  # a journal that cannot be written any more (a full disk): said, and the job goes on
+    core.apply(m.CheckpointWritten(Checkpointed(name="b", step=6, path="/ck/step-6", seconds=0.1, bytes=10, error="")))
+    log.close()
+    assert [c.step for c in core.state.checkpoints] == [5, 6]

@@ -1,0 +1,44 @@
+"""What a coordinator's `Stop` means to the step in flight (`worker.agent.Agent.superseded`).
+
+A drained or preempted worker is let go once every member has switched at the agreed step boundary,
+so the step it may still be finishing is one its peers already completed: it must finish it, not
+abandon it (found in CI: a drained worker logged "epoch 2 abandoned" when the Stop overtook the
+last wait of its final step). Any other stop ends the step at once. The agent's own frame handler
+decodes real frames; no thread or socket is needed to ask it."""
+
+from __future__ import annotations
+
+import pytest
+
+from transport.codec import encode
+from transport.messages import Abort, Stop
+from worker.agent import Agent
+from worker.calibrate import Calibration
+
+
+def _agent() -> Agent:
+    calibration = Calibration(flops=1e9, memory_bytes=1 << 30, host="h", device="cpu", threads=1)
+    return Agent("tcp://127.0.0.1:1", "w3", calibration)
+
+
+@pytest.mark.parametrize("reason", ["drained", "preempted"])
+def test_a_planned_exit_lets_the_last_step_finish(reason: str) -> None:
+    agent = _agent()
+    agent._handle(None, encode(Stop(reason=reason)))  # type: ignore[arg-type]
+    assert agent.stop_reason() == reason
+    assert not agent.superseded(2)
+
+
+@pytest.mark.parametrize("reason", ["the job is over", "stopped by ctl", "drained: the drain deadline passed"])
+def test_any_other_stop_supersedes_the_step(reason: str) -> None:
+    agent = _agent()
+    assert not agent.superseded(2)
+    agent._handle(None, encode(Stop(reason=reason)))  # type: ignore[arg-type]
+    assert agent.superseded(2)
+
+
+def test_an_abort_still_supersedes_a_drained_worker() -> None:
+    agent = _agent()
+    agent._handle(None, encode(Stop(reason="drained")))  # type: ignore[arg-type]
+    agent._handle(None, encode(Abort(epoch=2, reason="failure")))  # type: ignore[arg-type]
+    assert agent.superseded(2)
