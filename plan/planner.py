@@ -38,6 +38,7 @@ from plan.graph import Graph
 from plan.layout import LayoutPin
 from plan.milp import ENGINES, DeviceClass, DpCosts, map_to_devices, solve_dp
 from plan.prediction import MemberCost, Plan, micro_batched, micro_sizes, predict, predict_sharded, repredict
+from plan.reshard import least_moving_order
 from plan.shares import assign, split_shares
 
 __all__ = ["Alternative", "MemberCost", "Plan", "PlanLimits", "PlanResult", "assign", "make_plan", "predict",
@@ -179,7 +180,25 @@ def make_plan(cluster: Cluster, graph: Graph | None, previous: Plan | None, *, l
         result = _with_sharding(ctx, result)
     if result.plan is not None and result.plan.dp_shard == 1:  # a replica's share in micro-batches
         result = replace(result, plan=micro_batched(result.plan, graph, ctx.micro_caps))
+    elif result.plan is not None:
+        result = _least_moving(ctx, result)
     return result
+
+
+def _least_moving(ctx: _Ctx, result: PlanResult) -> PlanResult:
+    """A sharded plan whose members changed, in the rank order that moves the fewest bytes from
+    what the holders hold (`plan.reshard.least_moving_order`: e.g. a 4th member placed between two
+    holders moves a seventh less of the state than one appended), with those bytes as its
+    `moved_bytes`. The members, their shares and the prediction are unchanged: only who holds
+    which chunk."""
+    plan, previous = result.plan, ctx.previous
+    assert plan is not None
+    if previous is None or (set(plan.members) == set(previous.members) and plan.dp_shard == previous.dp_shard):
+        return result
+    hosts = {n: d.host for n, d in ctx.cluster.devices.items()}
+    order, fraction = least_moving_order(previous.layout, ctx.holders, plan.members, dp_shard=plan.dp_shard,
+                                         hosts=hosts)
+    return replace(result, plan=plan.reordered(order), moved_bytes=round(fraction * ctx.graph.state_bytes))
 
 
 def _sharded(ctx: _Ctx) -> Plan | None:

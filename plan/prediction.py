@@ -57,6 +57,16 @@ class Plan:
         return Layout(members=self.members, shares=self.shares, dp_replicate=len(self.members) // self.dp_shard,
                       dp_shard=self.dp_shard)
 
+    def reordered(self, members: Sequence[str]) -> Plan:
+        """The same plan with its members in rank order `members` (each keeps its share, cost and
+        micro-batch)."""
+        assert sorted(members) == sorted(self.members), "a reorder of the same members"
+        at = [self.members.index(m) for m in members]
+        by_name = {c.name: c for c in self.costs}
+        return replace(self, members=tuple(members), shares=tuple(self.shares[i] for i in at),
+                       costs=tuple(by_name[m] for m in members if m in by_name),
+                       micro=tuple(self.micro[i] for i in at) if self.micro else ())
+
     def same_assignment(self, other: Plan | None) -> bool:
         return other is not None and (self.members, self.shares, self.dp_shard, self.micro) == (
             other.members, other.shares, other.dp_shard, other.micro)

@@ -230,3 +230,62 @@ def subtract(ranges: Iterable[Range], minus: Iterable[Range]) -> list[Range]:
         if cur < b:
             out.append((cur, b))
     return out
+
+
+# --- the rank order that moves least --------------------------------------------------------------
+
+ORDER_ROWS = 720_720  # a stand-in tensor: divisible by every shard degree up to 16, so chunks are exact
+SEARCH_ALL_UP_TO = 4  # members: every rank order is tried up to this many; beyond, newcomers are inserted
+
+
+def least_moving_order(before: Layout | None, holders: Iterable[str], members: Sequence[str], *,
+                       dp_shard: int, hosts: Mapping[str, str] | None = None,
+                       copies: bool = True) -> tuple[list[str], float]:
+    """The rank order of `members` for a layout of shard degree `dp_shard` that moves the fewest
+    bytes from what `holders` hold under `before` (its slices and its ring of copies), and that
+    fraction of the state. FSDP2 gives rank r the r-th chunk of every tensor, so the order decides
+    who already holds what: a newcomer placed between two holders takes the parts they give up
+    (2 -> 3 members: half of what appending it at the end moves, from both holders at once).
+
+    Ties keep `members`' order (the planner's: holders in their order, newcomers after), so a change
+    that moves the same either way does not reorder. Up to SEARCH_ALL_UP_TO members every order is
+    tried; beyond, the holders keep their order and each newcomer goes where it moves least.
+    `copies=False`: layouts without the ring of copies (a harness that keeps none)."""
+    order = list(members)
+    if before is None or dp_shard <= 1 or len(order) < 2:
+        return order, (_moved_fraction(before, holders, order, dp_shard, hosts, copies) if before is not None else 0.0)
+    held = set(holders)
+
+    def cost(candidate: list[str]) -> float:
+        return _moved_fraction(before, held, candidate, dp_shard, hosts, copies)
+
+    best, best_cost = order, cost(order)
+    if len(order) <= SEARCH_ALL_UP_TO:
+        from itertools import permutations
+        for candidate in permutations(order):
+            c = cost(list(candidate))
+            if c < best_cost - 1e-12:
+                best, best_cost = list(candidate), c
+        return best, best_cost
+    placed = [m for m in order if m in held]
+    for newcomer in [m for m in order if m not in held]:
+        rest = [m for m in order if m not in held and m not in placed and m != newcomer]
+        options = [placed[:i] + [newcomer] + placed[i:] for i in range(len(placed) + 1)]
+        placed = min(options, key=lambda p: (cost(p + rest), options.index(p) != len(placed)))
+    if (c := cost(placed)) < best_cost - 1e-12:
+        best, best_cost = placed, c
+    return best, best_cost
+
+
+def _moved_fraction(before: Layout, holders: Iterable[str], members: list[str], dp_shard: int,
+                    hosts: Mapping[str, str] | None, copies: bool = True) -> float:
+    """The fraction of the state the reshard to `members` (shard degree `dp_shard`, even shares)
+    moves, from a stand-in tensor split as every tensor is."""
+    tensor = [TensorShape("x", ORDER_ROWS, ORDER_ROWS)]
+    alive = set(holders)
+    old = holdings(before, tensor, copy_ring(before, hosts) if copies else None)
+    after_layout = Layout(members=tuple(members), shares=(1,) * len(members),
+                          dp_replicate=len(members) // dp_shard, dp_shard=dp_shard)
+    new = holdings(after_layout, tensor, copy_ring(after_layout, hosts) if copies else None)
+    plan = plan_reshard({m: h for m, h in old.items() if m in alive}, new)
+    return sum(t.elements for t in plan.transfers) / ORDER_ROWS

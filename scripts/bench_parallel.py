@@ -204,6 +204,8 @@ if rank == {senders}: print(json.dumps(rates[1:]))
 
 def reshard_join(job_ref: str, workdir: Path) -> dict[str, Any]:
     """2 -> 3 members, sharded, in real processes: what the newcomer received and how fast."""
+    from plan.layout import Layout
+    from plan.reshard import least_moving_order
     from worker.graph import capture_graph
     from worker.job import load_job, resolve_job_ref
 
@@ -218,6 +220,11 @@ def reshard_join(job_ref: str, workdir: Path) -> dict[str, Any]:
         shares = [G // len(members) + (1 if i < G % len(members) else 0) for i in range(len(members))]
         return {"dp_replicate": 1, "dp_shard": len(members), "pp": 1, "tp": 1, "members": members, "shares": shares}
 
+    # c joins where the planner ranks it (`least_moving_order`; the harness keeps no copies): between
+    # a and b, so it pulls its third from both and neither of them receives anything.
+    joined, _ = least_moving_order(Layout.from_dict(layout(["a", "b"])), ["a", "b"], ["a", "b", "c"], dp_shard=3,
+                                   copies=False)
+
     scenario = workdir / "scenario.json"
     path, name = job_ref.split(":")
     scenario.write_text(json.dumps({"processes": ["a", "b", "c"], "job": str(Path(path).resolve().relative_to(ROOT)),
@@ -225,7 +232,7 @@ def reshard_join(job_ref: str, workdir: Path) -> dict[str, Any]:
                                     # c joins, is drained, joins again, ...: JOINS joins measured
                                     "epochs": [{"layout": layout(["a", "b"]), "steps": 1},
                                                *[{"layout": layout(m), "steps": 1} for _ in range(JOINS)
-                                                 for m in (["a", "b", "c"], ["a", "b"])]]}))
+                                                 for m in (joined, ["a", "b"])]]}))
     harness = ROOT / "tests" / "system" / "parallel_harness.py"
     (workdir / "store.port").unlink(missing_ok=True)  # (process a writes its store's port there)
     procs = [subprocess.Popen([sys.executable, str(harness), str(scenario), n, str(workdir)],

@@ -124,6 +124,8 @@ def test_a_source_killed_mid_reshard_is_replanned_from_the_remaining_holders(tmp
         job.wait_step(5, 180)
         job.add_worker("w4")
         joined = job.wait_event(lambda e: e["kind"] == "plan" and "w4" in e["layout"]["members"], 120, "w4 planned in")
+        # Ranked where it moves least (plan.reshard.least_moving_order): third of four, not appended.
+        assert joined["layout"]["members"].index("w4") == 2, joined["layout"]
         _wait_for_log(job, "w2", "pausing at the reshard")
         assert not [e for e in job.events() if e["kind"] == "reshard" and e["epoch"] == joined["epoch"]], \
             "the join's reshard cannot be done while a source is paused in it"

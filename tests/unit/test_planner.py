@@ -321,3 +321,20 @@ def test_a_pinned_sharded_layout_is_predicted_as_sharded_and_refused_when_it_doe
     assert hybrid.plan is not None and hybrid.plan.layout.describe() == "dp_replicate=2 x dp_shard=2"
     assert hybrid.plan.comm_s == pytest.approx(hsdp_comm_s(graph, 2, 2, roomy.link(hybrid.plan.members)))
     assert all(c.memory_bytes >= sharded_static_bytes(graph, 2, copies=False) for c in hybrid.plan.costs)
+
+
+def test_a_sharded_join_is_ranked_where_it_moves_least() -> None:
+    """The planner hands a sharded plan whose members changed to `least_moving_order`: a fourth
+    member joining three shard holders is placed third (half the state moves, not 7/12), keeps
+    its share, and the plan's moved bytes say what moves."""
+    from plan.layout import parse_pin
+    from plan.prediction import predict_sharded
+    c = cluster(*(device(n, 100.0) for n in ("a", "b", "c", "d")))
+    limits = PlanLimits(global_batch=40)
+    previous = predict_sharded(cluster(*(device(n, 100.0) for n in "abc")), GRAPH, ["a", "b", "c"], [14, 13, 13], ())
+    result = make_plan(c, GRAPH, previous, limits=limits, pin=parse_pin("dp=1"))
+    assert result.plan is not None and result.plan.dp_shard == 4, result.reason
+    assert result.plan.members == ("a", "b", "d", "c"), result.plan.members
+    assert result.moved_bytes == round(0.5 * GRAPH.state_bytes)
+    assert [c.name for c in result.plan.costs] == list(result.plan.members)
+    assert sum(result.plan.shares) == 40

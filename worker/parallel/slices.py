@@ -203,11 +203,9 @@ def execute(plan: ReshardPlan, me: str, ranks: Mapping[str, int], local: LocalSt
             received += buf.numel() * buf.element_size()
             unpack.append((buf, group))
     wait(AllOf(works), None)
-    for buf, group in unpack:
-        at = 0
-        for t, key in group:
-            _view(new, t.tensor, key, t.lo, t.hi).copy_(buf[at:at + t.elements])
-            at += t.elements
+    for buf, group in unpack:  # one foreach copy a message (a copy_ each costs ~5 us, and there are hundreds)
+        parts = buf.split([t.elements for t, _ in group])
+        torch._foreach_copy_([_view(new, t.tensor, key, t.lo, t.hi) for t, key in group], list(parts))
     # Local copies last: the peers wait on this member's messages, not on them.
     _fill_held(local, fresh, incoming)
     return new, received
