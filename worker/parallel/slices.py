@@ -204,7 +204,7 @@ def execute(plan: ReshardPlan, me: str, ranks: Mapping[str, int], local: LocalSt
             unpack.append((buf, group))
     wait(AllOf(works), None)
     for buf, group in unpack:  # one foreach copy a message (a copy_ each costs ~5 us, and there are hundreds)
-        parts = buf.split([t.elements for t, _ in group])
+        parts = torch.split(buf, [t.elements for t, _ in group])
         torch._foreach_copy_([_view(new, t.tensor, key, t.lo, t.hi) for t, key in group], list(parts))
     # Local copies last: the peers wait on this member's messages, not on them.
     _fill_held(local, fresh, incoming)
