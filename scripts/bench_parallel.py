@@ -172,26 +172,28 @@ def torchrun_kill(job_ref: str, n: int, workdir: Path, every: int = 5) -> dict[s
             "checkpoint_every": every}
 
 
-def raw_p2p(workdir: Path, megabytes: int = 100, senders: int = 1) -> dict[str, Any]:
-    """`batch_isend_irecv` of 200 fp32 tensors (`megabytes` in all) from `senders` processes (each
-    its part) to one receiver, 6 times (the first not counted): the receiver's GB/s."""
+def raw_p2p(workdir: Path, nbytes: int = 100 * 2**20, senders: int = 1, messages: int = 200) -> dict[str, Any]:
+    """`batch_isend_irecv` of `messages` fp32 tensors (`nbytes` in all) from `senders` processes (each
+    its part) to one receiver, into buffers used before (warm), 21 times (the first not counted): the
+    receiver's median GB/s (a 2-core machine's noise moves one transfer's rate by 2x)."""
+    per = nbytes // 4 // messages
     code = f"""
 import sys, time, json, torch, torch.distributed as dist
 from datetime import timedelta
 rank, port, world = int(sys.argv[1]), int(sys.argv[2]), {senders} + 1
 store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timedelta(seconds=60))
 dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-ts = [torch.ones({megabytes} * 2**20 // 4 // 200) for _ in range(200)]
+ts = [torch.ones({per}) for _ in range({messages})]
 me = [t for i, t in enumerate(ts) if i % {senders} == rank]
 rates = []
-for _ in range(6):
+for _ in range(21):
     dist.barrier(); t0 = time.perf_counter()
     if rank < {senders}:
         ops = [dist.P2POp(dist.isend, t, {senders}) for t in me]
     else:
         ops = [dist.P2POp(dist.irecv, t, i % {senders}) for i, t in enumerate(ts)]
     for w in dist.batch_isend_irecv(ops): w.wait()
-    rates.append({megabytes} * 2**20 / (time.perf_counter() - t0))
+    rates.append({per * 4 * messages} / (time.perf_counter() - t0))
 if rank == {senders}: print(json.dumps(rates[1:]))
 """
     port = _free_port()
@@ -199,7 +201,8 @@ if rank == {senders}: print(json.dumps(rates[1:]))
                               stderr=subprocess.DEVNULL, text=True) for r in range(senders + 1)]
     out = [p.communicate(timeout=300)[0] for p in procs]
     rates = json.loads(out[senders].strip().splitlines()[-1])
-    return {"bytes": megabytes * 2**20, "senders": senders, "bytes_per_s": statistics.median(rates)}
+    return {"bytes": per * 4 * messages, "senders": senders, "messages": messages,
+            "bytes_per_s": statistics.median(rates)}
 
 
 def reshard_join(job_ref: str, workdir: Path) -> dict[str, Any]:
@@ -373,6 +376,11 @@ def table(r: dict[str, Any]) -> str:
         if two:
             lines.append(f"  raw p2p with the join's shape (two senders -> one receiver, three processes): "
                          f"{two['bytes_per_s'] / 1e9:.2f} GB/s -> {rs['bytes_per_s'] / two['bytes_per_s']:.2f}x")
+        same = r.get("raw_p2p_join_bytes")
+        if same:
+            lines.append(f"  raw p2p of the join's bytes in its shape ({same['bytes'] / 1e6:.1f} MB from two senders, "
+                         f"{same['messages']} messages): {same['bytes_per_s'] / 1e9:.2f} GB/s -> "
+                         f"{rs['bytes_per_s'] / same['bytes_per_s']:.2f}x")
     for key in ("join", "join_always", "join_never"):
         if key not in r:
             continue
@@ -462,6 +470,9 @@ def main(argv: list[str] | None = None) -> int:
             result["raw_p2p"] = raw_p2p(work / "p2p")
             result["raw_p2p_two_senders"] = raw_p2p(work / "p2p2", senders=2)  # the join's own shape
             result["reshard"] = reshard_join(a.job, work / "reshard")
+            # The join's own bytes and shape (two senders, one receiver): a like-for-like wire baseline.
+            result["raw_p2p_join_bytes"] = raw_p2p(work / "p2p3", nbytes=result["reshard"]["received_bytes"],
+                                                   senders=2)
         if "join" in sections or "kill" in sections:
             print("join and kill ...", flush=True)
             result.update(join_and_kill(job_ref, 3, work / "joinkill", sections, joins=a.joins))

@@ -56,6 +56,8 @@ def _store(out: Path, names: list[str], me: str) -> Any:
 
 
 def main() -> None:
+    from worker.heap import keep_freed_memory
+    keep_freed_memory()  # as a worker does at start: a step's (and a reshard's) freed memory serves the next
     scenario = json.loads(Path(sys.argv[1]).read_text())
     me = sys.argv[2]
     out = Path(sys.argv[3])
