@@ -245,7 +245,8 @@ def least_moving_order(before: Layout | None, holders: Iterable[str], members: S
     bytes from what `holders` hold under `before` (its slices and its ring of copies), and that
     fraction of the state. FSDP2 gives rank r the r-th chunk of every tensor, so the order decides
     who already holds what: a newcomer placed between two holders takes the parts they give up
-    (2 -> 3 members: half of what appending it at the end moves, from both holders at once).
+    (3 -> 4 members with the ring of copies: half the state moves instead of 7/12; 2 -> 3 without
+    copies: a third instead of a half, from both holders at once, and neither receives anything).
 
     Ties keep `members`' order (the planner's: holders in their order, newcomers after), so a change
     that moves the same either way does not reorder. Up to SEARCH_ALL_UP_TO members every order is
@@ -271,7 +272,8 @@ def least_moving_order(before: Layout | None, holders: Iterable[str], members: S
     for newcomer in [m for m in order if m not in held]:
         rest = [m for m in order if m not in held and m not in placed and m != newcomer]
         options = [placed[:i] + [newcomer] + placed[i:] for i in range(len(placed) + 1)]
-        placed = min(options, key=lambda p: (cost(p + rest), options.index(p) != len(placed)))
+        # The least moving; on a tie, appended (options[-1]) as the planner's order has it.
+        placed = min(reversed(options), key=lambda p: cost(p + rest))
     if (c := cost(placed)) < best_cost - 1e-12:
         best, best_cost = placed, c
     return best, best_cost
