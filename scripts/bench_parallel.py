@@ -231,7 +231,7 @@ def reshard_join(job_ref: str, workdir: Path) -> dict[str, Any]:
     scenario = workdir / "scenario.json"
     path, name = job_ref.split(":")
     scenario.write_text(json.dumps({"processes": ["a", "b", "c"], "job": str(Path(path).resolve().relative_to(ROOT)),
-                                    "job_name": name, "graph": str(graph),
+                                    "job_name": name, "graph": str(graph), "dump": False,
                                     # c joins, is drained, joins again, ...: JOINS joins measured
                                     "epochs": [{"layout": layout(["a", "b"]), "steps": 1},
                                                *[{"layout": layout(m), "steps": 1} for _ in range(JOINS)

@@ -5,7 +5,8 @@ layout (`plan.reshard` + `worker.parallel.slices.execute`), builds FSDP2 (or a p
 replicated layout) from it, trains the epoch's steps exactly (its slice of each global batch, summed
 losses over the global batch, summed gradients), and records the global loss of every step. It writes its
 losses to OUT/PROCESS.json, and what it holds after each reshard and at the end of each epoch to
-OUT/startE-PROCESS.pt and OUT/endE-PROCESS.pt (the test checks that a reshard changes no element).
+OUT/startE-PROCESS.pt and OUT/endE-PROCESS.pt (the test checks that a reshard changes no element;
+a scenario with "dump": false, the benchmark's, writes none of them).
 
 usage: python parallel_harness.py SCENARIO.json PROCESS OUT
 """
@@ -67,6 +68,7 @@ def main() -> None:
     tensors = [TensorShape(t.fqn, t.rows, t.numel) for t in graph.tensors]
     device = torch.device("cpu")
     store = _store(out, names, me)
+    dump = scenario.get("dump", True)  # the state files the tests compare (a benchmark turns them off: GBs)
 
     torch.manual_seed(job.seed)  # step 0: every process can build the seeded model
     model0 = job.model()
@@ -108,7 +110,8 @@ def main() -> None:
         local, got = execute(plan, me, {n: i for i, n in enumerate(group)}, mine, after.get(me, {}), senders, raw,
                              lambda work, buf: work.wait(), device, whole=whole)
         seconds = time.perf_counter() - t0
-        _dump(out / f"start{e}-{me}.pt", local)
+        if dump:
+            _dump(out / f"start{e}-{me}.pt", local)
         reshard.append({"epoch": e, "received": got, "seconds": seconds,
                         "sent": plan.sent.get(me, 0), "bytes": plan.bytes_moved({t.name: 12 for t in tensors})})
         if me not in members:  # handed its slices over: gone
@@ -142,7 +145,8 @@ def main() -> None:
         local = (extract(executor, layout, rank, step) if isinstance(executor, Sharded)
                  else extract_replicated(executor, step))
         del executor
-        _dump(out / f"end{e}-{me}.pt", local)
+        if dump:
+            _dump(out / f"end{e}-{me}.pt", local)
         meshes.forget(pg)
         holders, old_layout = members, layout
     digest = {fqn: [[p.lo, p.hi, _hash(p.data)] for p in pieces] for fqn, pieces in (local.pieces if local else {}).items()}
