@@ -62,8 +62,8 @@ from coordinator.state import (
 from plan import Device, PlanResult
 from plan.cost import step_comm_features
 from plan.prediction import repredict
-from transport import (ERR_NAME_TAKEN, ERR_STALE_EPOCH, Abort, Ack, Checkpointed, CheckpointNow, Error, Join,
-                       ResumeFailed, SaveModel, Slowdown, StepReport, Stop)
+from transport import (ERR_NAME_TAKEN, ERR_STALE_EPOCH, PLANNED_EXITS, Abort, Ack, Checkpointed, CheckpointNow, Error,
+                       Join, ResumeFailed, SaveModel, Slowdown, StepReport, Stop)
 
 __all__ = ["Acked", "Checkpoint", "CheckpointRequested", "CheckpointWritten", "ResumeFailedReported", "Config", "DrainRequested", "Effect", "Evaluated", "Event", "Finished", "FollowUp",
            "GraphReceived", "Joined", "Left", "Log", "Lost", "MadeReady", "ModelSaved", "Planned", "ReplanDue",
@@ -395,7 +395,7 @@ def _left(state: State, name: str, reason: str, config: Config, now: float) -> R
     if name not in state.workers:
         return state, [Send(name, Stop(reason="not a member"))]
     in_latest = state.plan is not None and name in state.plan.members
-    planned_out = reason in ("preempted", "drained")
+    planned_out = reason in PLANNED_EXITS
     if in_latest and planned_out and not state.finished:
         return _drain(state, name, reason, config, now)
     clean = reason == "finished" or planned_out  # planned out: it left at the agreed switch

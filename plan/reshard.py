@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import permutations
 
 from plan.layout import Layout
 
@@ -248,46 +249,39 @@ def least_moving_order(before: Layout | None, holders: Iterable[str], members: S
     (3 -> 4 members with the ring of copies: half the state moves instead of 7/12; 2 -> 3 without
     copies: a third instead of a half, from both holders at once, and neither receives anything).
 
+    The fraction is that of a stand-in tensor split as every tensor is, through `plan_reshard`.
     Ties keep `members`' order (the planner's: holders in their order, newcomers after), so a change
     that moves the same either way does not reorder. Up to SEARCH_ALL_UP_TO members every order is
     tried; beyond, the holders keep their order and each newcomer goes where it moves least.
     `copies=False`: layouts without the ring of copies (a harness that keeps none)."""
     order = list(members)
-    if before is None or dp_shard <= 1 or len(order) < 2:
-        return order, (_moved_fraction(before, holders, order, dp_shard, hosts, copies) if before is not None else 0.0)
-    held = set(holders)
+    if before is None:
+        return order, 0.0
+    tensor = [TensorShape("x", ORDER_ROWS, ORDER_ROWS)]
+    alive = set(holders)
+    held = {m: h for m, h in holdings(before, tensor, copy_ring(before, hosts) if copies else None).items()
+            if m in alive}
 
     def cost(candidate: list[str]) -> float:
-        return _moved_fraction(before, held, candidate, dp_shard, hosts, copies)
+        after = Layout(members=tuple(candidate), shares=(1,) * len(candidate),
+                       dp_replicate=len(candidate) // dp_shard, dp_shard=dp_shard)
+        needed = holdings(after, tensor, copy_ring(after, hosts) if copies else None)
+        return plan_reshard(held, needed).bytes_moved({"x": 1}) / ORDER_ROWS
 
     best, best_cost = order, cost(order)
-    if len(order) <= SEARCH_ALL_UP_TO:
-        from itertools import permutations
-        for candidate in permutations(order):
-            c = cost(list(candidate))
-            if c < best_cost - 1e-12:
-                best, best_cost = list(candidate), c
+    if dp_shard <= 1 or len(order) < 2:
         return best, best_cost
-    placed = [m for m in order if m in held]
-    for newcomer in [m for m in order if m not in held]:
-        rest = [m for m in order if m not in held and m not in placed and m != newcomer]
-        options = [placed[:i] + [newcomer] + placed[i:] for i in range(len(placed) + 1)]
-        # The least moving; on a tie, appended (options[-1]) as the planner's order has it.
-        placed = min(reversed(options), key=lambda p: cost(p + rest))
+    if len(order) <= SEARCH_ALL_UP_TO:
+        for candidate in map(list, permutations(order)):
+            if (c := cost(candidate)) < best_cost - 1e-12:
+                best, best_cost = candidate, c
+        return best, best_cost
+    placed = [m for m in order if m in alive]
+    newcomers = [m for m in order if m not in alive]
+    for i, newcomer in enumerate(newcomers):
+        options = [placed[:k] + [newcomer] + placed[k:] for k in range(len(placed) + 1)]
+        # The least moving, the newcomers not placed yet appended; on a tie, appended (options[-1]).
+        placed = min(reversed(options), key=lambda p: cost(p + newcomers[i + 1:]))
     if (c := cost(placed)) < best_cost - 1e-12:
         best, best_cost = placed, c
     return best, best_cost
-
-
-def _moved_fraction(before: Layout, holders: Iterable[str], members: list[str], dp_shard: int,
-                    hosts: Mapping[str, str] | None, copies: bool = True) -> float:
-    """The fraction of the state the reshard to `members` (shard degree `dp_shard`, even shares)
-    moves, from a stand-in tensor split as every tensor is."""
-    tensor = [TensorShape("x", ORDER_ROWS, ORDER_ROWS)]
-    alive = set(holders)
-    old = holdings(before, tensor, copy_ring(before, hosts) if copies else None)
-    after_layout = Layout(members=tuple(members), shares=(1,) * len(members),
-                          dp_replicate=len(members) // dp_shard, dp_shard=dp_shard)
-    new = holdings(after_layout, tensor, copy_ring(after_layout, hosts) if copies else None)
-    plan = plan_reshard({m: h for m, h in old.items() if m in alive}, new)
-    return sum(t.elements for t in plan.transfers) / ORDER_ROWS

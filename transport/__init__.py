@@ -21,6 +21,7 @@ from .messages import (
     ERR_STALE_EPOCH,
     ERR_UNKNOWN_WORKER,
     MESSAGE_TYPES,
+    PLANNED_EXITS,
     PROTOCOL_VERSION,
     STORE_OPS,
     Abort,
@@ -66,6 +67,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
+    "PLANNED_EXITS",
     "CONTROL_COMMANDS",
     "ERR_BAD_REQUEST",
     "ERR_BUSY",

@@ -404,11 +404,17 @@ class CheckpointNow:
     reason: str
 
 
+# `Leave` reasons of a worker planned out at a step boundary, and the `Stop` reasons that then let it
+# go once every member has switched: the step it may still be finishing is done, not abandoned.
+PLANNED_EXITS = ("drained", "preempted")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Stop:
     """Coordinator -> worker: stop now and exit (``ctl stop``, SIGTERM of the coordinator, the
     answer to a `Leave`, or the job already over when a worker joins). A step in flight is
-    abandoned; the worker answers with `Leave(reason="stopped")`."""
+    abandoned, except by a worker let go with a reason in PLANNED_EXITS (it finishes the boundary
+    step its peers already did); the worker answers with `Leave(reason="stopped")`."""
 
     reason: str
 

@@ -49,6 +49,7 @@ from transport import (
     ERR_REJOIN,
     ERR_STALE_EPOCH,
     MAX_FRAME_BYTES,
+    PLANNED_EXITS,
     Abort,
     CheckpointNow,
     CodecError,
@@ -75,8 +76,6 @@ IDLE_S = 0.25  # otherwise the loop wakes on a frame, a handshake event, the tra
 JOIN_RETRY_S = 1.0
 NO_DETAIL_GRACE_S = 3.0  # handshakes failing without detail (and none succeeding) for this long: give up
 REJOIN_GRACE_S = 1.0  # stale-epoch answers this soon after a Join are echoes of older heartbeats
-# Stop reasons that let a worker planned out at a step boundary go (not an order to drop its work).
-PLANNED_EXITS = ("drained", "preempted")
 REPORTS_KEPT = 10_000  # step reports kept for a coordinator that restarts (it logs those it has not seen)
 
 
@@ -170,8 +169,8 @@ class Agent:
 
     def superseded(self, epoch: int) -> bool:
         """Whether work of `epoch` must be abandoned now (a failure, fencing, or a stop). A stop that
-        lets a planned-out worker go ("drained", "preempted") comes once every member has switched
-        at the agreed step boundary: the step this worker may still be finishing is that boundary's,
+        lets a planned-out worker go (PLANNED_EXITS) comes once every member has switched at the
+        agreed step boundary: the step this worker may still be finishing is that boundary's,
         already done by its peers, so it is finished, not abandoned."""
         box = self._box
         if box.fenced or box.aborted_epoch >= epoch or box.fatal is not None:
