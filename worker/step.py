@@ -199,7 +199,7 @@ def sharded(t: Trainer, g: Group, sharded: Sharded) -> PlanDelta | None:
     for group, base in zip(sharded.optimizer.param_groups, t.base_lrs):
         group["lr"] = base * multiplier
     lr = t.base_lrs[0] * multiplier if t.base_lrs else 0.0
-    sharded.optimizer.step()
+    sharded.stepper.step()  # (on the shards' local tensors: no DTensor dispatch)
     t_copies = time.perf_counter()
     t.copies.update(job.optimizer, t.shapes, lambda i: t.base_lrs[i] * multiplier, coefficient)
     t.redundancy_s += time.perf_counter() - t_copies

@@ -172,7 +172,10 @@ def _step(job: Any, sharded: Sharded | Replica, layout: Layout, rank: int, step:
                 dist.all_reduce(p.grad)
     total = loss.detach().reshape(1).clone()
     dist.all_reduce(total)
-    sharded.optimizer.step()
+    if isinstance(sharded, Sharded):
+        sharded.stepper.step()  # as the worker steps (worker.step.sharded)
+    else:
+        sharded.optimizer.step()
     value: float = total.item() / G
     return value
 

@@ -37,6 +37,7 @@ from plan.graph import ROOT_UNIT
 from plan.layout import Layout
 from worker.job import Job
 from worker.parallel.meta import meta_model
+from worker.parallel.shard_step import LocalStep
 from worker.parallel.slices import PARAM, LocalState, Piece
 
 Wait = Callable[[Any, torch.Tensor | None], None]  # the trainer's abortable wait (raises when superseded)
@@ -71,6 +72,7 @@ class Sharded:
     mesh: DeviceMesh
     comm: CommTime
     params: dict[str, nn.Parameter]
+    stepper: LocalStep  # steps `optimizer` on the shards' local tensors (worker.parallel.shard_step)
 
 
 def apply_fsdp(job: Job, units: Sequence[str], layout: Layout, rank: int, mesh: DeviceMesh, local: LocalState,
@@ -120,7 +122,8 @@ def apply_fsdp(job: Job, units: Sequence[str], layout: Layout, rank: int, mesh: 
     params = dict(model.named_parameters())  # (all sharded now: nothing has run)
     optimizer = job.optimizer(params.values())
     _load_optimizer(optimizer, params, layout, rank, local)
-    return Sharded(model=model, optimizer=optimizer, mesh=mesh, comm=comm, params=params)
+    return Sharded(model=model, optimizer=optimizer, mesh=mesh, comm=comm, params=params,
+                   stepper=LocalStep(optimizer, list(params.values()), job.optimizer))
 
 
 class _FreshBuffers:
