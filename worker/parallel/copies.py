@@ -56,7 +56,7 @@ class Copies:
                                    for f, sc in local.scalars.items()})
         for t in tensors:
             lo, hi = layout.slice_of(src, t.rows, t.numel)
-            copy.pieces[t.name] = ([Piece(lo, hi, {k: local.read(t.name, k, lo, hi).clone() for k in local.keys[t.name]})]
+            copy.pieces[t.name] = ([Piece(lo, hi, {k: local.fresh(t.name, k, lo, hi) for k in local.keys[t.name]})]
                                    if hi > lo else [])
         return Copies(keeper, source, copy)
 

@@ -115,7 +115,7 @@ def apply_fsdp(job: Job, units: Sequence[str], layout: Layout, rank: int, mesh: 
             lo, hi = _range(layout, rank, p)
             shard = _local(p)
             if hi > lo:
-                shard.view(-1).copy_(local.read(fqn, PARAM, lo, hi))
+                local.copy_to(fqn, PARAM, lo, hi, shard.view(-1))
         for name, buf in model.named_buffers():
             if name in local.buffers:
                 buf.copy_(local.buffers[name])
@@ -231,9 +231,8 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, params: dict[str, nn.Param
         shard = _local(p)
         state: dict[str, Any] = {}
         for key in keys:
-            values = (local.read(fqn, key, lo, hi) if hi > lo
-                      else torch.empty(0, dtype=local.dtype(fqn, key), device=shard.device))
-            values = values.to(shard.device).clone().view(shard.shape)
+            values = (local.fresh(fqn, key, lo, hi, shard.device) if hi > lo
+                      else torch.empty(0, dtype=local.dtype(fqn, key), device=shard.device)).view(shard.shape)
             if isinstance(p, DTensor):
                 state[key] = DTensor.from_local(values, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
                                                 run_check=False)

@@ -30,7 +30,7 @@ def apply_replicated(job: Job, local: LocalState, device: torch.device) -> Repli
     model.to_empty(device=device)
     with torch.no_grad():
         for fqn, p in model.named_parameters():
-            p.view(-1).copy_(local.read(fqn, PARAM, 0, p.numel()))
+            local.copy_to(fqn, PARAM, 0, p.numel(), p.view(-1))
         for name, buf in model.named_buffers():
             if name in local.buffers:
                 buf.copy_(local.buffers[name])
@@ -38,7 +38,7 @@ def apply_replicated(job: Job, local: LocalState, device: torch.device) -> Repli
     for group, hyper in zip(optimizer.param_groups, local.hyper):
         group.update(hyper)
     for fqn, p in model.named_parameters():
-        state: dict[str, Any] = {key: local.read(fqn, key, 0, p.numel()).to(device).clone().view_as(p)
+        state: dict[str, Any] = {key: local.fresh(fqn, key, 0, p.numel(), device).view_as(p)
                                  for key in local.keys.get(fqn, ()) if key != PARAM}
         state.update({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in local.scalars.get(fqn, {}).items()})
         if state:
