@@ -8,17 +8,21 @@ the optimizer's other per-parameter state (Adam's `step`), its hyper-parameters,
 buffers. An executor (`worker.parallel.replicated`, `worker.parallel.fsdp`) is built from a
 LocalState and gives one back (`extract`), so any layout can follow any other.
 
-`execute` runs the transfers of one member. A large message is one companion of one transfer, sent
-from a view of what is held; the small ones travel packed, one message a peer and dtype. What a
-member receives from one peer in one dtype lands in one fresh buffer (an *arena*), every message
-where its elements belong (the packed ones at its tail, in packing order), and the new state's
-pieces are views of the arenas and of what it held: no piece allocated, nothing unpacked, nothing
-copied (measured on a 10M GPT join, 43 MB: allocating the pieces, unpacking and copying what was
-held took 3-10 ms of the newcomer's 24). The transfer list is sorted the same everywhere, so both
-sides number a pair's messages alike. All receives, then all sends are posted before any is waited
-for (no ordering deadlock), and each wait goes through the caller's abortable `wait`. A member that holds nothing (a newcomer) also receives the whole-state part's
-tensors from the lowest-ranked holder, in the same round; their structure (`skeleton`) reached it
-before, in the description all-gather.
+`execute` runs the transfers of one member. A pair's items (each companion's range of each
+transfer) travel in messages of about `MESSAGE` bytes, small items packed by the sender, a large
+one sent from a view of what is held. What a member receives from one peer in one dtype lands in one
+fresh buffer (an *arena*), every message where its elements belong, and the new state's pieces are
+views of the arenas and of what it held: no piece allocated, nothing unpacked, nothing copied. The
+transfer list is sorted the same everywhere, so both sides cut and number a pair's messages alike.
+All receives, then all sends are posted before any is waited for (no ordering deadlock), and each
+wait goes through the caller's abortable `wait`. A member that holds nothing (a newcomer) also
+receives the whole-state part's tensors from the lowest-ranked holder, in the same round; their
+structure (`skeleton`) reached it before, in the description all-gather.
+
+Measured on a 10M GPT join (43 MB to the newcomer, two senders, 2 cores): the wire takes 14-20 ms
+as it does for raw p2p of the same bytes; allocating the pieces, unpacking and copying took 3-10 ms
+more before the arenas; what is left is ~1 ms to read the skeleton and ~1-5 ms to assemble the
+views, while the data is on the wire.
 """
 
 from __future__ import annotations
@@ -36,10 +40,12 @@ from worker.comm import AllOf
 
 PARAM = "param"  # the companion key of the parameter itself
 META_TAG, DATA_TAG = 1, 1 << 16  # p2p tags: the whole-state part's tensors, then the data
-# Messages smaller than this travel packed (one a peer and dtype): each message has a fixed cost in
-# gloo and in Python (posting a 10M GPT join's 232 took 3-24 ms), and 150 of those 232 are under 2 KB
-# (biases, norms); packed, the join is ~85 messages and the copying a few hundred KB.
-PACK_BELOW = 64 * 1024
+# Bytes a message: smaller items (a companion's range of one transfer) are packed into messages of
+# about this size. Each message has a fixed cost in gloo and in Python (posting a 10M GPT join's 147
+# took 4-9 ms), and gloo's loopback rate peaks at 20-50 messages of 1-2 MB (43 MB from two senders,
+# measured: 2.3 GB/s as 2 messages, 3.1 as 150, 3.7-3.8 as 20-50).
+MESSAGE = 1 << 20
+Item = tuple[Transfer, str]  # one companion of one transfer
 
 
 @dataclass(slots=True)
@@ -200,36 +206,36 @@ def execute(plan: ReshardPlan, me: str, ranks: Mapping[str, int], local: LocalSt
                     works.append((pg.send([buf], ranks[n], tag), buf))
     assert local is not None
     sends, recvs = plan.for_member(me)
-    # Receives first: the wire starts for each message as soon as both sides posted it. A peer's
-    # messages of one dtype land in one fresh buffer (an *arena*), each where its elements belong,
-    # so the new state's pieces are views of it: nothing to allocate a piece, nothing to unpack, and
-    # never a write into live state (an abandoned receive writes into a buffer nobody keeps).
-    arriving: dict[tuple[Transfer, str], torch.Tensor] = {}  # (transfer, companion) -> where it lands
+    # Receives first: the wire starts for each message as soon as both sides posted it. What comes
+    # from one peer in one dtype lands in one fresh buffer (an *arena*), each message where its
+    # elements belong, so the new state's pieces are views of it: nothing to allocate a piece,
+    # nothing to unpack, and never a write into live state (an abandoned receive writes into a
+    # buffer nobody keeps).
+    arriving: dict[Item, torch.Tensor] = {}  # (transfer, companion) -> where it lands
     for peer, transfers in _by_peer(recvs, lambda t: t.src).items():
-        direct, small = _messages(local, transfers)
-        arenas = _arenas(local, direct, small, device)
-        for (t, key), view in zip(_layout(direct, small), _views(local, direct, small, arenas)):
-            arriving[(t, key)] = view
-        for tag, (t, key) in enumerate(direct, start=DATA_TAG):
-            buf = arriving[(t, key)]
+        messages = _messages(local, transfers)
+        sizes: dict[torch.dtype, int] = defaultdict(int)
+        for dtype, items in messages:
+            sizes[dtype] += sum(t.elements for t, _ in items)
+        arenas = {dtype: torch.empty(size, dtype=dtype, device=device) for dtype, size in sizes.items()}
+        at: dict[torch.dtype, int] = defaultdict(int)
+        for tag, (dtype, items) in enumerate(messages, start=DATA_TAG):
+            count = sum(t.elements for t, _ in items)
+            buf = arenas[dtype][at[dtype]:at[dtype] + count]
+            at[dtype] += count
+            offset = 0
+            for t, key in items:
+                arriving[(t, key)] = buf[offset:offset + t.elements]
+                offset += t.elements
             works.append((pg.recv([buf], ranks[peer], tag), buf))
             received += buf.numel() * buf.element_size()
-        for tag, (dtype, group) in enumerate(small.items(), start=DATA_TAG + len(direct)):
-            buf = arenas[dtype][arenas[dtype].numel() - sum(t.elements for t, _ in group):]  # (the tail, in order)
-            assert buf.data_ptr() == arriving[group[0]].data_ptr()
-            works.append((pg.recv([buf], ranks[peer], tag), buf))
-            received += buf.numel() * buf.element_size()
-    # A large message is one companion of one transfer, sent from a view of what is held (no packing
-    # copy); the small ones (biases, norms: most of a model's tensors, a sliver of its bytes) are
-    # packed, one message a peer and dtype. Both sides number a pair's messages alike, from the
-    # plan's order.
+    # A message of one item is sent from a view of what is held (no packing copy); the others are
+    # packed, message by message, each posted as soon as it is packed (the wire carries the last
+    # while the next is packed). Both sides cut and number a pair's messages alike, from the plan.
     for peer, transfers in _by_peer(sends, lambda t: t.dst).items():
-        direct, small = _messages(local, transfers)
-        for tag, (t, key) in enumerate(direct, start=DATA_TAG):
-            out = local.read(t.tensor, key, t.lo, t.hi)
-            works.append((pg.send([out], ranks[peer], tag), out))
-        for tag, group in enumerate(small.values(), start=DATA_TAG + len(direct)):
-            out = torch.cat([local.read(t.tensor, key, t.lo, t.hi) for t, key in group])
+        for tag, (_, items) in enumerate(_messages(local, transfers), start=DATA_TAG):
+            out = (local.read(items[0][0].tensor, items[0][1], items[0][0].lo, items[0][0].hi) if len(items) == 1
+                   else torch.cat([local.read(t.tensor, key, t.lo, t.hi) for t, key in items]))
             works.append((pg.send([out], ranks[peer], tag), out))
     # The new state while the data is on the wire: views of what arrives and of what is held.
     new = _assemble(local, needed, recvs, arriving, device)
@@ -244,46 +250,30 @@ def _by_peer(transfers: list[Transfer], peer: Callable[[Transfer], str]) -> dict
     return dict(out)
 
 
-def _messages(local: LocalState, transfers: list[Transfer]
-              ) -> tuple[list[tuple[Transfer, str]], dict[torch.dtype, list[tuple[Transfer, str]]]]:
-    """The messages of one pair, in the plan's order: each large companion of a transfer on its own,
-    and the small ones grouped by dtype (in dtype-name order), each group one packed message."""
-    direct: list[tuple[Transfer, str]] = []
-    packed: dict[torch.dtype, list[tuple[Transfer, str]]] = {}
+def _messages(local: LocalState, transfers: list[Transfer]) -> list[tuple[torch.dtype, list[Item]]]:
+    """The messages of one pair, in order: for each dtype (in dtype-name order), the pair's items
+    (each companion of each transfer, in the plan's order) cut into messages of about `MESSAGE`
+    bytes; an item of `MESSAGE` or more is a message of its own."""
+    by_dtype: dict[torch.dtype, list[Item]] = {}
     for t in transfers:
         for key in local.keys[t.tensor] if t.elements else ():
-            dtype = local.dtype(t.tensor, key)
-            if t.elements * dtype.itemsize >= PACK_BELOW:
-                direct.append((t, key))
-            else:
-                packed.setdefault(dtype, []).append((t, key))
-    return direct, {d: packed[d] for d in sorted(packed, key=str)}
-
-
-def _layout(direct: list[tuple[Transfer, str]], small: Mapping[torch.dtype, list[tuple[Transfer, str]]]
-            ) -> list[tuple[Transfer, str]]:
-    """A peer's items in arena order: the large ones in message order, then the packed ones."""
-    return [*direct, *(item for group in small.values() for item in group)]
-
-
-def _arenas(local: LocalState, direct: list[tuple[Transfer, str]],
-            small: Mapping[torch.dtype, list[tuple[Transfer, str]]], device: torch.device) -> dict[torch.dtype, torch.Tensor]:
-    sizes: dict[torch.dtype, int] = defaultdict(int)
-    for t, key in _layout(direct, small):
-        sizes[local.dtype(t.tensor, key)] += t.elements
-    return {dtype: torch.empty(n, dtype=dtype, device=device) for dtype, n in sizes.items()}
-
-
-def _views(local: LocalState, direct: list[tuple[Transfer, str]], small: Mapping[torch.dtype, list[tuple[Transfer, str]]],
-           arenas: Mapping[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:
-    """Each item's place in its dtype's arena, in `_layout` order (so each packed group is the
-    arena's tail, contiguous, in the order the sender packed it)."""
-    at: dict[torch.dtype, int] = defaultdict(int)
-    out = []
-    for t, key in _layout(direct, small):
-        dtype = local.dtype(t.tensor, key)
-        out.append(arenas[dtype][at[dtype]:at[dtype] + t.elements])
-        at[dtype] += t.elements
+            by_dtype.setdefault(local.dtype(t.tensor, key), []).append((t, key))
+    out: list[tuple[torch.dtype, list[Item]]] = []
+    for dtype in sorted(by_dtype, key=str):
+        group: list[Item] = []
+        size = 0
+        for item in by_dtype[dtype]:
+            n = item[0].elements * dtype.itemsize
+            if n >= MESSAGE:
+                out.append((dtype, [item]))
+                continue
+            group.append(item)
+            size += n
+            if size >= MESSAGE:
+                out.append((dtype, group))
+                group, size = [], 0
+        if group:
+            out.append((dtype, group))
     return out
 
 
