@@ -136,6 +136,7 @@ def sharded(t: Trainer, g: Group, sharded: Sharded) -> PlanDelta | None:
     # the most (each pass gathers the units), with no samples once its own share is done.
     size = g.micro[g.rank] or len(ids) or 1
     passes = max((-(-s // (m or s)) if s else 1) for s, m in zip(g.shares, g.micro))
+    t.computing = g.epoch  # (until the compute ends: FSDP2's collectives may give the step up)
     try:
         for i in range(passes):
             chunk = ids[i * size:(i + 1) * size]
@@ -154,6 +155,8 @@ def sharded(t: Trainer, g: Group, sharded: Sharded) -> PlanDelta | None:
         if is_comm_error(e) or t.agent.superseded(g.epoch):
             raise Superseded(f"the step's gathers failed: {str(e).splitlines()[0][:200]}") from None
         raise
+    finally:
+        t.computing = 0  # (evaluation and the final gather run FSDP2's hooks too: never given up)
     # This member's own compute: the step so far less FSDP2's collectives (where it also waited
     # for the slowest member), which count as communication, as the cost model has them.
     collectives_s = sharded.comm.take()
@@ -230,8 +233,8 @@ def _abandon_points(t: Trainer) -> None:
     """Forward pre-hooks on the current replica's units (and its root) that give the step up once
     its epoch is superseded (`Trainer.give_up_if_superseded`): a replicated step otherwise first
     waits, and so first notices an abort, after its whole backward. (The gradients' arrivals are
-    the backward's abandon points: `GradBuckets.start`.) A sharded step needs none: FSDP2's
-    gathers are waited for unit by unit."""
+    the backward's abandon points: `GradBuckets.start`.) A sharded step's are its FSDP2 gathers
+    and reduce-scatters (`apply_fsdp`'s `give_up`)."""
     if t.abandon_points is not None and t.abandon_points[0]() is t.model:
         return
     if t.abandon_points is not None:  # (a replica gone since: its hooks go with it)

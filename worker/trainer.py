@@ -396,7 +396,8 @@ class Trainer:
                   if self.job.compute_dtype else None)
             self.sharded = apply_fsdp(self.job, self.units(), g.layout, g.rank, on.mesh, local, self.device,
                                       replicate=on.replicate, mp_policy=mp,
-                                      wait=lambda work, buf: self.wait(g, work, buf))
+                                      wait=lambda work, buf: self.wait(g, work, buf),
+                                      give_up=self.give_up_if_superseded)
             self.sharded_at = (g.layout, g.rank)
             self.model, self.optimizer = self.sharded.model, self.sharded.optimizer
             self.copies = Copies.of(g.layout, self.name, local, self.tensors)
@@ -498,9 +499,11 @@ class Trainer:
             self.computing = 0
 
     def give_up_if_superseded(self, *_: Any) -> None:
-        """An abandon point inside a replicated step's compute (a unit's forward, a gradient's
-        arrival): the step in flight is given up the moment its epoch is superseded (a failure, or a
-        join that abandons it), not at the next collective's wait after the whole backward."""
+        """An abandon point inside a step's compute (replicated: a unit's forward, a gradient's
+        arrival; sharded: each FSDP2 gather and reduce-scatter, before it is issued): the step in
+        flight is given up once its epoch is superseded (a failure, or a join that abandons it),
+        not at a collective's wait after the whole backward (which, when every member is alive and
+        the abort lands during compute, completes: the step was finished, not abandoned)."""
         if self.computing and self.agent.superseded(self.computing):
             raise Superseded(f"the step in flight is given up in its compute (epoch {self.computing} superseded)")
 

@@ -44,3 +44,77 @@ def test_a_join_that_abandons_the_step_in_flight_loses_nothing(tmp_path: Path, l
             log = (job.state_dir / f"{name}.log").read_text()
             assert f"epoch {old_epoch} abandoned at step 5" in log, log[-3000:]
         _assert_exact(job.events(), reference)
+
+
+# Four paced blocks (a ModuleList of one class: each its own FSDP2 unit), 8 ms of forward a sample
+# each: a step is mostly compute outside any collective, where an abort lands with no wait to notice it.
+PACED_BLOCKS = '''
+import time
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+from worker.job import Job
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        if x.device.type != "meta":
+            time.sleep(0.008 * x.shape[0])  # (per sample: a share's compute, as on a real device)
+        return torch.tanh(self.lin(x))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def job() -> Job:
+    g = torch.Generator().manual_seed(5)
+    data = TensorDataset(torch.randn(256, 16, generator=g), torch.randn(256, 2, generator=g))
+    return Job(model=Net, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3), dataset=data,
+               loss=lambda out, y: nn.functional.mse_loss(out, y, reduction="sum"), global_batch=16,
+               num_steps=400, seed=5, description="paced blocks (the join tests)")
+'''
+
+
+@pytest.mark.timeout(300)
+def test_a_sharded_join_gives_up_a_step_that_is_only_computing(tmp_path: Path) -> None:
+    """No member waits in a collective when the delta lands (all alive, all computing): the step
+    in flight is given up at its next FSDP2 gather or reduce-scatter, not finished and committed in
+    the old epoch. A step whose backward had begun when the delta landed (its last ~20 ms here) may
+    rightly commit; one that commits later was in its forward, with gathers still ahead: without
+    the abandon points it commits, at any time in the ~0.3 s the step has left."""
+    source = tmp_path / "blocks.py"
+    source.write_text(PACED_BLOCKS)
+    with LocalJob(f"{source}:job", tmp_path / "run", min_workers=2,
+                  coordinator_args=["--layout", "dp=1", "--join-abandons", "always"]) as job:
+        job.start()
+        job.add_worker("w1")
+        job.add_worker("w2")
+        for k, name in enumerate(("w3", "w4", "w5")):
+            job.wait_step(max(job.steps(), default=0) + 2, 120)
+            job.add_worker(name)
+            joined = job.wait_event(lambda e: e["kind"] == "plan" and name in (e["layout"] or {}).get("members", []),
+                                    120, f"{name} planned in")
+            assert joined["abandons_step"] is True, (joined["detail"], joined)
+            first = job.wait_event(lambda e: e["kind"] == "step" and e["epoch"] == joined["epoch"], 120, "a step")
+            old = [e for e in job.events() if e["kind"] == "step" and e["epoch"] < joined["epoch"]]
+            late = [e["step"] for e in old if e["ts"] > joined["ts"] + 0.1]
+            assert not late, f"{name}'s join: step {late} finished in the old epoch, not given up"
+            assert first["step"] == max(e["step"] for e in old) + 1  # (nothing lost, nothing done twice)
+            if k < 2:
+                job.ctl("drain", name)
+                job.workers[name].wait(timeout=120)
+        job.ctl("stop")
+        job.wait_coordinator(60)

@@ -77,12 +77,15 @@ class Sharded:
 
 def apply_fsdp(job: Job, units: Sequence[str], layout: Layout, rank: int, mesh: DeviceMesh, local: LocalState,
                device: torch.device, *, replicate: dist.ProcessGroup | None = None,
-               mp_policy: MixedPrecisionPolicy | None = None, wait: Wait | None = None) -> Sharded:
+               mp_policy: MixedPrecisionPolicy | None = None, wait: Wait | None = None,
+               give_up: Callable[[], None] | None = None) -> Sharded:
     """The job's model, each of `units` (module paths: the graph's layers but the root) sharded on
     its own and then the root, over `mesh`, and loaded with this member's slices of `local`. HSDP:
     `mesh` is this member's shard group and `replicate` its replica group, over which every reduced
     gradient shard is summed. `wait` (the trainer's abortable wait) waits for every collective;
-    without it they are waited for plainly."""
+    without it they are waited for plainly. `give_up` is called before each collective is issued
+    and raises to give the step up (an abort arrived during the compute): the units' gathers and
+    reduce-scatters are the sharded step's abandon points, as a replica's forward hooks are."""
     if (replicate is not None) != (layout.dp_replicate > 1):
         raise ValueError(f"{layout.describe()}: a replica group is needed exactly when dp_replicate > 1")
     model = meta_model(job)
@@ -105,10 +108,10 @@ def apply_fsdp(job: Job, units: Sequence[str], layout: Layout, rank: int, mesh: 
             module.set_force_sum_reduction_for_comms(True)
             module.set_gradient_divide_factor(1.0)
             if wait is not None:
-                module.set_custom_all_gather(AbortableAllGather(wait, comm))
-                module.set_custom_reduce_scatter(AbortableReduceScatter(wait, comm))
+                module.set_custom_all_gather(AbortableAllGather(wait, comm, give_up))
+                module.set_custom_reduce_scatter(AbortableReduceScatter(wait, comm, give_up))
             if replicate is not None:
-                module.set_all_reduce_hook(AbortableAllReduce(wait or _plain_wait, comm, replicate))
+                module.set_all_reduce_hook(AbortableAllReduce(wait or _plain_wait, comm, replicate, give_up))
     model.to_empty(device=device)
     with torch.no_grad():
         for fqn, p in model.named_parameters():
@@ -128,11 +131,12 @@ def apply_fsdp(job: Job, units: Sequence[str], layout: Layout, rank: int, mesh: 
 
 class _FreshBuffers:
     """Every call's output in a buffer of its own: an abandoned op that completes late writes into
-    memory nobody reads. Each call's time is added to `comm`."""
+    memory nobody reads. Each call's time is added to `comm`; `give_up` (may raise) comes first."""
 
-    def __init__(self, wait: Wait, comm: CommTime) -> None:
+    def __init__(self, wait: Wait, comm: CommTime, give_up: Callable[[], None] | None = None) -> None:
         self._wait = wait
         self._comm = comm
+        self._give_up = give_up or _never
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -145,6 +149,7 @@ class AbortableAllGather(_FreshBuffers, AllGather):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> dist.Work | None:
+        self._give_up()
         t0 = time.perf_counter()
         work = dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=True)
         self._wait(work, output_tensor)
@@ -157,6 +162,7 @@ class AbortableReduceScatter(_FreshBuffers, ReduceScatter):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: Any, async_op: bool = False) -> dist.Work | None:
+        self._give_up()
         t0 = time.perf_counter()
         work = dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op, async_op=True)
         self._wait(work, output_tensor)
@@ -169,12 +175,15 @@ class AbortableAllReduce:
     (called on each unit's reduce-scatter output, a fresh buffer of `AbortableReduceScatter`'s, so
     an abandoned sum writes only into the abandoned step's gradients), waited for abortably."""
 
-    def __init__(self, wait: Wait, comm: CommTime, group: dist.ProcessGroup) -> None:
+    def __init__(self, wait: Wait, comm: CommTime, group: dist.ProcessGroup,
+                 give_up: Callable[[], None] | None = None) -> None:
         self._wait = wait
         self._comm = comm
         self._group = group
+        self._give_up = give_up or _never
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
+        self._give_up()
         t0 = time.perf_counter()
         work = dist.all_reduce(reduce_output, group=self._group, async_op=True)
         self._wait(work, reduce_output)
@@ -183,6 +192,10 @@ class AbortableAllReduce:
 
 def _plain_wait(work: Any, _buf: torch.Tensor | None) -> None:
     work.wait()
+
+
+def _never() -> None:
+    pass
 
 
 def extract(sharded: Sharded, layout: Layout, rank: int, step: int) -> LocalState:
