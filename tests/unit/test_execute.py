@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from plan.layout import Layout
 from plan.reshard import TensorShape, copy_ring, holdings, plan_reshard
-from worker.parallel.slices import PARAM, LocalState, Piece, execute
+from worker.parallel.slices import PARAM, LocalState, Piece, execute, skeleton
 
 CPU = torch.device("cpu")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -65,7 +65,6 @@ def _case(seed: int) -> None:
         for fqn, ranges in before[n].items():
             local.pieces[fqn] = [Piece(lo, hi, {k: v[lo:hi].clone() for k, v in truth[fqn].items()}) for lo, hi in ranges]
         locals_[n] = local
-    from worker.parallel.slices import skeleton
     whole = skeleton(locals_[holders[0]])
     store = dist.HashStore()
     results: dict[str, Any] = {}

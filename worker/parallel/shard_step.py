@@ -77,8 +77,9 @@ class LocalStep:
         return True
 
     def _build(self) -> bool:
-        """(Re)build the twin over the current state; False when it cannot mirror it (no state yet:
-        a fresh job's first step; a state tensor not shaped like its parameter)."""
+        """(Re)build the twin over the current state; False when it cannot mirror it: no state yet (a
+        fresh job's first step: tried again next step), or state it never mirrors (a tensor not
+        shaped like its parameter, other parameter groups: `local` turns False for good)."""
         self._twin = None
         locals_: list[torch.nn.Parameter] = []
         states: list[dict[str, Any]] = []
@@ -95,12 +96,14 @@ class LocalStep:
                     mine[key] = value  # the same object: advanced in place by either optimizer
                 elif not isinstance(value, torch.Tensor):
                     mine[key] = value
-                else:
+                else:  # (state not shaped like its parameter: never mirrored, the DTensor optimizer steps)
+                    self.local = False
                     return False
             locals_.append(torch.nn.Parameter(shard.detach()))
             states.append(mine)
         twin = self._factory(locals_)
         if len(twin.param_groups) != len(self.optimizer.param_groups):
+            self.local = False
             return False
         for lp, mine in zip(locals_, states):
             twin.state[lp] = mine
