@@ -213,14 +213,13 @@ def execute(plan: ReshardPlan, me: str, ranks: Mapping[str, int], local: LocalSt
     # buffer nobody keeps).
     arriving: dict[Item, torch.Tensor] = {}  # (transfer, companion) -> where it lands
     for peer, transfers in _by_peer(recvs, lambda t: t.src).items():
-        messages = _messages(local, transfers)
+        messages = [(dtype, items, sum(t.elements for t, _ in items)) for dtype, items in _messages(local, transfers)]
         sizes: dict[torch.dtype, int] = defaultdict(int)
-        for dtype, items in messages:
-            sizes[dtype] += sum(t.elements for t, _ in items)
+        for dtype, _, count in messages:
+            sizes[dtype] += count
         arenas = {dtype: torch.empty(size, dtype=dtype, device=device) for dtype, size in sizes.items()}
         at: dict[torch.dtype, int] = defaultdict(int)
-        for tag, (dtype, items) in enumerate(messages, start=DATA_TAG):
-            count = sum(t.elements for t, _ in items)
+        for tag, (dtype, items, count) in enumerate(messages, start=DATA_TAG):
             buf = arenas[dtype][at[dtype]:at[dtype] + count]
             at[dtype] += count
             offset = 0
