@@ -75,36 +75,55 @@ class Refusals:
         return sum(self.counts.values())
 
 
+OUTCOMES = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+MAX_UNATTRIBUTED = 64  # outcomes kept unattributed at most (a flood of overlapping handshakes)
+
+
 @dataclass(slots=True)
 class ConnectionLedger:
     """Follows a socket's connections through its monitor events and says when one ends refused:
     it failed its handshake, or closed before finishing one (raw bytes, no zmq greeting).
 
-    libzmq's (v1) monitor names the connection (its fd) in ACCEPTED and DISCONNECTED but not in
-    the handshake events between them, so an outcome is credited to the oldest connection still
-    waiting for one. Each connection has exactly one outcome or none, so the counts are exact once
-    the connections involved have closed, even where two handshakes overlap and swap credit."""
+    A failed handshake is counted at its event: one event, one refused connection. A connection
+    that closed with no outcome at all is the hard case: libzmq's (v1) monitor names the connection
+    (its fd) in ACCEPTED and DISCONNECTED but not in the handshake events between them, so when two
+    handshakes overlap, which one an outcome belongs to is unknown. Crediting it to the oldest
+    waiting connection (what this did before) miscounts: a newer connection's success taken by an
+    older one that later fails leaves the newer one "waiting", and its close was counted as a
+    refusal too (seen once in `test_fuzz`).
 
-    waiting: dict[int, None] = field(default_factory=dict)  # accepted, no outcome yet (insertion order)
+    So an outcome is kept unattributed, with the connections it may belong to (those open and
+    without a known outcome when it came), and it is settled by what follows: a connection that
+    closes takes an outcome it may own (the failure just before its close first: libzmq emits a
+    failure and the close of that connection back to back), and an outcome left with one
+    candidate, or k outcomes sharing the same k candidates, belong to those. A close counts as
+    "closed before greeting" only when no outcome may be its own. Each connection has exactly one
+    outcome or none, so once the connections involved have closed, the counts are exact."""
+
+    open: dict[int, None] = field(default_factory=dict)  # accepted, open, outcome not known (insertion order)
+    unattributed: list[set[int]] = field(default_factory=list)  # per outcome: the connections it may be for
     accepted: int = 0
     handshaken: int = 0
+    _just_failed: set[int] | None = None  # the previous event's failure, if that was the previous event
 
     def observe(self, event: int, value: int) -> tuple[str, str] | None:
         """(reason, text) when this event means a refused connection; None otherwise. `value` is the
         fd for ACCEPTED/DISCONNECTED and the error or status for handshake failures."""
+        just_failed, self._just_failed = self._just_failed, None
         if event == zmq.EVENT_ACCEPTED:
             self.accepted += 1
-            self.waiting[value] = None
+            self.open[value] = None
             return None
         if event == zmq.EVENT_DISCONNECTED:
-            if value in self.waiting:
-                del self.waiting[value]
-                return "handshake", "a connection closed before the zmq greeting (not a zmq peer?)"
-            return None
-        if event & (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
-            if self.waiting:
-                del self.waiting[next(iter(self.waiting))]
+            return self._closed(value, just_failed)
+        if event & OUTCOMES:
+            if self.open:
+                candidates = set(self.open)
+                self.unattributed.append(candidates)
+                if event != zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self._just_failed = candidates
+                self._settle()
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.handshaken += 1
         elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
@@ -114,6 +133,45 @@ class ConnectionLedger:
         elif event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
             return "handshake", f"no handshake completed (errno {value}; silent or broken peer)"
         return None
+
+    def _closed(self, fd: int, just_failed: set[int] | None) -> tuple[str, str] | None:
+        if fd not in self.open:
+            return None  # its outcome is known (or it was accepted before the monitor started)
+        del self.open[fd]
+        own = just_failed if just_failed is not None and any(u is just_failed for u in self.unattributed) \
+            and fd in just_failed else next((u for u in self.unattributed if fd in u), None)
+        for u in self.unattributed:
+            u.discard(fd)
+        if own is None:
+            self._settle()
+            return "handshake", "a connection closed before the zmq greeting (not a zmq peer?)"
+        self.unattributed = [u for u in self.unattributed if u is not own]
+        self._settle()
+        return None
+
+    def _settle(self) -> None:
+        """Attribute what is certain: k outcomes that may only be for the same k connections are
+        theirs (k = 1: an outcome with one candidate). A flood of overlapping handshakes beyond
+        MAX_UNATTRIBUTED falls back to crediting the oldest outcome to its oldest candidate."""
+        while True:
+            self.unattributed = [u for u in self.unattributed if u]  # (its owner closed unseen: dropped)
+            if len(self.unattributed) > MAX_UNATTRIBUTED:
+                oldest = self.unattributed[0]
+                known = {next(fd for fd in self.open if fd in oldest)}
+                self.unattributed = self.unattributed[1:]
+            else:
+                groups: dict[frozenset[int], int] = {}
+                for u in self.unattributed:
+                    groups[frozenset(u)] = groups.get(frozenset(u), 0) + 1
+                full = next((c for c, n in groups.items() if n >= len(c)), None)
+                if full is None:
+                    return
+                known = set(full)
+                self.unattributed = [u for u in self.unattributed if frozenset(u) != full]
+            for fd in known:
+                self.open.pop(fd, None)
+            for u in self.unattributed:
+                u -= known
 
 
 LEDGER_EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
