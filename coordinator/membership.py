@@ -270,7 +270,11 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
         done = not state.finished and r.step >= config.num_steps
         if done:  # members leave by themselves after the last step; standby workers are told to
             members = set(state.plan.members) if state.plan else set()
-            effects += [Send(n, Stop(reason="the job is over")) for n in state.workers if n not in members]
+            told = [n for n in state.workers if n not in members]
+            effects += [Send(n, Stop(reason="the job is over")) for n in told]
+            # (told to go: its closed connection is it going, should that reach us before its Leave)
+            state = replace(state, workers={n: replace(w, leaving="stopped", leaving_since=now) if n in told else w
+                                            for n, w in state.workers.items()})
         predicted = state.plan.predicted_step_s if state.plan is not None and r.epoch == state.epoch else None
         if r.step > state.last_step:
             state = replace(state, last_lr=r.lr, last_grad_norm=r.grad_norm, last_step_at=now)

@@ -89,6 +89,7 @@ class _Mailbox:
     deltas: list[PlanDelta] = field(default_factory=list)
     aborted_epoch: int = 0  # every epoch <= this one is abandoned
     stop: str | None = None
+    goodbye_answered: bool = False  # a Stop came after the final Leave was sent
     fenced: bool = False
     fatal: str | None = None
     joined_at: float = 0.0  # monotonic time of the last Join sent
@@ -150,6 +151,20 @@ class Agent:
         (the coordinator has let this worker go; it must not be planned in again)."""
         self._gone = True
         self.send(msg)
+
+    def wait_goodbye(self, timeout_s: float) -> bool:
+        """After `say_goodbye`: wait until the coordinator has answered the Leave (its Stop), or
+        `timeout_s`. Exiting at once races the Leave: the coordinator's socket monitor may report
+        the closed connection before its reader has taken the Leave, and the coordinator would log
+        a worker that finished or was told to stop as failed. False: no answer in time."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while not self._box.goodbye_answered:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.05))
+            return True
 
     def mark_ready(self) -> None:
         """The job is loaded and the model built: the coordinator may plan with this worker."""
@@ -378,6 +393,7 @@ class Agent:
                     self.slowdown = factor
                 case Stop(reason=reason):
                     box.stop = reason
+                    box.goodbye_answered |= self._gone
                 case SaveModel(path=path):
                     box.saves.append(path)
                 case CheckpointNow():

@@ -42,3 +42,19 @@ def test_an_abort_still_supersedes_a_drained_worker() -> None:
     agent._handle(None, encode(Stop(reason="drained")))  # type: ignore[arg-type]
     agent._handle(None, encode(Abort(epoch=2, reason="failure")))  # type: ignore[arg-type]
     assert agent.superseded(2)
+
+
+def test_a_leaving_worker_waits_for_the_coordinator_to_answer_its_leave() -> None:
+    """A worker that exits right after its final Leave races it: the coordinator's socket monitor
+    may see the closed connection before its reader takes the Leave, and logs the worker as failed
+    (seen in the demo: a standby worker told "the job is over" logged as "failed (detected by
+    disconnect)"). The worker waits for the coordinator's answer; a Stop that came before the Leave
+    (the one that made it leave) is not that answer."""
+    from transport.messages import Leave
+
+    agent = _agent()
+    agent._handle(None, encode(Stop(reason="the job is over")))  # type: ignore[arg-type]
+    agent.say_goodbye(Leave(name="w3", reason="stopped"))
+    assert not agent.wait_goodbye(0.05), "the Stop before the Leave is not its answer"
+    agent._handle(None, encode(Stop(reason="goodbye")))  # type: ignore[arg-type]
+    assert agent.wait_goodbye(0.05)

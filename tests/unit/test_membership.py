@@ -589,6 +589,11 @@ def test_standby_workers_are_stopped_when_the_job_is_over() -> None:
     effects = train(sim, 14, {"a": 0.001, "b": 0.001})
     assert sim.state.finished
     assert set(sent(effects, Stop)) == {"snail"}, "members leave by themselves; the standby is told"
+    # Its connection closing before its Leave is read (two sockets, no order between them) is it
+    # going as told, not a failure.
+    gone = sim(m.Lost("snail", "disconnect"))
+    assert [(e.kind, e.fields) for e in gone if isinstance(e, m.Log)] == [("left", {"worker": "snail",
+                                                                                    "reason": "stopped"})]
 
 
 # --- durable checkpoints (#12) -------------------------------------------------------------------
