@@ -81,8 +81,10 @@ def run(job: LocalJob, kill_at: int, join_at: int, slow_at: int, plot_path: Path
     marks: dict[str, float] = {}
     shown = 0
     recent: list[tuple[float, int]] = []
-    while job.coordinator is not None and job.coordinator.poll() is None:
-        events = job.events()
+    running = True
+    while running:
+        running = job.coordinator is not None and job.coordinator.poll() is None
+        events = job.events()  # (read once more after the coordinator exited: its last events)
         steps = [e for e in events if e["kind"] == "step"]
         last = steps[-1]["step"] if steps else 0
         if "kill" not in marks and last >= kill_at:
@@ -107,7 +109,8 @@ def run(job: LocalJob, kill_at: int, join_at: int, slow_at: int, plot_path: Path
             elif e["kind"] in ("failed", "joined", "left", "plan", "reshard", "straggler", "recovered"):
                 print(f"{'':>6} {_describe(e)}")
         shown = len(events)
-        time.sleep(0.2)
+        if running:
+            time.sleep(0.2)
 
     code = job.wait_coordinator(10)
     exits = job.wait_workers(30)
