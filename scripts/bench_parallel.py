@@ -8,7 +8,10 @@ thread per process), on one model (default the 10M-parameter GPT, examples/gpt.p
                memory (VmHWM), replicated against sharded.
   reshard      a join to a sharded job (2 -> 3 members) in real processes (tests/system/
                parallel_harness.py): the bytes the newcomer receives and how fast, against raw gloo
-               p2p between two processes measured in the same run (batch_isend_irecv of 100 MB).
+               p2p between two processes measured in the same run (batch_isend_irecv of 100 MB), and
+               raw p2p of the join's own bytes from two senders: in 200 messages, in the reshard's
+               message size (~1 MiB), and in that size packed from the senders' items (torch.cat,
+               as the reshard packs small items): what the wire allows and what packing costs.
   join         adaptrain sharded, one worker more: from the newcomer's plan (it is planned in as
                soon as it is ready) to its group formed with its slices, and to the first step of
                that epoch; and how long the members paused for it. `--joins K`: K joins one after
@@ -172,10 +175,13 @@ def torchrun_kill(job_ref: str, n: int, workdir: Path, every: int = 5) -> dict[s
             "checkpoint_every": every}
 
 
-def raw_p2p(workdir: Path, nbytes: int = 100 * 2**20, senders: int = 1, messages: int = 200) -> dict[str, Any]:
+def raw_p2p(workdir: Path, nbytes: int = 100 * 2**20, senders: int = 1, messages: int = 200,
+            pieces: int = 0) -> dict[str, Any]:
     """`batch_isend_irecv` of `messages` fp32 tensors (`nbytes` in all) from `senders` processes (each
     its part) to one receiver, into buffers used before (warm), 21 times (the first not counted): the
-    receiver's median GB/s (a 2-core machine's noise moves one transfer's rate by 2x)."""
+    receiver's median GB/s (a 2-core machine's noise moves one transfer's rate by 2x). `pieces` > 0:
+    each sender holds its part as that many tensors and packs every message from their slices with
+    `torch.cat` before sending it, as the reshard packs a message of small items."""
     per = nbytes // 4 // messages
     code = f"""
 import sys, time, json, torch, torch.distributed as dist
@@ -185,11 +191,20 @@ store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timedelta(seconds=60)
 dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
 ts = [torch.ones({per}) for _ in range({messages})]
 me = [t for i, t in enumerate(ts) if i % {senders} == rank]
+held = torch.ones({per} * max(len(me), 1)).chunk({pieces}) if {pieces} else ()
+def packed(k):  # message k of this sender, cut from the held pieces
+    lo, hi, out, at = k * {per}, (k + 1) * {per}, [], 0
+    for p in held:
+        a, b = max(lo, at), min(hi, at + p.numel())
+        if a < b:
+            out.append(p[a - at:b - at])
+        at += p.numel()
+    return torch.cat(out)
 rates = []
 for _ in range(21):
     dist.barrier(); t0 = time.perf_counter()
     if rank < {senders}:
-        ops = [dist.P2POp(dist.isend, t, {senders}) for t in me]
+        ops = [dist.P2POp(dist.isend, packed(k) if held else t, {senders}) for k, t in enumerate(me)]
     else:
         ops = [dist.P2POp(dist.irecv, t, i % {senders}) for i, t in enumerate(ts)]
     for w in dist.batch_isend_irecv(ops): w.wait()
@@ -201,7 +216,7 @@ if rank == {senders}: print(json.dumps(rates[1:]))
                               stderr=subprocess.DEVNULL, text=True) for r in range(senders + 1)]
     out = [p.communicate(timeout=300)[0] for p in procs]
     rates = json.loads(out[senders].strip().splitlines()[-1])
-    return {"bytes": per * 4 * messages, "senders": senders, "messages": messages,
+    return {"bytes": per * 4 * messages, "senders": senders, "messages": messages, "pieces": pieces,
             "bytes_per_s": statistics.median(rates)}
 
 
@@ -216,7 +231,8 @@ def reshard_join(job_ref: str, workdir: Path) -> dict[str, Any]:
     job = load_job(src.source, src.name, filename=src.ref)
     workdir.mkdir(parents=True, exist_ok=True)
     graph = workdir / "graph.json"
-    graph.write_text(json.dumps(capture_graph(job).to_dict()))
+    captured = capture_graph(job)
+    graph.write_text(json.dumps(captured.to_dict()))
     G = job.global_batch
 
     def layout(members: list[str]) -> dict[str, Any]:
@@ -253,7 +269,8 @@ def reshard_join(job_ref: str, workdir: Path) -> dict[str, Any]:
             "seconds": statistics.median(runs["c"][e]["seconds"] for e in joins),
             "bytes_per_s": statistics.median(rates), "all_bytes_per_s": rates,
             "slowest_member_s": statistics.median(whole), "state_bytes": first["bytes"],
-            "largest_sender_elements": max(runs[n][joins[0]]["sent"] for n in "ab")}
+            "largest_sender_elements": max(runs[n][joins[0]]["sent"] for n in "ab"),
+            "tensors": len(captured.tensors)}
 
 
 def join_and_kill(job_ref: str, n: int, workdir: Path, sections: tuple[str, ...], *, joins: int = 1,
@@ -376,11 +393,13 @@ def table(r: dict[str, Any]) -> str:
         if two:
             lines.append(f"  raw p2p with the join's shape (two senders -> one receiver, three processes): "
                          f"{two['bytes_per_s'] / 1e9:.2f} GB/s -> {rs['bytes_per_s'] / two['bytes_per_s']:.2f}x")
-        same = r.get("raw_p2p_join_bytes")
-        if same:
-            lines.append(f"  raw p2p of the join's bytes in its shape ({same['bytes'] / 1e6:.1f} MB from two senders, "
-                         f"{same['messages']} messages): {same['bytes_per_s'] / 1e9:.2f} GB/s -> "
-                         f"{rs['bytes_per_s'] / same['bytes_per_s']:.2f}x")
+        for key, how in (("raw_p2p_join_bytes", ""), ("raw_p2p_join_messages", ", the reshard's message size"),
+                         ("raw_p2p_join_packed", ", each message packed from the sender's {pieces} pieces")):
+            same = r.get(key)
+            if same:
+                lines.append(f"  raw p2p of the join's bytes in its shape ({same['bytes'] / 1e6:.1f} MB from two senders, "
+                             f"{same['messages']} messages{how.format(pieces=same.get('pieces'))}): "
+                             f"{same['bytes_per_s'] / 1e9:.2f} GB/s -> {rs['bytes_per_s'] / same['bytes_per_s']:.2f}x")
     for key in ("join", "join_always", "join_never"):
         if key not in r:
             continue
@@ -471,8 +490,15 @@ def main(argv: list[str] | None = None) -> int:
             result["raw_p2p_two_senders"] = raw_p2p(work / "p2p2", senders=2)  # the join's own shape
             result["reshard"] = reshard_join(a.job, work / "reshard")
             # The join's own bytes and shape (two senders, one receiver): a like-for-like wire baseline.
-            result["raw_p2p_join_bytes"] = raw_p2p(work / "p2p3", nbytes=result["reshard"]["received_bytes"],
-                                                   senders=2)
+            joined = result["reshard"]["received_bytes"]
+            result["raw_p2p_join_bytes"] = raw_p2p(work / "p2p3", nbytes=joined, senders=2)
+            # ... and in the reshard's message size (~1 MiB), as sent from one buffer, and as packed
+            # from a sender's items (a parameter and AdamW's two states per tensor): what packing costs.
+            from worker.parallel.slices import MESSAGE  # (the reshard's message size)
+            in_messages = max(2, round(joined / MESSAGE))
+            result["raw_p2p_join_messages"] = raw_p2p(work / "p2p4", nbytes=joined, senders=2, messages=in_messages)
+            result["raw_p2p_join_packed"] = raw_p2p(work / "p2p5", nbytes=joined, senders=2, messages=in_messages,
+                                                    pieces=3 * result["reshard"]["tensors"])
         if "join" in sections or "kill" in sections:
             print("join and kill ...", flush=True)
             result.update(join_and_kill(job_ref, 3, work / "joinkill", sections, joins=a.joins))
