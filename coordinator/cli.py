@@ -131,7 +131,8 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
                    help="pin the layout's degrees: dp = replicas (dp_replicate), fsdp = members that shard the "
                         "state between them (dp_shard, FSDP2); an omitted one is planned. E.g. --layout dp=1 shards "
                         "over every member, --layout fsdp=1 keeps every member a replica, --layout fsdp=2 makes "
-                        "replicas of shard groups of 2 (HSDP), --layout dp=2,fsdp=2 exactly 2 x 2. Default: the planner chooses (sharded when no "
+                        "replicas of shard groups of 2 (HSDP), --layout dp=2,fsdp=2 exactly 2 x 2 (both pinned: training waits for "
+                        "R x S ready workers, and more than --max-workers is refused). Default: the planner chooses (sharded when no "
                         "replica fits a worker's memory, or when it predicts sharding faster)")
     p.add_argument("--keys", metavar="DIR",
                    help=f"CURVE keys written by `coordinator keygen DIR` (default: ${KEYS_ENV})")
@@ -170,6 +171,9 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
         if layout.members is not None and a.max_workers is not None and layout.members > a.max_workers:
             p.error(f"--layout {a.layout} needs {layout.members} members, but --max-workers is {a.max_workers}")
         if layout.members is not None and a.min_workers < layout.members:
+            print(f"[coordinator] --layout {a.layout} needs {layout.members} members: training starts once "
+                  f"{layout.members} workers are ready (--min-workers {a.min_workers} raised to {layout.members})",
+                  file=sys.stderr, flush=True)
             a.min_workers = layout.members  # nothing can train before the pinned layout is complete
     directory = keys_dir(a.keys)
     if a.insecure and a.keys is not None:

@@ -222,9 +222,12 @@ class LayoutPin:
 
     @property
     def members(self) -> int | None:
-        """The member count the pin implies when every degree is pinned."""
-        values = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
-        return None if any(v is None for v in values) else math.prod(v for v in values if v is not None)
+        """The member count the pin implies when both data-parallel degrees are pinned (None: the
+        planner chooses it). pp and tp count as 1 unless pinned: the planner does not plan them yet,
+        so it keeps them at 1 (and `parse_pin` refuses a pin of either above 1)."""
+        if self.dp_replicate is None or self.dp_shard is None:
+            return None
+        return self.dp_replicate * self.dp_shard * (self.pp or 1) * (self.tp or 1)
 
     def admits(self, layout: Layout) -> bool:
         return all(want is None or want == got for want, got in

@@ -63,9 +63,33 @@ def test_the_wire_form_round_trips_and_names_what_is_wrong() -> None:
 def test_a_pin_parses_and_refuses_what_cannot_run() -> None:
     assert parse_pin("dp=2,fsdp=2") == LayoutPin(dp_replicate=2, dp_shard=2)
     assert parse_pin("fsdp=3").members is None
+    assert parse_pin("dp=2,fsdp=3").members == 6, "both data-parallel degrees pinned: 6 members (pp, tp: 1)"
     assert parse_pin("fsdp=3").admits(Layout(members=("a", "b", "c"), shares=(1, 1, 1), dp_shard=3))
     assert not parse_pin("fsdp=3").admits(Layout.replicated(["a", "b", "c"], [1, 1, 1]))
     for bad, why in [("dp=0", ">= 1"), ("zero=2", "NAME=N"), ("dp=2,dp=3", "twice"), ("tp=2", "not planned yet"),
                      ("dp=x", "NAME=N")]:
         with pytest.raises(LayoutError, match=why):
             parse_pin(bad)
+
+
+def test_the_coordinator_refuses_a_pin_of_both_degrees_beyond_max_workers_and_says_the_members_it_waits_for() -> None:
+    """`--layout dp=R,fsdp=S` implies R x S members (pp and tp stay 1): found while trying it, such a
+    pin was taken as "members unknown", so --max-workers was not checked against it and
+    --min-workers was not raised (the job waited with no word of why)."""
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "coordinator", "--job", "examples/mlp.py:job", "--bind", "tcp://127.0.0.1:0",
+            "--insecure"]
+    refused = subprocess.run([*base, "--layout", "dp=2,fsdp=2", "--max-workers", "3"], capture_output=True, text=True,
+                             timeout=60)
+    assert refused.returncode == 2 and "needs 4 members, but --max-workers is 3" in refused.stderr, refused.stderr
+    waiting = subprocess.Popen([*base, "--layout", "dp=2,fsdp=3", "--min-workers", "2"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        assert waiting.stderr is not None
+        line = waiting.stderr.readline()
+        assert "needs 6 members: training starts once 6 workers are ready (--min-workers 2 raised to 6)" in line, line
+    finally:
+        waiting.terminate()
+        waiting.communicate(timeout=30)  # (closes its pipes)
