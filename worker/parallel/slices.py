@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import zip_longest
 from typing import Any
 
 import torch
@@ -210,8 +211,12 @@ def execute(plan: ReshardPlan, me: str, ranks: Mapping[str, int], local: LocalSt
     # from one peer in one dtype lands in one fresh buffer (an *arena*), each message where its
     # elements belong, so the new state's pieces are views of it: nothing to allocate a piece,
     # nothing to unpack, and never a write into live state (an abandoned receive writes into a
-    # buffer nobody keeps).
+    # buffer nobody keeps). The receives are posted taking the peers in turn, a message of each at a
+    # time: gloo reads a message whose data is already there in the posting call itself, so posting
+    # one peer's messages all first kept the others' streams waiting (a 10M GPT join from two
+    # holders, in the same hour: median 1.61 GB/s over 45 joins in turn, 1.39 over 27 one peer first).
     arriving: dict[Item, torch.Tensor] = {}  # (transfer, companion) -> where it lands
+    posts: list[list[tuple[str, int, torch.Tensor]]] = []  # per peer: (peer, tag, buffer)
     for peer, transfers in _by_peer(recvs, lambda t: t.src).items():
         messages = [(dtype, items, sum(t.elements for t, _ in items)) for dtype, items in _messages(local, transfers)]
         sizes: dict[torch.dtype, int] = defaultdict(int)
@@ -219,6 +224,7 @@ def execute(plan: ReshardPlan, me: str, ranks: Mapping[str, int], local: LocalSt
             sizes[dtype] += count
         arenas = {dtype: torch.empty(size, dtype=dtype, device=device) for dtype, size in sizes.items()}
         at: dict[torch.dtype, int] = defaultdict(int)
+        posts.append([])
         for tag, (dtype, items, count) in enumerate(messages, start=DATA_TAG):
             buf = arenas[dtype][at[dtype]:at[dtype] + count]
             at[dtype] += count
@@ -226,8 +232,10 @@ def execute(plan: ReshardPlan, me: str, ranks: Mapping[str, int], local: LocalSt
             for t, key in items:
                 arriving[(t, key)] = buf[offset:offset + t.elements]
                 offset += t.elements
-            works.append((pg.recv([buf], ranks[peer], tag), buf))
+            posts[-1].append((peer, tag, buf))
             received += buf.numel() * buf.element_size()
+    for turn in zip_longest(*posts):
+        works += [(pg.recv([buf], ranks[peer], tag), buf) for peer, tag, buf in filter(None, turn)]
     # A message of one item is sent from a view of what is held (no packing copy); the others are
     # packed, message by message, each posted as soon as it is packed (the wire carries the last
     # while the next is packed). Both sides cut and number a pair's messages alike, from the plan.
