@@ -138,16 +138,14 @@ class ConnectionLedger:
         if fd not in self.open:
             return None  # its outcome is known (or it was accepted before the monitor started)
         del self.open[fd]
-        own = just_failed if just_failed is not None and any(u is just_failed for u in self.unattributed) \
-            and fd in just_failed else next((u for u in self.unattributed if fd in u), None)
+        mine = [u for u in self.unattributed if fd in u]  # the outcomes that may be its own
+        own = next((u for u in mine if u is just_failed), mine[0] if mine else None)
+        self.unattributed = [u for u in self.unattributed if u is not own]
         for u in self.unattributed:
             u.discard(fd)
-        if own is None:
-            self._settle()
-            return "handshake", "a connection closed before the zmq greeting (not a zmq peer?)"
-        self.unattributed = [u for u in self.unattributed if u is not own]
         self._settle()
-        return None
+        return None if own is not None else ("handshake", "a connection closed before the zmq greeting "
+                                                          "(not a zmq peer?)")
 
     def _settle(self) -> None:
         """Attribute what is certain: k outcomes that may only be for the same k connections are
@@ -160,9 +158,7 @@ class ConnectionLedger:
                 known = {next(fd for fd in self.open if fd in oldest)}
                 self.unattributed = self.unattributed[1:]
             else:
-                groups: dict[frozenset[int], int] = {}
-                for u in self.unattributed:
-                    groups[frozenset(u)] = groups.get(frozenset(u), 0) + 1
+                groups = Counter(frozenset(u) for u in self.unattributed)
                 full = next((c for c, n in groups.items() if n >= len(c)), None)
                 if full is None:
                     return

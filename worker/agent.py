@@ -76,6 +76,7 @@ IDLE_S = 0.25  # otherwise the loop wakes on a frame, a handshake event, the tra
 JOIN_RETRY_S = 1.0
 NO_DETAIL_GRACE_S = 3.0  # handshakes failing without detail (and none succeeding) for this long: give up
 REJOIN_GRACE_S = 1.0  # stale-epoch answers this soon after a Join are echoes of older heartbeats
+GOODBYE_S = 2.0  # how long a leaving worker waits for the coordinator to answer its Leave
 REPORTS_KEPT = 10_000  # step reports kept for a coordinator that restarts (it logs those it has not seen)
 
 
@@ -146,18 +147,16 @@ class Agent:
         except OSError:  # the pipe is full (the loop is awake already), or the loop has ended
             pass
 
-    def say_goodbye(self, msg: Leave) -> None:
-        """Send the final `Leave`: from now on no heartbeats, and fencing no longer re-joins
-        (the coordinator has let this worker go; it must not be planned in again)."""
+    def say_goodbye(self, msg: Leave, wait_s: float = GOODBYE_S) -> bool:
+        """Send the final `Leave`: from now on no heartbeats, and fencing no longer re-joins (the
+        coordinator has let this worker go; it must not be planned in again). Then wait up to
+        `wait_s` for the coordinator's answer (its Stop): exiting at once races the Leave, since
+        the coordinator's socket monitor may report the closed connection before its reader has
+        taken the Leave, and a worker that finished or was told to stop would be logged as failed.
+        A Stop that came before the Leave is not that answer. False: no answer in time."""
         self._gone = True
         self.send(msg)
-
-    def wait_goodbye(self, timeout_s: float) -> bool:
-        """After `say_goodbye`: wait until the coordinator has answered the Leave (its Stop), or
-        `timeout_s`. Exiting at once races the Leave: the coordinator's socket monitor may report
-        the closed connection before its reader has taken the Leave, and the coordinator would log
-        a worker that finished or was told to stop as failed. False: no answer in time."""
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + wait_s
         with self._cond:
             while not self._box.goodbye_answered:
                 left = deadline - time.monotonic()

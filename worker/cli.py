@@ -213,8 +213,7 @@ def _main(argv: list[str] | None) -> int:
                 why = f"cannot write the checkpoint dir {welcome.checkpoint_dir}: {e.strerror or e}"
                 print(f"worker: {why} (give every worker write access to the coordinator's --checkpoint-dir)",
                       file=sys.stderr)
-                agent.say_goodbye(Leave(name=cfg.name, reason=why[:500]))
-                agent.wait_goodbye(2.0)  # its answer: the Leave landed (not an exit seen first)
+                agent.say_goodbye(Leave(name=cfg.name, reason=why[:500]))  # (waits for its answer)
                 agent.close()
                 return 2
         if preempted:  # SIGTERM while loading: we were never planned in, so just go
@@ -239,7 +238,6 @@ def _main(argv: list[str] | None) -> int:
         step = trainer.step if trainer is not None else 0
         print(f"worker: training failed at step {step}: {type(e).__name__}: {e}", file=sys.stderr)
         agent.say_goodbye(Leave(name=cfg.name, reason=f"error: {type(e).__name__}: {e}"[:500]))
-        agent.wait_goodbye(2.0)  # (else its exit may reach the coordinator before the reason does)
         agent.close()
         return 1
     print(f"[{cfg.name}] done: {outcome} at step {trainer.step}", flush=True)

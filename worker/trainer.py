@@ -60,7 +60,6 @@ from worker.step import local_grad
 from worker.store import CoordinatorStore
 
 RETRY_S = 0.5  # pause before forming an epoch's group again after a failed rendezvous
-GOODBYE_S = 2.0  # how long a leaving worker waits for the coordinator to answer its Leave
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -164,7 +163,6 @@ class Trainer:
             if stop is not None:  # "drained" comes once the plan without us is in place
                 reason = "drained" if stop == "drained" else "stopped"
                 self.agent.say_goodbye(Leave(name=self.name, reason=reason))
-                self.agent.wait_goodbye(GOODBYE_S)
                 return reason if reason == "drained" else f"stopped: {stop}"
             if group is None or self.agent.superseded(group.epoch):
                 delta = self.agent.next_delta(self.epoch_tried, self.config.delta_timeout_s)
@@ -218,7 +216,6 @@ class Trainer:
             self.log("waiting for the checkpoint being written")
             self.checkpoints.wait(self.config.group_timeout_s)
         self.agent.say_goodbye(Leave(name=self.name, reason=reason))
-        self.agent.wait_goodbye(GOODBYE_S)
         return reason
 
     # --- epochs --------------------------------------------------------------------------------

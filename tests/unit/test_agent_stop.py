@@ -52,9 +52,13 @@ def test_a_leaving_worker_waits_for_the_coordinator_to_answer_its_leave() -> Non
     (the one that made it leave) is not that answer."""
     from transport.messages import Leave
 
+    import threading
+
     agent = _agent()
     agent._handle(None, encode(Stop(reason="the job is over")))  # type: ignore[arg-type]
-    agent.say_goodbye(Leave(name="w3", reason="stopped"))
-    assert not agent.wait_goodbye(0.05), "the Stop before the Leave is not its answer"
-    agent._handle(None, encode(Stop(reason="goodbye")))  # type: ignore[arg-type]
-    assert agent.wait_goodbye(0.05)
+    assert not agent.say_goodbye(Leave(name="w3", reason="stopped"), wait_s=0.05), \
+        "the Stop before the Leave is not its answer"
+    answer = threading.Timer(0.1, lambda: agent._handle(None, encode(Stop(reason="goodbye"))))  # type: ignore[arg-type]
+    answer.start()
+    assert agent.say_goodbye(Leave(name="w3", reason="stopped"), wait_s=60), "the answer ends the wait"
+    answer.join()
