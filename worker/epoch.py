@@ -111,7 +111,8 @@ def plan_entry(layout: Layout, tensors: Sequence[TensorShape], described: list[l
 def enter(layout: Layout, tensors: Sequence[TensorShape], me: str, ranks: Sequence[str], local: LocalState | None,
           pg: Any, wait: Wait, device: torch.device, seed: Callable[[], LocalState],
           roll: Callable[[LocalState, float], None], copies: bool = True,
-          before_transfers: Callable[[ReshardPlan], None] = lambda plan: None) -> tuple[LocalState, int, ReshardPlan]:
+          before_transfers: Callable[[ReshardPlan], None] = lambda plan: None,
+          pool: slices.Pool | None = None) -> tuple[LocalState, int, ReshardPlan]:
     """Run the reshard into `layout` for member `me` (ranks: the group's members by rank, `layout`'s
     members first); returns the new LocalState, the bytes received and the plan. When nobody holds
     any state (a fresh job, or one whose state was lost and restarts), every member takes the seeded
@@ -121,7 +122,8 @@ def enter(layout: Layout, tensors: Sequence[TensorShape], me: str, ranks: Sequen
     applied it: the members that applied it are one step ahead. Those behind roll it forward
     (`roll`, with the clipping coefficient broadcast by the lowest-ranked member ahead), so that all
     continue from the later step; when nobody applied it, the gradients are dropped and the step is
-    done again. `copies`: the new layout keeps a copy of every slice (`plan.reshard.copy_ring`)."""
+    done again. `copies`: the new layout keeps a copy of every slice (`plan.reshard.copy_ring`);
+    `pool`: memory made ready for what this member receives (`slices.Pool`)."""
     rank = list(ranks).index(me)
     described = exchange(pg, rank, len(ranks), describe(tensors, local), wait)
     if all(d[0] < 0 for d in described):
@@ -147,7 +149,8 @@ def enter(layout: Layout, tensors: Sequence[TensorShape], me: str, ranks: Sequen
     mine = local if me in holders else None
     before_transfers(plan)  # (the --pause-at reshard knob: a source that dies with the transfers ahead)
     new, received = slices.execute(plan, me, {n: i for i, n in enumerate(ranks)}, mine, after.get(me, {}),
-                                   holders, pg, wait, device, whole=skeleton(described[root]), sender=ranks[root])
+                                   holders, pg, wait, device, whole=skeleton(described[root]), sender=ranks[root],
+                                   pool=pool)
     return new, received, plan
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -37,7 +38,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from plan.layout import Layout
-from plan.reshard import ReshardPlan, TensorShape
+from plan.reshard import ReshardPlan, TensorShape, copy_ring, holdings
 from transport import Ack, Checkpointed, Leave, PlanDelta, ResumeFailed, Saved, StateLost, StepReport
 from transport.security import ClientKeys
 from worker import checkpoint, comm, epoch
@@ -53,7 +54,7 @@ from worker.parallel.replicated import GradBuckets, apply_replicated
 from worker.parallel import mesh as meshes
 from worker.parallel.copies import Copies
 from worker.parallel.meta import meta_model
-from worker.parallel.slices import PARAM, LocalState, from_module
+from worker.parallel.slices import PARAM, LocalState, Pool, from_module
 from worker.parallel.update import GRAD, apply_update
 from worker.save import save_model, save_state
 from worker.step import local_grad
@@ -102,6 +103,7 @@ class Trainer:
         self.sharded_at: tuple[Layout, int] | None = None
         self.registered: list[dist.ProcessGroup] = []
         self._units: list[str] | None = None
+        self._state_factor = 2.0  # optimizer state / parameter bytes (the graph's; Adam's until it is known)
         self.buckets: GradBuckets | None = None  # the replicated step's gradient buckets (`worker.step`)
         # The replicated step's abandon points (`worker.step`): hooks on the replica's units that give
         # its compute up once `computing`, the epoch of the step in flight, is superseded.
@@ -238,9 +240,15 @@ class Trainer:
             self.checkpoints.wait(self.config.group_timeout_s)
         if delta.resume_path and not self._resume(delta):
             return None
+        pool = self._pool(delta)
+        touching = threading.Thread(target=pool.touch, name="pool", daemon=True) if pool is not None else None
+        if touching is not None:  # while the group forms (the members may still be finishing a step)
+            touching.start()
         try:
             group = groups.form(store, delta, ranks, rank, self.device, timeout_s=self.config.group_timeout_s,
                                 superseded=superseded)
+            if touching is not None:
+                touching.join()
             phases: dict[str, float] = {}  # where the entry's time went, for the log line
 
             def lap(name: str) -> None:
@@ -248,7 +256,7 @@ class Trainer:
             lap("group")
             if group.layout.sharded or delta.from_sharded or senders:
                 # Any epoch with sharded state on either side goes through the slice reshard.
-                local, received = self._reshard(group)
+                local, received = self._reshard(group, pool)
                 lap("reshard")
                 if self.name not in delta.members:
                     self._drop_state()
@@ -293,7 +301,9 @@ class Trainer:
         self.log(f"epoch {delta.epoch} ({delta.reason}): rank {rank}/{world}, share "
                  f"{delta.shares[rank]}/{delta.global_batch}, step {self.step}, formed in {seconds * 1e3:.0f} ms ("
                  + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in phases.items()) + ")"
-                 + (f", received {received / 1e6:.1f} MB" if received else ""))
+                 + (f", received {received / 1e6:.1f} MB" if received else "")
+                 + (f" ({pool.used / 1e6:.1f} MB into memory made ready while the group formed)"
+                    if pool is not None and pool.used else ""))
         return group
 
     def _resume(self, delta: PlanDelta) -> bool:
@@ -336,9 +346,24 @@ class Trainer:
         self.optimizer.load_state_dict(received["optimizer"])
         self.step, self.stale = int(received["step"]), False
 
-    def _reshard(self, g: Group) -> tuple[LocalState, int]:
+    def _pool(self, delta: PlanDelta) -> Pool | None:
+        """Memory for what this worker will receive, when it holds nothing yet (a newcomer to a
+        sharded job): its slices of the new layout, parameters and optimizer state (see `Pool`)."""
+        holds_nothing = self.resumed is None and (self.stale or self._on_meta())
+        if not holds_nothing or self.device.type != "cpu" or self.name not in delta.members:
+            return None
+        layout = Layout.from_dict(dataclasses.asdict(delta.layout))
+        if not layout.sharded:
+            return None
+        copies = copy_ring(layout) if layout.dp_replicate == 1 else None
+        mine = holdings(layout, self.tensors, copies).get(self.name, {})
+        itemsize = {n: p.element_size() for n, p in self.model.named_parameters()}
+        elements = {fqn: sum(hi - lo for lo, hi in ranges) for fqn, ranges in mine.items()}
+        return Pool(round(sum(n * itemsize[fqn] for fqn, n in elements.items()) * (1 + self._state_factor)), self.device)
+
+    def _reshard(self, g: Group, pool: Pool | None = None) -> tuple[LocalState, int]:
         """Bring this member to exactly its slices of the new layout (`worker.epoch`); the new state
-        and the bytes received."""
+        and the bytes received (into `pool` first, when there is one)."""
         # (a worker that never materialised its model holds nothing: if nobody does, all seed it)
         local = (self.resumed if self.resumed is not None
                  else None if self.stale or self._on_meta() else self._local_state())
@@ -347,7 +372,7 @@ class Trainer:
         new, received, plan = epoch.enter(g.layout, self.tensors, self.name, g.members, local, g.pg,
                                        lambda work, buf: self.wait(g, work, buf), self.device, self._seed_state,
                                        self._roll_forward, copies=g.layout.sharded and g.layout.dp_replicate == 1,
-                                       before_transfers=self._pause_reshard)
+                                       before_transfers=self._pause_reshard, pool=pool)
         self.step, self.stale = new.step, False
         element_bytes = {fqn: sum(torch.empty(0, dtype=new.dtype(fqn, k)).element_size() for k in keys)
                          for fqn, keys in new.keys.items()}
@@ -455,6 +480,7 @@ class Trainer:
     def use_graph(self, graph: Any) -> None:
         """The model's graph as captured at start (`worker.graph.capture_graph`): its units."""
         self._units = [layer.name for layer in graph.layers]
+        self._state_factor = graph.optimizer_state_factor
 
     def units(self) -> list[str]:
         """The model's units (its blocks) as graph capture finds them, for FSDP2's wrapping."""

@@ -35,7 +35,7 @@ from worker.parallel import mesh as meshes  # noqa: E402
 from worker.parallel.fsdp import Sharded, apply_fsdp, extract  # noqa: E402
 from worker.parallel.replicated import Replica, apply_replicated, extract_replicated  # noqa: E402
 from worker import epoch as epoch_entry  # noqa: E402
-from worker.parallel.slices import LocalState, execute, from_module  # noqa: E402
+from worker.parallel.slices import LocalState, Pool, execute, from_module  # noqa: E402
 
 
 def _store(out: Path, names: list[str], me: str) -> Any:
@@ -59,6 +59,7 @@ def _store(out: Path, names: list[str], me: str) -> Any:
 def main() -> None:
     from worker.heap import keep_freed_memory
     keep_freed_memory()  # as a worker does at start: a step's (and a reshard's) freed memory serves the next
+    torch.set_num_threads(1)  # as a worker does by default (--threads 1)
     scenario = json.loads(Path(sys.argv[1]).read_text())
     me = sys.argv[2]
     out = Path(sys.argv[3])
@@ -66,6 +67,7 @@ def main() -> None:
     job = load_job((ROOT / scenario["job"]).read_text(), scenario["job_name"], filename=scenario["job"])
     graph = Graph.from_dict(json.loads(Path(scenario["graph"]).read_text()))
     tensors = [TensorShape(t.fqn, t.rows, t.numel) for t in graph.tensors]
+    itemsize = {t.fqn: t.itemsize for t in graph.tensors}
     device = torch.device("cpu")
     store = _store(out, names, me)
     dump = scenario.get("dump", True)  # the state files the tests compare (a benchmark turns them off: GBs)
@@ -91,6 +93,12 @@ def main() -> None:
             holders, old_layout = members, layout
             continue
         rank = group.index(me)
+        pool = None  # as a worker that holds nothing makes its memory ready while the group forms
+        if (local is None or me not in holders) and layout.sharded:
+            need = holdings(layout, tensors).get(me, {})
+            pool = Pool(round(sum(itemsize[fqn] * (hi - lo) for fqn, r in need.items() for lo, hi in r)
+                              * (1 + graph.optimizer_state_factor)), device)
+            pool.touch()
         prefixed = dist.PrefixStore(f"epoch{e}/", store)  # type: ignore[attr-defined]
         raw = dist.ProcessGroupGloo(prefixed, rank, len(group), timedelta(seconds=60))
         before = (holdings(old_layout, tensors) if old_layout is not None
@@ -108,7 +116,7 @@ def main() -> None:
         raw.allreduce([torch.zeros(1)]).wait()  # everyone formed the group: time the reshard alone
         t0 = time.perf_counter()
         local, got = execute(plan, me, {n: i for i, n in enumerate(group)}, mine, after.get(me, {}), senders, raw,
-                             lambda work, buf: work.wait(), device, whole=whole)
+                             lambda work, buf: work.wait(), device, whole=whole, pool=pool)
         seconds = time.perf_counter() - t0
         if dump:
             _dump(out / f"start{e}-{me}.pt", local)

@@ -78,6 +78,8 @@ def test_a_sharded_job_is_exact_through_a_join_and_a_drain(tmp_path: Path) -> No
         reshards = {e["epoch"]: e for e in events if e["kind"] == "reshard"}
         assert reshards[joined["epoch"]]["bytes"] > 0, "the newcomer received its slices"
         assert 0 < reshards[joined["epoch"]]["largest_sender_bytes"] <= reshards[joined["epoch"]]["bytes"]
+        # w3 held nothing: it made the memory for its slices ready while the group formed (`Pool`)
+        assert "into memory made ready while the group formed" in job.tail("w3", 10_000), job.tail("w3")
         last = max((e for e in events if e["kind"] == "step"), key=lambda e: e["step"])
         assert last["epoch"] >= drained["epoch"]
         printed = (tmp_path / "coordinator.out").read_text() if (tmp_path / "coordinator.out").exists() else ""

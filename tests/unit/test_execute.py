@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from plan.layout import Layout
 from plan.reshard import TensorShape, copy_ring, holdings, plan_reshard
-from worker.parallel.slices import PARAM, LocalState, Piece, execute, skeleton
+from worker.parallel.slices import ALIGN, PARAM, LocalState, Piece, Pool, execute, skeleton
 
 CPU = torch.device("cpu")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -66,6 +66,17 @@ def _case(seed: int) -> None:
             local.pieces[fqn] = [Piece(lo, hi, {k: v[lo:hi].clone() for k, v in truth[fqn].items()}) for lo, hi in ranges]
         locals_[n] = local
     whole = skeleton(locals_[holders[0]])
+    # A member without state may have made memory ready (`Pool`): exactly what it receives (plus
+    # the arenas' alignment), or too little (the rest is allocated as without one).
+    pools: dict[str, Pool] = {}
+    fits: set[str] = set()
+    for n in group:
+        if n not in holders and rng.random() < 0.7:
+            need = sum((hi - lo) * 2 * DTYPES[dtypes[fqn]].itemsize for fqn, r in after.get(n, {}).items() for lo, hi in r)
+            if rng.random() < 0.7:
+                fits.add(n)
+            pools[n] = Pool(need + 2 * len(holders) * ALIGN if n in fits else need // 2, CPU)
+            pools[n].touch()
     store = dist.HashStore()
     results: dict[str, Any] = {}
 
@@ -73,7 +84,8 @@ def _case(seed: int) -> None:
         try:
             pg = dist.ProcessGroupGloo(dist.PrefixStore(f"case{seed}/", store), rank, len(group), timedelta(seconds=30))  # type: ignore[attr-defined]
             results[name] = execute(plan, name, {n: i for i, n in enumerate(group)}, locals_.get(name),
-                                    after.get(name, {}), holders, pg, lambda work, buf: work.wait(), CPU, whole=whole)
+                                    after.get(name, {}), holders, pg, lambda work, buf: work.wait(), CPU, whole=whole,
+                                    pool=pools.get(name))
         except BaseException as e:  # noqa: BLE001 (reported below)
             results[name] = e
 
@@ -97,6 +109,10 @@ def _case(seed: int) -> None:
             covered = [(p.lo, p.hi) for p in state.pieces[fqn]]
             # exactly the needed ranges: pieces tile them (cut where the source changes), in order
             assert sum(hi - lo for lo, hi in covered) == sum(hi - lo for lo, hi in ranges), (name, fqn)
+            if name in fits:  # everything received landed in the memory made ready for it
+                block = pools[name].block.untyped_storage().data_ptr()
+                assert all(v.untyped_storage().data_ptr() == block for p in state.pieces[fqn] for v in p.data.values()), \
+                    (seed, name, fqn)
             for lo, hi in ranges:
                 for key, full in truth[fqn].items():
                     assert torch.equal(state.read(fqn, key, lo, hi), full[lo:hi]), (seed, name, fqn, key, lo, hi)
