@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
+from plan.graph import Graph
 from plan.layout import Layout
 from plan.reshard import ReshardPlan, TensorShape, copy_ring, holdings
 from transport import Ack, Checkpointed, Leave, PlanDelta, ResumeFailed, Saved, StateLost, StepReport
@@ -102,8 +103,7 @@ class Trainer:
         self.sharded: Sharded | None = None
         self.sharded_at: tuple[Layout, int] | None = None
         self.registered: list[dist.ProcessGroup] = []
-        self._units: list[str] | None = None
-        self._state_factor = 2.0  # optimizer state / parameter bytes (the graph's; Adam's until it is known)
+        self._graph: Graph | None = None
         self.buckets: GradBuckets | None = None  # the replicated step's gradient buckets (`worker.step`)
         # The replicated step's abandon points (`worker.step`): hooks on the replica's units that give
         # its compute up once `computing`, the epoch of the step in flight, is superseded.
@@ -240,11 +240,11 @@ class Trainer:
             self.checkpoints.wait(self.config.group_timeout_s)
         if delta.resume_path and not self._resume(delta):
             return None
-        pool = self._pool(delta)
-        touching = threading.Thread(target=pool.touch, name="pool", daemon=True) if pool is not None else None
-        if touching is not None:  # while the group forms (the members may still be finishing a step)
-            touching.start()
         try:
+            pool = self._pool(delta)
+            touching = threading.Thread(target=pool.touch, name="pool", daemon=True) if pool is not None else None
+            if touching is not None:  # while the group forms (the members may still be finishing a step)
+                touching.start()
             group = groups.form(store, delta, ranks, rank, self.device, timeout_s=self.config.group_timeout_s,
                                 superseded=superseded)
             if touching is not None:
@@ -356,10 +356,9 @@ class Trainer:
         if not layout.sharded:
             return None
         copies = copy_ring(layout) if layout.dp_replicate == 1 else None
-        mine = holdings(layout, self.tensors, copies).get(self.name, {})
-        itemsize = {n: p.element_size() for n, p in self.model.named_parameters()}
-        elements = {fqn: sum(hi - lo for lo, hi in ranges) for fqn, ranges in mine.items()}
-        return Pool(round(sum(n * itemsize[fqn] for fqn, n in elements.items()) * (1 + self._state_factor)), self.device)
+        return Pool.for_slices(holdings(layout, self.tensors, copies).get(self.name, {}),
+                               {n: p.element_size() for n, p in self.model.named_parameters()},
+                               self.graph().optimizer_state_factor, self.device)
 
     def _reshard(self, g: Group, pool: Pool | None = None) -> tuple[LocalState, int]:
         """Bring this member to exactly its slices of the new layout (`worker.epoch`); the new state
@@ -477,19 +476,21 @@ class Trainer:
         self._build()
         return from_module(0, self.model, self.optimizer)
 
-    def use_graph(self, graph: Any) -> None:
-        """The model's graph as captured at start (`worker.graph.capture_graph`): its units."""
-        self._units = [layer.name for layer in graph.layers]
-        self._state_factor = graph.optimizer_state_factor
+    def use_graph(self, graph: Graph) -> None:
+        """The model's graph as captured at start (`worker.graph.capture_graph`)."""
+        self._graph = graph
+
+    def graph(self) -> Graph:
+        """The model's graph: its units (blocks, for FSDP2's wrapping) and optimizer-state size."""
+        if self._graph is None:  # not captured at start (it failed there): try again, let it raise
+            from worker.graph import capture_graph
+
+            self._graph = capture_graph(self.job)
+        return self._graph
 
     def units(self) -> list[str]:
         """The model's units (its blocks) as graph capture finds them, for FSDP2's wrapping."""
-        if self._units is None:  # not captured at start (it failed there): try again, let it raise
-            from worker.graph import capture_graph
-
-            self.use_graph(capture_graph(self.job))
-        assert self._units is not None
-        return self._units
+        return [layer.name for layer in self.graph().layers]
 
     def _state(self) -> dict[str, Any]:
         return {"step": self.step, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}

@@ -95,9 +95,7 @@ def main() -> None:
         rank = group.index(me)
         pool = None  # as a worker that holds nothing makes its memory ready while the group forms
         if (local is None or me not in holders) and layout.sharded:
-            need = holdings(layout, tensors).get(me, {})
-            pool = Pool(round(sum(itemsize[fqn] * (hi - lo) for fqn, r in need.items() for lo, hi in r)
-                              * (1 + graph.optimizer_state_factor)), device)
+            pool = Pool.for_slices(holdings(layout, tensors).get(me, {}), itemsize, graph.optimizer_state_factor, device)
             pool.touch()
         prefixed = dist.PrefixStore(f"epoch{e}/", store)  # type: ignore[attr-defined]
         raw = dist.ProcessGroupGloo(prefixed, rank, len(group), timedelta(seconds=60))

@@ -124,12 +124,6 @@ class LocalState:
         return {"step": self.step, "keys": {k: list(v) for k, v in self.keys.items()}, "dtypes": self.dtypes,
                 "scalars": self.scalars, "hyper": self.hyper, "buffers": self.buffers}
 
-    @staticmethod
-    def from_whole(whole: Mapping[str, Any]) -> LocalState:
-        return LocalState(step=int(whole["step"]), keys={k: tuple(v) for k, v in whole["keys"].items()},
-                          dtypes=dict(whole["dtypes"]), scalars=dict(whole["scalars"]), hyper=list(whole["hyper"]),
-                          buffers=dict(whole["buffers"]))
-
     def dtype(self, fqn: str, key: str) -> torch.dtype:
         return _dtype(self.dtypes[fqn][key])
 
@@ -274,6 +268,9 @@ def execute(plan: ReshardPlan, me: str, ranks: Mapping[str, int], local: LocalSt
     return new, received
 
 
+ALIGN = 64  # bytes: an arena cut from a pool starts where a fresh allocation would (c10's CPU alignment)
+
+
 class Pool:
     """Memory a member that holds nothing makes ready for what it will receive before the reshard
     (while it waits for the group to form), so that the transfers land in pages already faulted in.
@@ -287,8 +284,17 @@ class Pool:
     more than it saved (a drain's entry 350-420 ms against 200-390 without, measured)."""
 
     def __init__(self, nbytes: int, device: torch.device) -> None:
-        self.block = torch.empty(max(nbytes, 0), dtype=torch.uint8, device=device)
+        self.block = torch.empty(nbytes, dtype=torch.uint8, device=device)
         self.used = 0
+
+    @staticmethod
+    def for_slices(ranges: Mapping[str, Sequence[Range]], itemsize: Mapping[str, int], state_factor: float,
+                   device: torch.device) -> Pool:
+        """A pool for `ranges` of every tensor (fqn -> element ranges): the parameters' bytes
+        (`itemsize` per fqn) and the optimizer state's (`state_factor` times those: the graph's
+        `optimizer_state_factor`)."""
+        param_bytes = sum(itemsize[fqn] * (hi - lo) for fqn, rs in ranges.items() for lo, hi in rs)
+        return Pool(round(param_bytes * (1 + state_factor)), device)
 
     def touch(self) -> None:
         """Fault every page in (a write each; run it off the critical path, e.g. in a thread while
@@ -302,9 +308,6 @@ class Pool:
             return None
         self.used = end
         return self.block[start:end].view(dtype)
-
-
-ALIGN = 64  # bytes: an arena cut from a pool starts where a fresh allocation would (c10's CPU alignment)
 
 
 def _arena(pool: Pool | None, count: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
