@@ -40,13 +40,15 @@ class StateLost(RuntimeError):
     """Slices of the training state that no member holds any more (named in the message)."""
 
 
-def describe(tensors: Sequence[TensorShape], local: LocalState | None) -> torch.Tensor:
+def describe(tensors: Sequence[TensorShape], local: LocalState | None,
+             packed: state.Packed | None = None) -> torch.Tensor:
     """int64 [step, pending, n, the n bytes of the whole-state skeleton packed 8 to a word, then per
     tensor (in `tensors` order): n, lo1, hi1, ..., lo_n, hi_n]; step -1: nothing; pending 1: the
-    gradients of step + 1 are held, not applied."""
+    gradients of step + 1 are held, not applied. `packed`: `local`'s `slices.pack_whole`, when
+    already made."""
     if local is None:
         return torch.tensor([-1, 0, 0], dtype=torch.int64)
-    whole = slices.skeleton(local)
+    whole = bytes((packed if packed is not None else slices.pack_whole(local)).skeleton.numpy())
     words = torch.frombuffer(bytearray(whole + bytes(-len(whole) % 8)), dtype=torch.int64)
     out = [local.step, int(local.pending), len(whole)]
     held = local.holdings()
@@ -125,10 +127,12 @@ def enter(layout: Layout, tensors: Sequence[TensorShape], me: str, ranks: Sequen
     done again. `copies`: the new layout keeps a copy of every slice (`plan.reshard.copy_ring`);
     `pool`: memory made ready for what this member receives (`slices.Pool`)."""
     rank = list(ranks).index(me)
-    described = exchange(pg, rank, len(ranks), describe(tensors, local), wait)
+    packed = slices.pack_whole(local) if local is not None else None  # (described, and sent if this is the root)
+    described = exchange(pg, rank, len(ranks), describe(tensors, local, packed), wait)
     if all(d[0] < 0 for d in described):
         local = seed()
-        described = [describe(tensors, local).tolist()] * len(ranks)
+        packed = slices.pack_whole(local)
+        described = [describe(tensors, local, packed).tolist()] * len(ranks)
     best = max(d[0] for d in described)
     behind = [r for r, d in enumerate(described) if d[0] == best - 1 and d[1]]
     # The lowest-ranked member at the newest step: it sends the whole-state part to those without
@@ -140,6 +144,7 @@ def enter(layout: Layout, tensors: Sequence[TensorShape], me: str, ranks: Sequen
         wait(pg.broadcast(coefficient, root), None)
         if rank in behind and local is not None:
             roll(local, float(coefficient.item()))
+            packed = None  # (not the root: the root is at the newest step)
             described[rank] = describe(tensors, local).tolist()
         for r in behind:
             described[r] = [best, 0, *described[r][2:]]
@@ -150,7 +155,7 @@ def enter(layout: Layout, tensors: Sequence[TensorShape], me: str, ranks: Sequen
     before_transfers(plan)  # (the --pause-at reshard knob: a source that dies with the transfers ahead)
     new, received = slices.execute(plan, me, {n: i for i, n in enumerate(ranks)}, mine, after.get(me, {}),
                                    holders, pg, wait, device, whole=skeleton(described[root]), sender=ranks[root],
-                                   pool=pool)
+                                   pool=pool, packed_whole=packed if rank == root else None)
     return new, received, plan
 
 

@@ -35,7 +35,7 @@ from worker.parallel import mesh as meshes  # noqa: E402
 from worker.parallel.fsdp import Sharded, apply_fsdp, extract  # noqa: E402
 from worker.parallel.replicated import Replica, apply_replicated, extract_replicated  # noqa: E402
 from worker import epoch as epoch_entry  # noqa: E402
-from worker.parallel.slices import LocalState, Pool, execute, from_module  # noqa: E402
+from worker.parallel.slices import LocalState, Pool, execute, from_module, pack_whole  # noqa: E402
 
 
 def _store(out: Path, names: list[str], me: str) -> Any:
@@ -108,13 +108,15 @@ def main() -> None:
         senders = [n for n in group if n in before]
         # The holders' whole-state skeleton, as the worker learns it (worker.epoch's description).
         mine = local if me in before else None
-        described = epoch_entry.exchange(raw, rank, len(group), epoch_entry.describe(tensors, mine),
+        packed = pack_whole(mine) if mine is not None else None
+        described = epoch_entry.exchange(raw, rank, len(group), epoch_entry.describe(tensors, mine, packed),
                                          lambda work, buf: work.wait())
         whole = epoch_entry.skeleton(described[group.index(senders[0])])
         raw.allreduce([torch.zeros(1)]).wait()  # everyone formed the group: time the reshard alone
         t0 = time.perf_counter()
         local, got = execute(plan, me, {n: i for i, n in enumerate(group)}, mine, after.get(me, {}), senders, raw,
-                             lambda work, buf: work.wait(), device, whole=whole, pool=pool)
+                             lambda work, buf: work.wait(), device, whole=whole, pool=pool,
+                             packed_whole=packed if me == senders[0] else None)
         seconds = time.perf_counter() - t0
         if dump:
             _dump(out / f"start{e}-{me}.pt", local)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from plan.layout import Layout
 from plan.reshard import TensorShape, copy_ring, holdings, plan_reshard
-from worker.parallel.slices import ALIGN, PARAM, LocalState, Piece, Pool, execute, skeleton
+from worker.parallel.slices import ALIGN, PARAM, LocalState, Piece, Pool, execute, pack_whole
 
 CPU = torch.device("cpu")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -65,7 +65,9 @@ def _case(seed: int) -> None:
         for fqn, ranges in before[n].items():
             local.pieces[fqn] = [Piece(lo, hi, {k: v[lo:hi].clone() for k, v in truth[fqn].items()}) for lo, hi in ranges]
         locals_[n] = local
-    whole = skeleton(locals_[holders[0]])
+    packed = pack_whole(locals_[holders[0]])  # the sender's, as described (given to it half the time)
+    whole = bytes(packed.skeleton.numpy())
+    give_packed = rng.random() < 0.5
     # A member without state may have made memory ready (`Pool`): exactly what it receives (plus
     # the arenas' alignment), or too little (the rest is allocated as without one).
     pools: dict[str, Pool] = {}
@@ -85,7 +87,7 @@ def _case(seed: int) -> None:
             pg = dist.ProcessGroupGloo(dist.PrefixStore(f"case{seed}/", store), rank, len(group), timedelta(seconds=30))  # type: ignore[attr-defined]
             results[name] = execute(plan, name, {n: i for i, n in enumerate(group)}, locals_.get(name),
                                     after.get(name, {}), holders, pg, lambda work, buf: work.wait(), CPU, whole=whole,
-                                    pool=pools.get(name))
+                                    pool=pools.get(name), packed_whole=packed if give_packed and name == holders[0] else None)
         except BaseException as e:  # noqa: BLE001 (reported below)
             results[name] = e
 
