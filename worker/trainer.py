@@ -302,8 +302,8 @@ class Trainer:
                  f"{delta.shares[rank]}/{delta.global_batch}, step {self.step}, formed in {seconds * 1e3:.0f} ms ("
                  + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in phases.items()) + ")"
                  + (f", received {received / 1e6:.1f} MB" if received else "")
-                 + (f" ({pool.used / 1e6:.1f} MB into memory made ready while the group formed)"
-                    if pool is not None and pool.used else ""))
+                 + (f" ({pool.used / 1e6:.1f} of {pool.block.numel() / 1e6:.1f} MB into memory made ready while "
+                    "the group formed)" if pool is not None else ""))
         return group
 
     def _resume(self, delta: PlanDelta) -> bool:
@@ -352,6 +352,8 @@ class Trainer:
         holds_nothing = self.resumed is None and (self.stale or self._on_meta())
         if not holds_nothing or self.device.type != "cpu" or self.name not in delta.members:
             return None
+        if delta.epoch <= 1:  # the job's first epoch: nobody holds state, every member seeds it whole
+            return None  # (a pool would sit unused beside the seeded model, at the job's memory peak)
         layout = Layout.from_dict(dataclasses.asdict(delta.layout))
         if not layout.sharded:
             return None

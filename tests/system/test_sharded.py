@@ -80,6 +80,10 @@ def test_a_sharded_job_is_exact_through_a_join_and_a_drain(tmp_path: Path) -> No
         assert 0 < reshards[joined["epoch"]]["largest_sender_bytes"] <= reshards[joined["epoch"]]["bytes"]
         # w3 held nothing: it made the memory for its slices ready while the group formed (`Pool`)
         assert "into memory made ready while the group formed" in job.tail("w3", 10_000), job.tail("w3")
+        # w1 and w2 started the job: in its first epoch they seeded the state and made no pool
+        for n in ("w1", "w2"):
+            first = [line for line in job.tail(n, 100_000).splitlines() if "epoch 1 (" in line and "formed in" in line]
+            assert first and "made ready" not in first[0], job.tail(n, 100)
         last = max((e for e in events if e["kind"] == "step"), key=lambda e: e["step"])
         assert last["epoch"] >= drained["epoch"]
         printed = (tmp_path / "coordinator.out").read_text() if (tmp_path / "coordinator.out").exists() else ""
