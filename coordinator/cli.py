@@ -127,6 +127,12 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
                         "members and one more like them, the first 1/(M+1) of the step); the plan event's detail says "
                         "so. always: whenever a step is in flight (the fastest join; the step is done again). never: "
                         "a join always waits for the step boundary. Nothing is lost either way")
+    p.add_argument("--join-wait-max", type=float, metavar="SECONDS",
+                   help="with --join-abandons auto: also abandon the step in flight when the rest of it is "
+                        "predicted to take longer than SECONDS, so that a newcomer never waits longer than that for "
+                        "the step boundary (its entry, ~0.3 s for a 10M-parameter model, comes after). The price: "
+                        "the members' work on the abandoned step, up to (step - SECONDS) each, once per join. "
+                        "Default: no bound (a join waits up to a step when abandoning does not pay)")
     p.add_argument("--layout", metavar="dp=R,fsdp=S",
                    help="pin the layout's degrees: dp = replicas (dp_replicate), fsdp = members that shard the "
                         "state between them (dp_shard, FSDP2); an omitted one is planned. E.g. --layout dp=1 shards "
@@ -193,6 +199,12 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
         p.error(f"--checkpoint-keep must be 0 (keep all) or more, got {a.checkpoint_keep}")
     if a.recovery_grace <= 0:
         p.error(f"--recovery-grace must be positive seconds, got {a.recovery_grace}")
+    if a.join_wait_max is not None and not a.join_wait_max >= 0:
+        p.error(f"--join-wait-max must be seconds >= 0, got {a.join_wait_max}")
+    if a.join_wait_max is not None and a.join_abandons != "auto":
+        p.error(f"--join-wait-max bounds the wait of --join-abandons auto; with --join-abandons {a.join_abandons} "
+                "a join " + ("always abandons the step in flight" if a.join_abandons == "always"
+                             else "always waits for the step boundary") + ": drop one of the two")
     if a.drain_deadline <= 0:
         p.error(f"--drain-deadline must be positive seconds, got {a.drain_deadline}")
     if a.lease <= 0 or a.heartbeat <= 0 or a.heartbeat >= a.lease:
@@ -211,7 +223,7 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
                             layout=layout, checkpoint_dir=a.checkpoint_dir or state_dir / "checkpoints",
                             checkpoint_every=a.checkpoint_every, checkpoint_keep=a.checkpoint_keep,
                             recovery_grace_s=a.recovery_grace, join_abandons=a.join_abandons,
-                            solver=a.solver, metrics_port=a.metrics_port, metrics_host=metrics_host(a.bind))
+                            join_wait_max_s=a.join_wait_max, solver=a.solver, metrics_port=a.metrics_port, metrics_host=metrics_host(a.bind))
     return cfg, a.job
 
 

@@ -126,6 +126,7 @@ class CoordinatorConfig:
     checkpoint_keep: int = 3  # --checkpoint-keep
     recovery_grace_s: float = 10.0  # --recovery-grace
     join_abandons: str = "auto"  # --join-abandons
+    join_wait_max_s: float | None = None  # --join-wait-max
     quiet: bool = False
     planner: str = "milp"
     solve_time_limit_s: float = 0.5
@@ -185,7 +186,8 @@ class Core:
                                stability=cfg.stability, layout=cfg.layout,
                                solver=cfg.solver, drain_deadline_s=cfg.drain_deadline_s,
                                checkpoint_dir=str(cfg.checkpoint_dir or ""), checkpoint_keep=cfg.checkpoint_keep,
-                               recovery_grace_s=cfg.recovery_grace_s, join_abandons=cfg.join_abandons)
+                               recovery_grace_s=cfg.recovery_grace_s, join_abandons=cfg.join_abandons,
+                               join_wait_max_s=cfg.join_wait_max_s)
         self.state = m.State()
         self.journal, self.endpoints = journal, endpoints or {}
         self._graph_dict: tuple[Graph, dict[str, Any]] | None = None  # the graph as journaled, encoded once

@@ -124,7 +124,7 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
         result = replace(result, reason=f"{result.reason}; {verdict.detail}")
     abandons = False
     if not abort and reason == "join" and config.join_abandons != "never":
-        why = _abandon_for_join(state, new, config.join_abandons == "always", now)
+        why = _abandon_for_join(state, new, config.join_abandons == "always", now, config.join_wait_max_s)
         if why:
             abandons = abort = True  # the members abandon the step in flight, as for a failure
             result = replace(result, reason=f"{result.reason}; {why}")
@@ -157,7 +157,7 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
                    *(Send(n, delta) for n in recipients)]
 
 
-def _abandon_for_join(state: State, new: Plan, always: bool, now: float) -> str:
+def _abandon_for_join(state: State, new: Plan, always: bool, now: float, wait_max: float | None = None) -> str:
     """Why the members should abandon the step in flight to take a newcomer in at once ("": they
     should not, and switch at the step boundary they vote on, up to a step later).
 
@@ -168,7 +168,10 @@ def _abandon_for_join(state: State, new: Plan, always: bool, now: float) -> str:
     while elapsed < (1 - ratio) × step_s. With M equal members and one more of their kind that is
     the first 1/(M + 1) of the step; a join that makes the step no faster (a host's cores already
     busy) never abandons. ABANDON_MARGIN keeps clear of the prediction's error and the messages'
-    latency. `always` (`--join-abandons always`): whenever a step is in flight."""
+    latency. `always` (`--join-abandons always`): whenever a step is in flight. `wait_max`
+    (`--join-wait-max`): also when the rest of the step is predicted to last longer than that, a
+    bound on the newcomer's wait bought with the members' work on the step (the rule above alone
+    lets a join wait up to a step where a newcomer adds little: 1.2-1.7 s on this 2-core machine)."""
     current, tracker = state.plan, state.tracker
     if current is None or state.last_step_at <= 0 or new.predicted_step_s is None or state.graph is None:
         return ""  # (no step committed yet: nothing in flight worth weighing)
@@ -182,15 +185,18 @@ def _abandon_for_join(state: State, new: Plan, always: bool, now: float) -> str:
     if always:
         return f"the members abandon the step in flight ({elapsed:.2f} s of ~{step_s:.2f} s run): --join-abandons always"
     now_s = _current_step_s(state, current)
-    if not now_s:
-        return ""
-    ratio = new.predicted_step_s / now_s
-    limit = ABANDON_MARGIN * (1.0 - ratio) * step_s
-    if elapsed >= limit:
-        return ""
-    return (f"the members abandon the step in flight: {elapsed:.2f} s of ~{step_s:.2f} s run, and the new plan "
-            f"(predicted {ratio:.2f}x the step time) gains more over the rest of it than it loses while less than "
-            f"{limit:.2f} s has run")
+    if now_s:
+        ratio = new.predicted_step_s / now_s
+        limit = ABANDON_MARGIN * (1.0 - ratio) * step_s
+        if elapsed < limit:
+            return (f"the members abandon the step in flight: {elapsed:.2f} s of ~{step_s:.2f} s run, and the new "
+                    f"plan (predicted {ratio:.2f}x the step time) gains more over the rest of it than it loses while "
+                    f"less than {limit:.2f} s has run")
+    rest = step_s - elapsed
+    if wait_max is not None and rest > wait_max:
+        return (f"the members abandon the step in flight: {elapsed:.2f} s of ~{step_s:.2f} s run, and the rest of it "
+                f"(~{rest:.2f} s) would keep the newcomer waiting longer than --join-wait-max {wait_max:g} s")
+    return ""
 
 
 class Verdict(NamedTuple):

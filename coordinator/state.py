@@ -35,6 +35,7 @@ class Config:
     checkpoint_keep: int = 3  # the newest this many are kept (0: all)
     recovery_grace_s: float = 10.0  # a restarted coordinator waits this long for the plan's members to come back
     join_abandons: str = "auto"  # a join abandons the step in flight: "auto" (when it pays), "always", "never"
+    join_wait_max_s: float | None = None  # under "auto": also when the rest of the step is longer than this
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

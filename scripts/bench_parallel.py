@@ -18,7 +18,8 @@ thread per process), on one model (default the 10M-parameter GPT, examples/gpt.p
                another (each newcomer drained before the next), under --join-abandons auto (the
                members give the step in flight up when the cost model says it pays), and the same
                under --join-abandons always (every join does) and never (every join waits for the
-               step boundary).
+               step boundary), and under auto with --join-wait-max S (default 0.5: a join waits at
+               most that long for the step boundary).
   kill         adaptrain sharded: SIGKILL of a member -> training again (its slices come back from
                the copy its keeper holds) and the next committed step; against torchrun elastic +
                FSDP2 with a DCP checkpoint every 5 steps (torchrun restarts every worker, which
@@ -274,13 +275,14 @@ def reshard_join(job_ref: str, workdir: Path) -> dict[str, Any]:
 
 
 def join_and_kill(job_ref: str, n: int, workdir: Path, sections: tuple[str, ...], *, joins: int = 1,
-                  policy: str = "auto") -> dict[str, Any]:
+                  policy: str = "auto", wait_max: float | None = None) -> dict[str, Any]:
     """adaptrain sharded: N-1 workers, one joins (plan -> its first step), `joins` times (each
     newcomer is drained again before the next one starts); then SIGKILL of one (kill -> the next
-    committed step). `policy`: the coordinator's --join-abandons."""
+    committed step). `policy`: the coordinator's --join-abandons; `wait_max`: its --join-wait-max."""
     out: dict[str, Any] = {}
     with LocalJob(job_ref, workdir, min_workers=n - 1,
-                  coordinator_args=["--layout", "dp=1", "--join-abandons", policy]) as job:
+                  coordinator_args=["--layout", "dp=1", "--join-abandons", policy,
+                                    *(["--join-wait-max", f"{wait_max:g}"] if wait_max is not None else [])]) as job:
         job.start()
         for i in range(n - 1):
             job.add_worker(f"w{i + 1}")
@@ -300,7 +302,8 @@ def join_and_kill(job_ref: str, n: int, workdir: Path, sections: tuple[str, ...]
                     job.workers[name].wait(timeout=120)
             first_join = every[0]
             formed = [j["plan_to_formed_s"] for j in every]
-            out["join"] = {**first_join, "policy": policy, "joins": every,
+            out["join"] = {**first_join, "policy": policy + (f" --join-wait-max {wait_max:g}" if wait_max is not None else ""),
+                           "joins": every,
                            "median_plan_to_formed_s": statistics.median(formed), "max_plan_to_formed_s": max(formed),
                            "abandoned": sum(1 for j in every if j["abandoned"])}
         if "kill" in sections:
@@ -400,7 +403,7 @@ def table(r: dict[str, Any]) -> str:
                 lines.append(f"  raw p2p of the join's bytes in its shape ({same['bytes'] / 1e6:.1f} MB from two senders, "
                              f"{same['messages']} messages{how.format(pieces=same.get('pieces'))}): "
                              f"{same['bytes_per_s'] / 1e9:.2f} GB/s -> {rs['bytes_per_s'] / same['bytes_per_s']:.2f}x")
-    for key in ("join", "join_always", "join_never"):
+    for key in ("join", "join_always", "join_never", "join_bounded"):
         if key not in r:
             continue
         j = r[key]
@@ -442,7 +445,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--joins", type=int, default=1, metavar="K",
                    help="joins measured one after another in the join section (each newcomer is drained before "
                         "the next); with K > 1 the same joins run again under --join-abandons always and never, "
-                        "side by side")
+                        "and under auto with --join-wait-max (below), side by side")
+    p.add_argument("--join-wait-max", type=float, default=0.5, metavar="S",
+                   help="the coordinator's --join-wait-max for the bounded run of --joins K > 1 (default 0.5 s)")
     p.add_argument("--quick", action="store_true", help="the small GPT, 2 workers, fewer steps (minutes)")
     p.add_argument("--out", type=Path, default=Path("bench-out/parallel.json"))
     p.add_argument("--keep", type=Path, default=None, metavar="DIR",
@@ -459,6 +464,8 @@ def main(argv: list[str] | None = None) -> int:
         counts = [int(n) for n in a.workers.split(",")]
     except ValueError:
         p.error(f"--workers wants numbers like 2,3, got {a.workers!r}")
+    if not a.join_wait_max >= 0:
+        p.error(f"--join-wait-max: seconds >= 0, got {a.join_wait_max}")
     if a.joins < 1:
         p.error(f"--joins: at least 1, got {a.joins}")
     if any(n < 2 for n in counts):
@@ -503,10 +510,12 @@ def main(argv: list[str] | None = None) -> int:
             print("join and kill ...", flush=True)
             result.update(join_and_kill(job_ref, 3, work / "joinkill", sections, joins=a.joins))
         if "join" in sections and a.joins > 1:  # the same joins under the other policies, side by side
-            for policy in ("always", "never"):
-                print(f"joins under --join-abandons {policy} ...", flush=True)
-                result[f"join_{policy}"] = join_and_kill(job_ref, 3, work / f"join-{policy}", ("join",),
-                                                         joins=a.joins, policy=policy)["join"]
+            for key, policy, wait_max in (("always", "always", None), ("never", "never", None),
+                                          ("bounded", "auto", a.join_wait_max)):
+                print(f"joins under --join-abandons {policy}"
+                      + (f" --join-wait-max {wait_max:g}" if wait_max is not None else "") + " ...", flush=True)
+                result[f"join_{key}"] = join_and_kill(job_ref, 3, work / f"join-{key}", ("join",), joins=a.joins,
+                                                      policy=policy, wait_max=wait_max)["join"]
         if "kill" in sections:
             print("torchrun elastic kill ...", flush=True)
             try:

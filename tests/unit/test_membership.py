@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from coordinator import membership as m
+from coordinator.cli import parse_args
 from plan import Graph
 from plan.graph import Layer
 from plan.layout import parse_pin
@@ -726,12 +727,12 @@ def test_a_sender_outside_the_last_plan_is_still_told_and_nudged() -> None:
 
 
 def _joining_mid_step(elapsed_s: float, *, policy: str = "auto", host: str | None = None,
-                      cores: int = 0) -> tuple[Sim, list[m.Effect]]:
+                      cores: int = 0, wait_max: float | None = None) -> tuple[Sim, list[m.Effect]]:
     """a and b train (0.3 s steps, measured); c becomes ready `elapsed_s` into the step in flight.
     `host`: all three on that host with `cores` cores, whose compute slows in proportion to the
     threads per core beyond one (γ = 1, as learned from measurements), else each on its own host."""
     sim = graph_sim()
-    sim.config = replace(sim.config, min_workers=2, join_abandons=policy)
+    sim.config = replace(sim.config, min_workers=2, join_abandons=policy, join_wait_max_s=wait_max)
     for name in ("a", "b", "c"):
         msg = _join_msg(name)
         sim(m.Joined(replace(msg, host=host, cores=cores) if host else msg))
@@ -773,8 +774,42 @@ def test_a_join_that_makes_the_step_no_faster_never_abandons_it() -> None:
     assert "c" in d.members and not d.abort, p.result.reason
 
 
+@pytest.mark.parametrize(("wait_max", "abandons"), [(0.05, True), (0.2, False)])
+def test_join_wait_max_bounds_how_long_a_join_waits_for_the_boundary(wait_max: float, abandons: bool) -> None:
+    # 0.2 s into a ~0.32 s step: past where abandoning pays (test above); ~0.12 s of it is left.
+    sim, effects = _joining_mid_step(0.2, wait_max=wait_max)
+    [p] = planned(effects)
+    d = the_delta(effects)
+    assert d.members == ["a", "b", "c"] and d.abort is abandons and p.abandons_step is abandons, p.result.reason
+    assert ("--join-wait-max" in p.result.reason) is abandons, p.result.reason
+
+
+def test_join_wait_max_abandons_even_where_a_newcomer_makes_the_step_no_faster() -> None:
+    # Where the cost model says a join never pays for the members' lost work (same host, cores busy),
+    # the bound still holds: the newcomer is taken in at once rather than after most of a step.
+    sim, effects = _joining_mid_step(0.01, host="box", cores=2, wait_max=0.05)
+    [p] = planned(effects)
+    d = the_delta(effects)
+    assert "c" in d.members and d.abort and p.abandons_step, p.result.reason
+    assert "would keep the newcomer waiting longer than --join-wait-max 0.05 s" in p.result.reason
+
+
 @pytest.mark.parametrize(("policy", "elapsed", "abandons"), [("never", 0.001, False), ("always", 0.2, True)])
 def test_join_abandons_policy_overrides_the_cost_model(policy: str, elapsed: float, abandons: bool) -> None:
     sim, effects = _joining_mid_step(elapsed, policy=policy)
     [p] = planned(effects)
     assert the_delta(effects).abort is abandons and p.abandons_step is abandons
+
+
+def test_join_wait_max_flag_is_checked_at_start(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--bind", "tcp://127.0.0.1:0", "--job", "x.py:job", "--insecure"]
+    assert parse_args(base)[0].join_wait_max_s is None
+    assert parse_args([*base, "--join-wait-max", "0.5"])[0].join_wait_max_s == 0.5
+    for bad, said in ((["--join-wait-max", "-1"], "must be seconds >= 0"),
+                      (["--join-wait-max", "nan"], "must be seconds >= 0"),
+                      (["--join-wait-max", "0.5", "--join-abandons", "never"], "always waits for the step boundary"),
+                      (["--join-wait-max", "0.5", "--join-abandons", "always"], "always abandons the step in flight")):
+        with pytest.raises(SystemExit) as exit_info:
+            parse_args([*base, *bad])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and said in err and "Traceback" not in err, err
