@@ -157,7 +157,10 @@ def _exit(code: int) -> None:
 
 def _main(argv: list[str] | None) -> int:
     cfg = parse_args(argv)
+    from worker import collector
     from worker.heap import keep_freed_memory
+
+    collector.pause()  # no cyclic collections while start-up builds its objects (worker.collector)
 
     keep_freed_memory()  # before torch allocates: a step's freed memory serves the next (worker.heap)
     import torch  # after argument parsing: --help stays fast
@@ -224,6 +227,7 @@ def _main(argv: list[str] | None) -> int:
             trainer.use_graph(graph)
             if welcome.want_graph:
                 agent.send(GraphUpload(name=cfg.name, graph=graph.to_dict()))
+        collector.settle()  # what start-up built is long-lived: out of the collector's way
         agent.mark_ready()
         outcome = trainer.run()
     except (FatalError, TimeoutError) as e:
