@@ -28,7 +28,7 @@ thread per process), on one model (default the 10M-parameter GPT, examples/gpt.p
 Goals (issue #11): sharded >= 0.95x torchrun + FSDP2 samples/s; reshard >= 0.7x raw p2p; 10M join
 <= 1 s from ready to first step; kill -> next step <= 0.5 s. Prints a table, writes JSON.
 
-usage: python scripts/bench_parallel.py [--quick] [--workers 2,3] [--repeats R] [--sections ...] [--joins K]
+usage: python scripts/bench_parallel.py [--quick] [--workers 2,3] [--repeats R] [--sections ...] [--joins K] [--join-wait-max S]
                                         [--out FILE]
 """
 
