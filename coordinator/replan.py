@@ -171,7 +171,9 @@ def _abandon_for_join(state: State, new: Plan, always: bool, now: float, wait_ma
     latency. `always` (`--join-abandons always`): whenever a step is in flight. `wait_max`
     (`--join-wait-max`): also when the rest of the step is predicted to last longer than that, a
     bound on the newcomer's wait bought with the members' work on the step (the rule above alone
-    lets a join wait up to a step where a newcomer adds little: 1.2-1.7 s on this 2-core machine)."""
+    lets a join wait up to a step where a newcomer adds little: 1.2-1.7 s on this 2-core machine).
+    A step already past its usual length is taken to end at once (a stuck one is the failure
+    detector's, not this rule's)."""
     current, tracker = state.plan, state.tracker
     if current is None or state.last_step_at <= 0 or new.predicted_step_s is None or state.graph is None:
         return ""  # (no step committed yet: nothing in flight worth weighing)
