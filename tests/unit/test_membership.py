@@ -813,3 +813,19 @@ def test_join_wait_max_flag_is_checked_at_start(capsys: pytest.CaptureFixture[st
             parse_args([*base, *bad])
         err = capsys.readouterr().err
         assert exit_info.value.code == 2 and said in err and "Traceback" not in err, err
+
+
+def test_join_wait_max_reaches_the_planners_config(tmp_path: Any) -> None:
+    """--join-wait-max goes from the command line through the daemon into the config `replan` reads."""
+    from coordinator.daemon import Core
+    from coordinator.events import EventLog
+    from coordinator.jobinfo import JobInfo
+
+    cfg, _ = parse_args(["--bind", "tcp://127.0.0.1:0", "--job", "x.py:job", "--insecure", "--state-dir", str(tmp_path),
+                         "--join-wait-max", "0.25"])
+    info = JobInfo(ref="x.py:job", path="x.py", name="job", source="", sha256="0" * 64, global_batch=8,
+                   num_steps=100, seed=0, num_params=10, description="")
+    log = EventLog(tmp_path / "events.jsonl")
+    core = Core(cfg, info, None, None, log, run_id="1")  # type: ignore[arg-type]  (no socket used)
+    assert (core.config.join_abandons, core.config.join_wait_max_s) == ("auto", 0.25)
+    log.close()
