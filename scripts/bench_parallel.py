@@ -302,8 +302,7 @@ def join_and_kill(job_ref: str, n: int, workdir: Path, sections: tuple[str, ...]
                     job.workers[name].wait(timeout=120)
             first_join = every[0]
             formed = [j["plan_to_formed_s"] for j in every]
-            out["join"] = {**first_join, "policy": policy + (f" --join-wait-max {wait_max:g}" if wait_max is not None else ""),
-                           "joins": every,
+            out["join"] = {**first_join, "policy": _policy(policy, wait_max), "joins": every,
                            "median_plan_to_formed_s": statistics.median(formed), "max_plan_to_formed_s": max(formed),
                            "abandoned": sum(1 for j in every if j["abandoned"])}
         if "kill" in sections:
@@ -324,6 +323,11 @@ def join_and_kill(job_ref: str, n: int, workdir: Path, sections: tuple[str, ...]
         job.ctl("stop")
         job.wait_coordinator(60)
     return out
+
+
+def _policy(policy: str, wait_max: float | None) -> str:
+    """How a join policy reads in the table: the coordinator's --join-abandons value (and --join-wait-max)."""
+    return policy + (f" --join-wait-max {wait_max:g}" if wait_max is not None else "")
 
 
 def _one_join(job: LocalJob, name: str) -> dict[str, Any]:
@@ -512,8 +516,7 @@ def main(argv: list[str] | None = None) -> int:
         if "join" in sections and a.joins > 1:  # the same joins under the other policies, side by side
             for key, policy, wait_max in (("always", "always", None), ("never", "never", None),
                                           ("bounded", "auto", a.join_wait_max)):
-                print(f"joins under --join-abandons {policy}"
-                      + (f" --join-wait-max {wait_max:g}" if wait_max is not None else "") + " ...", flush=True)
+                print(f"joins under --join-abandons {_policy(policy, wait_max)} ...", flush=True)
                 result[f"join_{key}"] = join_and_kill(job_ref, 3, work / f"join-{key}", ("join",), joins=a.joins,
                                                       policy=policy, wait_max=wait_max)["join"]
         if "kill" in sections:
