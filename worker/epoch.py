@@ -110,11 +110,22 @@ def plan_entry(layout: Layout, tensors: Sequence[TensorShape], described: list[l
     return best, holders, after, plan
 
 
+def foresee(old: Layout, layout: Layout, tensors: Sequence[TensorShape], ranks: Sequence[str], *,
+            copies: bool = True) -> ReshardPlan:
+    """The transfers `enter` will run when every member of `old` in the new group (`ranks`) still
+    holds its slices of `old` (and its copies), all at one step: the usual planned change, which a
+    holder foresees before the group forms, to pack what it will send meanwhile
+    (`slices.pack_sends`). Where the descriptions then say otherwise, `execute` packs afresh."""
+    before = {n: h for n, h in holdings(old, tensors, copy_ring(old)).items() if n in ranks}
+    return plan_reshard(before, holdings(layout, tensors, copy_ring(layout) if copies else None))
+
+
 def enter(layout: Layout, tensors: Sequence[TensorShape], me: str, ranks: Sequence[str], local: LocalState | None,
           pg: Any, wait: Wait, device: torch.device, seed: Callable[[], LocalState],
           roll: Callable[[LocalState, float], None], copies: bool = True,
           before_transfers: Callable[[ReshardPlan], None] = lambda plan: None,
-          pool: slices.Pool | None = None) -> tuple[LocalState, int, ReshardPlan]:
+          pool: slices.Pool | None = None, outgoing: slices.Outgoing | None = None,
+          ) -> tuple[LocalState, int, ReshardPlan]:
     """Run the reshard into `layout` for member `me` (ranks: the group's members by rank, `layout`'s
     members first); returns the new LocalState, the bytes received and the plan. When nobody holds
     any state (a fresh job, or one whose state was lost and restarts), every member takes the seeded
@@ -125,7 +136,8 @@ def enter(layout: Layout, tensors: Sequence[TensorShape], me: str, ranks: Sequen
     (`roll`, with the clipping coefficient broadcast by the lowest-ranked member ahead), so that all
     continue from the later step; when nobody applied it, the gradients are dropped and the step is
     done again. `copies`: the new layout keeps a copy of every slice (`plan.reshard.copy_ring`);
-    `pool`: memory made ready for what this member receives (`slices.Pool`)."""
+    `pool`: memory made ready for what this member receives (`slices.Pool`); `outgoing`: what this
+    member will send, packed ahead from the plan it foresaw (`foresee`, `slices.pack_sends`)."""
     rank = list(ranks).index(me)
     packed = slices.pack_whole(local) if local is not None else None  # (described, and sent if this is the root)
     described = exchange(pg, rank, len(ranks), describe(tensors, local, packed), wait)
@@ -155,7 +167,7 @@ def enter(layout: Layout, tensors: Sequence[TensorShape], me: str, ranks: Sequen
     before_transfers(plan)  # (the --pause-at reshard knob: a source that dies with the transfers ahead)
     new, received = slices.execute(plan, me, {n: i for i, n in enumerate(ranks)}, mine, after.get(me, {}),
                                    holders, pg, wait, device, whole=skeleton(described[root]), sender=ranks[root],
-                                   pool=pool, packed_whole=packed if rank == root else None)
+                                   pool=pool, packed_whole=packed if rank == root else None, outgoing=outgoing)
     return new, received, plan
 
 

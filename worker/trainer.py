@@ -55,7 +55,7 @@ from worker.parallel.replicated import GradBuckets, apply_replicated
 from worker.parallel import mesh as meshes
 from worker.parallel.copies import Copies
 from worker.parallel.meta import meta_model
-from worker.parallel.slices import PARAM, LocalState, Pool, from_module
+from worker.parallel.slices import PARAM, LocalState, Outgoing, Pool, from_module, pack_sends
 from worker.parallel.update import GRAD, apply_update
 from worker.save import save_model, save_state
 from worker.step import local_grad
@@ -245,10 +245,12 @@ class Trainer:
             touching = threading.Thread(target=pool.touch, name="pool", daemon=True) if pool is not None else None
             if touching is not None:  # while the group forms (the members may still be finishing a step)
                 touching.start()
+            packing = self._pack_ahead(delta, ranks)  # (also while the group forms)
             group = groups.form(store, delta, ranks, rank, self.device, timeout_s=self.config.group_timeout_s,
                                 superseded=superseded)
             if touching is not None:
                 touching.join()
+            outgoing = packing()
             phases: dict[str, float] = {}  # where the entry's time went, for the log line
 
             def lap(name: str) -> None:
@@ -256,7 +258,7 @@ class Trainer:
             lap("group")
             if group.layout.sharded or delta.from_sharded or senders:
                 # Any epoch with sharded state on either side goes through the slice reshard.
-                local, received = self._reshard(group, pool)
+                local, received = self._reshard(group, pool, outgoing)
                 lap("reshard")
                 if self.name not in delta.members:
                     self._drop_state()
@@ -302,6 +304,8 @@ class Trainer:
                  f"{delta.shares[rank]}/{delta.global_batch}, step {self.step}, formed in {seconds * 1e3:.0f} ms ("
                  + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in phases.items()) + ")"
                  + (f", received {received / 1e6:.1f} MB" if received else "")
+                 + (f", sent {sum(m.numel() * m.element_size() for _, _, m in outgoing.messages) / 1e6:.1f} MB packed "
+                    "while the group formed" if outgoing is not None and outgoing.used else "")
                  + (f" ({pool.used / 1e6:.1f} of {pool.block.numel() / 1e6:.1f} MB into memory made ready while "
                     "the group formed)" if pool is not None else ""))
         return group
@@ -362,9 +366,43 @@ class Trainer:
                                {n: p.element_size() for n, p in self.model.named_parameters()},
                                self.graph().optimizer_state_factor, self.device)
 
-    def _reshard(self, g: Group, pool: Pool | None = None) -> tuple[LocalState, int]:
+    def _pack_ahead(self, delta: PlanDelta, ranks: list[str]) -> Callable[[], Outgoing | None]:
+        """Start packing, in a thread, what this holder of sharded slices will send in the entry's
+        reshard, from the plan it foresees (`epoch.foresee`: every member of its layout in the group
+        still holds its slices); returns the call that waits for it (None: nothing to send, or no
+        plan foreseen). A step rolled forward in the entry changes what is held, and its step: the
+        packed messages are then not sent (`Outgoing.serves`). A member with state to load packs
+        nothing ahead."""
+        if (self.sharded_at is None or self.stale or self.resumed is not None
+                or delta.resume_path or self.device.type != "cpu"):
+            return lambda: None
+        old = self.sharded_at[0]
+        layout = Layout.from_dict(dataclasses.asdict(delta.layout))
+        box: dict[str, Outgoing] = {}
+
+        def pack() -> None:
+            try:
+                local = self._local_state()  # (views of what is held: nothing changes it before the reshard)
+                plan = epoch.foresee(old, layout, self.tensors, ranks,
+                                     copies=layout.sharded and layout.dp_replicate == 1)
+                if plan.for_member(self.name)[0]:
+                    box["out"] = pack_sends(plan, self.name, local)
+            except Exception as e:  # noqa: BLE001 (an optimisation: the reshard packs afresh)
+                self.log(f"epoch {delta.epoch}: could not pack ahead ({e}); the reshard packs")
+
+        thread = threading.Thread(target=pack, name="pack-ahead", daemon=True)
+        thread.start()
+
+        def packed() -> Outgoing | None:
+            thread.join()
+            return box.get("out")
+        return packed
+
+    def _reshard(self, g: Group, pool: Pool | None = None,
+                 outgoing: Outgoing | None = None) -> tuple[LocalState, int]:
         """Bring this member to exactly its slices of the new layout (`worker.epoch`); the new state
-        and the bytes received (into `pool` first, when there is one)."""
+        and the bytes received (into `pool` first, when there is one). `outgoing`: what this member
+        sends, packed ahead (`_pack_ahead`)."""
         # (a worker that never materialised its model holds nothing: if nobody does, all seed it)
         local = (self.resumed if self.resumed is not None
                  else None if self.stale or self._on_meta() else self._local_state())
@@ -373,7 +411,7 @@ class Trainer:
         new, received, plan = epoch.enter(g.layout, self.tensors, self.name, g.members, local, g.pg,
                                        lambda work, buf: self.wait(g, work, buf), self.device, self._seed_state,
                                        self._roll_forward, copies=g.layout.sharded and g.layout.dp_replicate == 1,
-                                       before_transfers=self._pause_reshard, pool=pool)
+                                       before_transfers=self._pause_reshard, pool=pool, outgoing=outgoing)
         self.step, self.stale = new.step, False
         element_bytes = {fqn: sum(torch.empty(0, dtype=new.dtype(fqn, k)).element_size() for k in keys)
                          for fqn, keys in new.keys.items()}

@@ -35,7 +35,7 @@ from worker.parallel import mesh as meshes  # noqa: E402
 from worker.parallel.fsdp import Sharded, apply_fsdp, extract  # noqa: E402
 from worker.parallel.replicated import Replica, apply_replicated, extract_replicated  # noqa: E402
 from worker import epoch as epoch_entry  # noqa: E402
-from worker.parallel.slices import LocalState, Pool, execute, from_module, pack_whole  # noqa: E402
+from worker.parallel.slices import LocalState, Pool, execute, from_module, pack_sends, pack_whole  # noqa: E402
 
 
 def _store(out: Path, names: list[str], me: str) -> Any:
@@ -112,11 +112,13 @@ def main() -> None:
         described = epoch_entry.exchange(raw, rank, len(group), epoch_entry.describe(tensors, mine, packed),
                                          lambda work, buf: work.wait())
         whole = epoch_entry.skeleton(described[group.index(senders[0])])
+        # A holder packs what it will send ahead, as a worker does while its group forms.
+        outgoing = pack_sends(plan, me, mine) if mine is not None else None
         raw.allreduce([torch.zeros(1)]).wait()  # everyone formed the group: time the reshard alone
         t0 = time.perf_counter()
         local, got = execute(plan, me, {n: i for i, n in enumerate(group)}, mine, after.get(me, {}), senders, raw,
                              lambda work, buf: work.wait(), device, whole=whole, pool=pool,
-                             packed_whole=packed if me == senders[0] else None)
+                             packed_whole=packed if me == senders[0] else None, outgoing=outgoing)
         seconds = time.perf_counter() - t0
         if dump:
             _dump(out / f"start{e}-{me}.pt", local)

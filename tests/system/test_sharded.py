@@ -78,6 +78,10 @@ def test_a_sharded_job_is_exact_through_a_join_and_a_drain(tmp_path: Path) -> No
         reshards = {e["epoch"]: e for e in events if e["kind"] == "reshard"}
         assert reshards[joined["epoch"]]["bytes"] > 0, "the newcomer received its slices"
         assert 0 < reshards[joined["epoch"]]["largest_sender_bytes"] <= reshards[joined["epoch"]]["bytes"]
+        # w1 and w2 foresaw the join's transfers and packed what they send while the group formed
+        entries = [line for n in ("w1", "w2") for line in job.tail(n, 100_000).splitlines()
+                   if f"epoch {joined['epoch']} (" in line and "formed in" in line]
+        assert any("packed while the group formed" in line for line in entries), entries
         # w3 held nothing: it made the memory for its slices ready while the group formed (`Pool`)
         assert "into memory made ready while the group formed" in job.tail("w3", 10_000), job.tail("w3")
         # w1 and w2 started the job: in its first epoch they seeded the state and made no pool

@@ -3,7 +3,7 @@ random layouts before and after (world sizes 1-5, sharded and replicated, uneven
 copies, holders lost, newcomers with no state), random tensors of two dtypes, large and small (both
 message kinds). Every member ends with exactly the ranges it needs, element for element the truth,
 its pieces views of what it held or received (never a stale value), and the bytes received are
-what the plan sends it. The real-process reshard tests (tests/system/test_parallel.py) cover the
+what the plan sends it. A holder's messages packed ahead are sent exactly when they are this plan's. The real-process reshard tests (tests/system/test_parallel.py) cover the
 same executor across processes and its use by FSDP2."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from plan.layout import Layout
 from plan.reshard import TensorShape, copy_ring, holdings, plan_reshard
-from worker.parallel.slices import ALIGN, PARAM, LocalState, Piece, Pool, execute, pack_whole
+from worker.parallel.slices import ALIGN, PARAM, LocalState, Outgoing, Piece, Pool, execute, pack_sends, pack_whole
 
 CPU = torch.device("cpu")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -79,6 +79,22 @@ def _case(seed: int) -> None:
                 fits.add(n)
             pools[n] = Pool(need + 2 * len(holders) * ALIGN if n in fits else need // 2, CPU)
             pools[n].touch()
+    # A holder may have packed what it sends ahead (`pack_sends`, as a worker does while its group
+    # forms): from this very plan (sent as packed), from a plan foreseen with another holder gone
+    # (sent only where this member's sends are the same), or at another step (never sent).
+    ahead: dict[str, Outgoing] = {}
+    used: dict[str, bool] = {}
+    for n in holders:
+        kind = rng.choice(["none", "this", "other", "step"])
+        if kind == "this" or (kind == "step" and plan.for_member(n)[0]):
+            ahead[n] = pack_sends(plan, n, locals_[n])
+            used[n] = kind == "this"
+            ahead[n].step += kind == "step"
+        elif kind == "other" and len(holders) > 1:
+            gone = rng.choice([h for h in holders if h != n])
+            foreseen = plan_reshard({h: held for h, held in before.items() if h != gone}, after)
+            ahead[n] = pack_sends(foreseen, n, locals_[n])
+            used[n] = foreseen.for_member(n)[0] == plan.for_member(n)[0]
     store = dist.HashStore()
     results: dict[str, Any] = {}
 
@@ -87,7 +103,8 @@ def _case(seed: int) -> None:
             pg = dist.ProcessGroupGloo(dist.PrefixStore(f"case{seed}/", store), rank, len(group), timedelta(seconds=30))  # type: ignore[attr-defined]
             results[name] = execute(plan, name, {n: i for i, n in enumerate(group)}, locals_.get(name),
                                     after.get(name, {}), holders, pg, lambda work, buf: work.wait(), CPU, whole=whole,
-                                    pool=pools.get(name), packed_whole=packed if give_packed and name == holders[0] else None)
+                                    pool=pools.get(name), packed_whole=packed if give_packed and name == holders[0] else None,
+                                    outgoing=ahead.get(name))
         except BaseException as e:  # noqa: BLE001 (reported below)
             results[name] = e
 
@@ -101,6 +118,8 @@ def _case(seed: int) -> None:
         if isinstance(result, BaseException):
             raise result
         state, received = result
+        if name in ahead:
+            assert ahead[name].used == used[name], (seed, name)
         assert state.step == 5 and torch.equal(state.buffers["b"], torch.arange(3.0)), name
         expected_bytes = sum(t.elements * 2 * DTYPES[dtypes[t.tensor]].itemsize for t in plan.transfers if t.dst == name)
         if name in holders:
