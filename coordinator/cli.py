@@ -16,6 +16,7 @@ from typing import TextIO
 import trio
 
 from coordinator.daemon import CoordinatorConfig, serve
+from coordinator.state import JOIN_WAIT_MAX_S
 from coordinator.jobinfo import JobRefused, inspect_job
 from plan.layout import LayoutError, parse_pin
 from transport.security import KEYS_ENV, KeysError, generate_keys, keys_dir, load_server_keys
@@ -127,12 +128,13 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
                         "members and one more like them, the first 1/(M+1) of the step); the plan event's detail says "
                         "so. always: whenever a step is in flight (the fastest join; the step is done again). never: "
                         "a join always waits for the step boundary. Nothing is lost either way")
-    p.add_argument("--join-wait-max", type=float, metavar="SECONDS",
+    p.add_argument("--join-wait-max", type=_seconds_or_none, default=UNSET, metavar="SECONDS|none",
                    help="with --join-abandons auto: also abandon the step in flight when the rest of it is "
                         "predicted to take longer than SECONDS, so that a newcomer never waits longer than that for "
                         "the step boundary (its entry, ~0.3 s for a 10M-parameter model, comes after). The price: "
-                        "the members' work on the abandoned step, up to (step - SECONDS) each, once per join. "
-                        "Default: no bound (a join waits up to a step when abandoning does not pay)")
+                        "the members' work on the abandoned step, under one step each, once per join. "
+                        f"Default {JOIN_WAIT_MAX_S:g}; none: no bound (a join then waits up to a step where "
+                        "abandoning does not pay for itself: the most throughput, the slowest joins)")
     p.add_argument("--layout", metavar="dp=R,fsdp=S",
                    help="pin the layout's degrees: dp = replicas (dp_replicate), fsdp = members that shard the "
                         "state between them (dp_shard, FSDP2); an omitted one is planned. E.g. --layout dp=1 shards "
@@ -199,9 +201,9 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
         p.error(f"--checkpoint-keep must be 0 (keep all) or more, got {a.checkpoint_keep}")
     if a.recovery_grace <= 0:
         p.error(f"--recovery-grace must be positive seconds, got {a.recovery_grace}")
-    if a.join_wait_max is not None and not a.join_wait_max >= 0:
-        p.error(f"--join-wait-max must be seconds >= 0, got {a.join_wait_max}")
-    if a.join_wait_max is not None and a.join_abandons != "auto":
+    if isinstance(a.join_wait_max, float) and not a.join_wait_max >= 0:
+        p.error(f"--join-wait-max must be seconds >= 0 or none, got {a.join_wait_max}")
+    if a.join_wait_max is not UNSET and a.join_abandons != "auto":
         p.error(f"--join-wait-max bounds the wait of --join-abandons auto; with --join-abandons {a.join_abandons} "
                 "a join " + ("always abandons the step in flight" if a.join_abandons == "always"
                              else "always waits for the step boundary") + ": drop one of the two")
@@ -223,8 +225,23 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
                             layout=layout, checkpoint_dir=a.checkpoint_dir or state_dir / "checkpoints",
                             checkpoint_every=a.checkpoint_every, checkpoint_keep=a.checkpoint_keep,
                             recovery_grace_s=a.recovery_grace, join_abandons=a.join_abandons,
-                            join_wait_max_s=a.join_wait_max, solver=a.solver, metrics_port=a.metrics_port, metrics_host=metrics_host(a.bind))
+                            join_wait_max_s=(None if a.join_abandons != "auto" else JOIN_WAIT_MAX_S
+                                             if a.join_wait_max is UNSET else a.join_wait_max), solver=a.solver, metrics_port=a.metrics_port, metrics_host=metrics_host(a.bind))
     return cfg, a.job
+
+
+UNSET = object()  # (--join-wait-max not given: the default applies under auto; not a string: argparse
+#                   runs `type` on a string default)
+
+
+def _seconds_or_none(text: str) -> float | None:
+    """--join-wait-max's value: seconds, or "none" (no bound)."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"seconds or none, got {text!r}") from None
 
 
 def metrics_host(bind: str) -> str:

@@ -51,6 +51,7 @@ from coordinator.events import EventLog
 from coordinator.guard import LEDGER_EVENTS, ConnectionLedger, Refusals, check_agent_message
 from coordinator.jobinfo import JobInfo
 from coordinator.metrics import Metrics, MetricsServer, serve_metrics
+from coordinator.state import JOIN_WAIT_MAX_S
 from coordinator.store import RendezvousStore
 from plan.graph import Graph
 from plan.layout import LayoutPin
@@ -126,7 +127,7 @@ class CoordinatorConfig:
     checkpoint_keep: int = 3  # --checkpoint-keep
     recovery_grace_s: float = 10.0  # --recovery-grace
     join_abandons: str = "auto"  # --join-abandons
-    join_wait_max_s: float | None = None  # --join-wait-max
+    join_wait_max_s: float | None = JOIN_WAIT_MAX_S  # --join-wait-max (None: no bound)
     quiet: bool = False
     planner: str = "milp"
     solve_time_limit_s: float = 0.5

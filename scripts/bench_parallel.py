@@ -15,11 +15,11 @@ thread per process), on one model (default the 10M-parameter GPT, examples/gpt.p
   join         adaptrain sharded, one worker more: from the newcomer's plan (it is planned in as
                soon as it is ready) to its group formed with its slices, and to the first step of
                that epoch; and how long the members paused for it. `--joins K`: K joins one after
-               another (each newcomer drained before the next), under --join-abandons auto (the
-               members give the step in flight up when the cost model says it pays), and the same
+               another (each newcomer drained before the next), under the coordinator's defaults
+               (--join-abandons auto: the members give the step in flight up when the cost model
+               says it pays, or when more than --join-wait-max, 0.5 s, of it is left), and the same
                under --join-abandons always (every join does) and never (every join waits for the
-               step boundary), and under auto with --join-wait-max S (default 0.5: a join waits at
-               most that long for the step boundary).
+               step boundary), and under auto with --join-wait-max none (no bound on the wait).
   kill         adaptrain sharded: SIGKILL of a member -> training again (its slices come back from
                the copy its keeper holds) and the next committed step; against torchrun elastic +
                FSDP2 with a DCP checkpoint every 5 steps (torchrun restarts every worker, which
@@ -28,7 +28,7 @@ thread per process), on one model (default the 10M-parameter GPT, examples/gpt.p
 Goals (issue #11): sharded >= 0.95x torchrun + FSDP2 samples/s; reshard >= 0.7x raw p2p; 10M join
 <= 1 s from ready to first step; kill -> next step <= 0.5 s. Prints a table, writes JSON.
 
-usage: python scripts/bench_parallel.py [--quick] [--workers 2,3] [--repeats R] [--sections ...] [--joins K] [--join-wait-max S]
+usage: python scripts/bench_parallel.py [--quick] [--workers 2,3] [--repeats R] [--sections ...] [--joins K]
                                         [--out FILE]
 """
 
@@ -275,14 +275,14 @@ def reshard_join(job_ref: str, workdir: Path) -> dict[str, Any]:
 
 
 def join_and_kill(job_ref: str, n: int, workdir: Path, sections: tuple[str, ...], *, joins: int = 1,
-                  policy: str = "auto", wait_max: float | None = None) -> dict[str, Any]:
+                  policy: str = "auto", wait_max: str | None = None) -> dict[str, Any]:
     """adaptrain sharded: N-1 workers, one joins (plan -> its first step), `joins` times (each
     newcomer is drained again before the next one starts); then SIGKILL of one (kill -> the next
     committed step). `policy`: the coordinator's --join-abandons; `wait_max`: its --join-wait-max."""
     out: dict[str, Any] = {}
     with LocalJob(job_ref, workdir, min_workers=n - 1,
                   coordinator_args=["--layout", "dp=1", "--join-abandons", policy,
-                                    *(["--join-wait-max", f"{wait_max:g}"] if wait_max is not None else [])]) as job:
+                                    *(["--join-wait-max", wait_max] if wait_max is not None else [])]) as job:
         job.start()
         for i in range(n - 1):
             job.add_worker(f"w{i + 1}")
@@ -325,9 +325,10 @@ def join_and_kill(job_ref: str, n: int, workdir: Path, sections: tuple[str, ...]
     return out
 
 
-def _policy(policy: str, wait_max: float | None) -> str:
-    """How a join policy reads in the table: the coordinator's --join-abandons value (and --join-wait-max)."""
-    return policy + (f" --join-wait-max {wait_max:g}" if wait_max is not None else "")
+def _policy(policy: str, wait_max: str | None) -> str:
+    """How a join policy reads in the table: the coordinator's --join-abandons value (and --join-wait-max,
+    where not the default)."""
+    return policy + (f" --join-wait-max {wait_max}" if wait_max is not None else "")
 
 
 def _one_join(job: LocalJob, name: str) -> dict[str, Any]:
@@ -407,7 +408,7 @@ def table(r: dict[str, Any]) -> str:
                 lines.append(f"  raw p2p of the join's bytes in its shape ({same['bytes'] / 1e6:.1f} MB from two senders, "
                              f"{same['messages']} messages{how.format(pieces=same.get('pieces'))}): "
                              f"{same['bytes_per_s'] / 1e9:.2f} GB/s -> {rs['bytes_per_s'] / same['bytes_per_s']:.2f}x")
-    for key in ("join", "join_always", "join_never", "join_bounded"):
+    for key in ("join", "join_always", "join_never", "join_unbounded"):
         if key not in r:
             continue
         j = r[key]
@@ -449,9 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--joins", type=int, default=1, metavar="K",
                    help="joins measured one after another in the join section (each newcomer is drained before "
                         "the next); with K > 1 the same joins run again under --join-abandons always and never, "
-                        "and under auto with --join-wait-max (below), side by side")
-    p.add_argument("--join-wait-max", type=float, default=0.5, metavar="S",
-                   help="the coordinator's --join-wait-max for the bounded run of --joins K > 1 (default 0.5 s)")
+                        "and under auto with --join-wait-max none (no bound on a join's wait), side by side")
     p.add_argument("--quick", action="store_true", help="the small GPT, 2 workers, fewer steps (minutes)")
     p.add_argument("--out", type=Path, default=Path("bench-out/parallel.json"))
     p.add_argument("--keep", type=Path, default=None, metavar="DIR",
@@ -468,8 +467,6 @@ def main(argv: list[str] | None = None) -> int:
         counts = [int(n) for n in a.workers.split(",")]
     except ValueError:
         p.error(f"--workers wants numbers like 2,3, got {a.workers!r}")
-    if not a.join_wait_max >= 0:
-        p.error(f"--join-wait-max: seconds >= 0, got {a.join_wait_max}")
     if a.joins < 1:
         p.error(f"--joins: at least 1, got {a.joins}")
     if any(n < 2 for n in counts):
@@ -515,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
             result.update(join_and_kill(job_ref, 3, work / "joinkill", sections, joins=a.joins))
         if "join" in sections and a.joins > 1:  # the same joins under the other policies, side by side
             for key, policy, wait_max in (("always", "always", None), ("never", "never", None),
-                                          ("bounded", "auto", a.join_wait_max)):
+                                          ("unbounded", "auto", "none")):
                 print(f"joins under --join-abandons {_policy(policy, wait_max)} ...", flush=True)
                 result[f"join_{key}"] = join_and_kill(job_ref, 3, work / f"join-{key}", ("join",), joins=a.joins,
                                                       policy=policy, wait_max=wait_max)["join"]

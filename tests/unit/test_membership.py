@@ -13,6 +13,7 @@ import pytest
 
 from coordinator import membership as m
 from coordinator.cli import parse_args
+from coordinator.state import JOIN_WAIT_MAX_S
 from plan import Graph
 from plan.graph import Layer
 from plan.layout import parse_pin
@@ -803,10 +804,15 @@ def test_join_abandons_policy_overrides_the_cost_model(policy: str, elapsed: flo
 
 def test_join_wait_max_flag_is_checked_at_start(capsys: pytest.CaptureFixture[str]) -> None:
     base = ["--bind", "tcp://127.0.0.1:0", "--job", "x.py:job", "--insecure"]
-    assert parse_args(base)[0].join_wait_max_s is None
-    assert parse_args([*base, "--join-wait-max", "0.5"])[0].join_wait_max_s == 0.5
+    assert parse_args(base)[0].join_wait_max_s == JOIN_WAIT_MAX_S == 0.5  # the default bounds a join's wait
+    assert parse_args([*base, "--join-wait-max", "1.5"])[0].join_wait_max_s == 1.5
+    assert parse_args([*base, "--join-wait-max", "none"])[0].join_wait_max_s is None  # no bound
+    for policy in ("never", "always"):  # the bound is auto's: the others have none
+        assert parse_args([*base, "--join-abandons", policy])[0].join_wait_max_s is None
     for bad, said in ((["--join-wait-max", "-1"], "must be seconds >= 0"),
                       (["--join-wait-max", "nan"], "must be seconds >= 0"),
+                      (["--join-wait-max", "soon"], "seconds or none, got 'soon'"),
+                      (["--join-wait-max", "none", "--join-abandons", "never"], "always waits for the step boundary"),
                       (["--join-wait-max", "0.5", "--join-abandons", "never"], "always waits for the step boundary"),
                       (["--join-wait-max", "0.5", "--join-abandons", "always"], "always abandons the step in flight")):
         with pytest.raises(SystemExit) as exit_info:
