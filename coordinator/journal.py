@@ -125,7 +125,8 @@ def recover(values: dict[str, Any], *, now: float) -> State:
     data = values.get("delta")
     if not data or state.finished:
         return state
-    delta = PlanDelta(**{**data, "layout": MeshLayout(**data["layout"])})
+    delta = PlanDelta(**{**data, "layout": MeshLayout(**data["layout"]),
+                         "previous": MeshLayout(**data["previous"]) if data.get("previous") else None})
     plan = Plan(members=tuple(delta.members), shares=tuple(delta.shares),
                 dp_shard=delta.layout.dp_shard, micro=tuple(delta.micro_batch) if any(delta.micro_batch) else ())
     devices = {n: _device(d) for n, d in (values.get("devices") or {}).items()}
@@ -135,8 +136,7 @@ def recover(values: dict[str, Any], *, now: float) -> State:
 
 
 def _delta_dict(delta: PlanDelta) -> dict[str, Any]:
-    return {f.name: (dataclasses.asdict(getattr(delta, f.name)) if f.name == "layout" else getattr(delta, f.name))
-            for f in dataclasses.fields(delta)}
+    return dataclasses.asdict(delta)  # (its layouts, `layout` and `previous`, as plain objects too)
 
 
 def _device_dict(d: Device) -> dict[str, Any]:

@@ -135,7 +135,7 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
     delta = PlanDelta(epoch=epoch, reason=reason, layout=MeshLayout(**new.layout.to_dict()),
                       global_batch=config.global_batch, abort=abort, senders=senders, micro_batch=list(new.micro),
                       resume_path=resume.path if resume else "", resume_step=resume.step if resume else 0,
-                      from_sharded=from_sharded)
+                      from_sharded=from_sharded, previous=state.delta.layout if state.delta is not None else None)
     if resume is not None:
         result = replace(result, reason=f"{result.reason}; every member loads checkpoint {resume.path} "
                                         f"(step {resume.step})")

@@ -78,12 +78,15 @@ ROOT_UNIT = "(root)"  # the unit of everything outside the model's blocks (no mo
 @dataclass(frozen=True, slots=True)
 class TensorInfo:
     """One parameter of the model: its fully qualified name (`model.named_parameters()`), shape,
-    dtype (torch's name without "torch.") and the unit (layer) it belongs to."""
+    dtype (torch's name without "torch.") and the unit (layer) it belongs to; `state`: the optimizer
+    state kept per element of it (Adam's two moments), as (key, dtype) in the optimizer's order, or
+    None when the capture could not step the optimizer."""
 
     fqn: str
     shape: tuple[int, ...]
     dtype: str
     unit: str
+    state: tuple[tuple[str, str], ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.fqn:
@@ -92,6 +95,8 @@ class TensorInfo:
             raise ValueError(f"tensor {self.fqn!r}: shape must be integers >= 0, got {list(self.shape)}")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"tensor {self.fqn!r}: unknown dtype {self.dtype!r}")
+        if self.state is not None and any(d not in DTYPE_BYTES for _, d in self.state):
+            raise ValueError(f"tensor {self.fqn!r}: unknown dtype in its optimizer state {list(self.state)}")
 
     @property
     def numel(self) -> int:
@@ -111,19 +116,28 @@ class TensorInfo:
         return self.numel * self.itemsize
 
     def to_dict(self) -> dict[str, Any]:
-        return {"fqn": self.fqn, "shape": list(self.shape), "dtype": self.dtype, "unit": self.unit}
+        out: dict[str, Any] = {"fqn": self.fqn, "shape": list(self.shape), "dtype": self.dtype, "unit": self.unit}
+        if self.state is not None:
+            out["state"] = [[key, dtype] for key, dtype in self.state]
+        return out
 
     @staticmethod
     def from_dict(data: Any, index: int) -> TensorInfo:
         where = f"tensor {index}"
-        if not isinstance(data, dict) or set(data) != {"fqn", "shape", "dtype", "unit"}:
-            raise ValueError(f"{where}: expected an object with fqn, shape, dtype and unit")
+        required = {"fqn", "shape", "dtype", "unit"}
+        if not isinstance(data, dict) or not required <= set(data) <= required | {"state"}:
+            raise ValueError(f"{where}: expected an object with fqn, shape, dtype and unit (and optionally state)")
         fqn, shape, dtype, unit = data["fqn"], data["shape"], data["dtype"], data["unit"]
         if not isinstance(fqn, str) or not isinstance(dtype, str) or not isinstance(unit, str):
             raise ValueError(f"{where}: fqn, dtype and unit must be strings")
         if not isinstance(shape, list):
             raise ValueError(f"{where} ({fqn!r}): shape must be a list of integers")
-        return TensorInfo(fqn=fqn, shape=tuple(shape), dtype=dtype, unit=unit)
+        state = data.get("state")
+        if state is not None and not (isinstance(state, list) and all(
+                isinstance(e, list) and len(e) == 2 and all(isinstance(x, str) for x in e) for e in state)):
+            raise ValueError(f"{where} ({fqn!r}): state must be a list of [key, dtype] string pairs")
+        return TensorInfo(fqn=fqn, shape=tuple(shape), dtype=dtype, unit=unit,
+                          state=tuple((k, d) for k, d in state) if state is not None else None)
 
 
 _NUMBER_FIELDS = ("forward_flops", "backward_flops", "param_bytes", "activation_bytes", "boundary_bytes")

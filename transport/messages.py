@@ -358,6 +358,9 @@ class PlanDelta:
     resume_path: str = ""  # the state is lost: every member loads this checkpoint first ("": none)
     resume_step: int = 0  # ... which holds the state after this step
     from_sharded: bool = False  # some member may hold slices of a sharded layout: every member enters by the slice reshard
+    # The layout of the epoch being left, as its members were told it (None: the job's first epoch):
+    # what they hold, from which a member that holds nothing foresees its receives before the group forms.
+    previous: MeshLayout | None = None
 
     @property
     def members(self) -> list[str]:

@@ -111,13 +111,15 @@ def plan_entry(layout: Layout, tensors: Sequence[TensorShape], described: list[l
 
 
 def foresee(old: Layout, layout: Layout, tensors: Sequence[TensorShape], ranks: Sequence[str], *,
-            copies: bool = True) -> ReshardPlan:
-    """The transfers `enter` will run when every member of `old` in the new group (`ranks`) still
-    holds its slices of `old` (and its copies), all at one step: the usual planned change, which a
-    holder foresees before the group forms, to pack what it will send meanwhile
-    (`slices.pack_sends`). Where the descriptions then say otherwise, `execute` packs afresh."""
+            copies: bool = True) -> tuple[Holdings, ReshardPlan]:
+    """The new layout's holdings and the transfers `enter` will run when every member of `old` in
+    the new group (`ranks`) still holds its slices of `old` (and its copies), all at one step: the
+    usual planned change, which every member foresees before the group forms, a holder to pack what
+    it will send meanwhile (`slices.pack_sends`), a member that holds nothing to make its receives
+    ready (`slices.expect`). Where the descriptions then say otherwise, `execute` does it afresh."""
     before = {n: h for n, h in holdings(old, tensors, copy_ring(old)).items() if n in ranks}
-    return plan_reshard(before, holdings(layout, tensors, copy_ring(layout) if copies else None))
+    after = holdings(layout, tensors, copy_ring(layout) if copies else None)
+    return after, plan_reshard(before, after)
 
 
 def enter(layout: Layout, tensors: Sequence[TensorShape], me: str, ranks: Sequence[str], local: LocalState | None,
@@ -125,7 +127,7 @@ def enter(layout: Layout, tensors: Sequence[TensorShape], me: str, ranks: Sequen
           roll: Callable[[LocalState, float], None], copies: bool = True,
           before_transfers: Callable[[ReshardPlan], None] = lambda plan: None,
           pool: slices.Pool | None = None, outgoing: slices.Outgoing | None = None,
-          ) -> tuple[LocalState, int, ReshardPlan]:
+          incoming: slices.Incoming | None = None) -> tuple[LocalState, int, ReshardPlan]:
     """Run the reshard into `layout` for member `me` (ranks: the group's members by rank, `layout`'s
     members first); returns the new LocalState, the bytes received and the plan. When nobody holds
     any state (a fresh job, or one whose state was lost and restarts), every member takes the seeded
@@ -137,7 +139,8 @@ def enter(layout: Layout, tensors: Sequence[TensorShape], me: str, ranks: Sequen
     continue from the later step; when nobody applied it, the gradients are dropped and the step is
     done again. `copies`: the new layout keeps a copy of every slice (`plan.reshard.copy_ring`);
     `pool`: memory made ready for what this member receives (`slices.Pool`); `outgoing`: what this
-    member will send, packed ahead from the plan it foresaw (`foresee`, `slices.pack_sends`)."""
+    member will send, packed ahead from the plan it foresaw (`foresee`, `slices.pack_sends`);
+    `incoming`: where what it receives lands, made ready ahead likewise (`slices.expect`)."""
     rank = list(ranks).index(me)
     packed = slices.pack_whole(local) if local is not None else None  # (described, and sent if this is the root)
     described = exchange(pg, rank, len(ranks), describe(tensors, local, packed), wait)
@@ -167,7 +170,8 @@ def enter(layout: Layout, tensors: Sequence[TensorShape], me: str, ranks: Sequen
     before_transfers(plan)  # (the --pause-at reshard knob: a source that dies with the transfers ahead)
     new, received = slices.execute(plan, me, {n: i for i, n in enumerate(ranks)}, mine, after.get(me, {}),
                                    holders, pg, wait, device, whole=skeleton(described[root]), sender=ranks[root],
-                                   pool=pool, packed_whole=packed if rank == root else None, outgoing=outgoing)
+                                   pool=pool, packed_whole=packed if rank == root else None, outgoing=outgoing,
+                                   incoming=incoming)
     return new, received, plan
 
 

@@ -82,8 +82,8 @@ def capture_graph(job: Job, *, sample_batch: int = 2) -> Graph:
         root = _remainder(whole, layers, type(model).__name__)
         if root is not None:
             layers.insert(0, root)
-    return Graph(tuple(layers), optimizer_state_bytes=_optimizer_state_bytes(job, model),
-                 tensors=_tensors(model, units))
+    state_bytes, state = _optimizer_state(job, model)
+    return Graph(tuple(layers), optimizer_state_bytes=state_bytes, tensors=_tensors(model, units, state))
 
 
 def find_units(model: nn.Module, x: Any, declared: tuple[str, ...] | None = None) -> dict[str, nn.Module]:
@@ -176,27 +176,39 @@ def _remainder(whole: Layer, layers: list[Layer], kind: str) -> Layer | None:
                  activation_bytes=int(rest("activation_bytes")), boundary_bytes=whole.boundary_bytes)
 
 
-def _tensors(model: nn.Module, units: dict[str, nn.Module]) -> tuple[TensorInfo, ...]:
+def _tensors(model: nn.Module, units: dict[str, nn.Module],
+             state: dict[int, tuple[tuple[str, str], ...]] | None) -> tuple[TensorInfo, ...]:
     owner = {id(q): name for name, m in units.items() for q in m.parameters()}
     whole = len(units) == 1 and next(iter(units.values())) is model
-    return tuple(TensorInfo(fqn=fqn, shape=tuple(q.shape), dtype=str(q.dtype).removeprefix("torch."),
-                            unit=owner.get(id(q), ROOT_UNIT) if not whole else next(iter(units)))
+    return tuple(TensorInfo(fqn=fqn, shape=tuple(q.shape), dtype=_dtype_name(q.dtype),
+                            unit=owner.get(id(q), ROOT_UNIT) if not whole else next(iter(units)),
+                            state=state.get(id(q), ()) if state is not None else None)
                  for fqn, q in model.named_parameters())
 
 
-def _optimizer_state_bytes(job: Job, model: nn.Module) -> int | None:
+def _optimizer_state(job: Job, model: nn.Module) -> tuple[int | None, dict[int, tuple[tuple[str, str], ...]] | None]:
     """The bytes of state the job's optimizer keeps after one step (Adam: two moments per
-    parameter), on the capture's throwaway model; None if the optimizer cannot step there."""
+    parameter), on the capture's throwaway model, and per parameter (by id) its state shaped like
+    it, as (key, dtype) in the optimizer's order (what `worker.parallel.slices.from_module` calls its
+    companions); (None, None) if the optimizer cannot step there."""
     try:
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = job.optimizer(params)
         for p in params:
             p.grad = torch.zeros_like(p)
         optimizer.step()
-        return sum(_tensor_bytes(v) for state in optimizer.state.values() for v in state.values()
-                   if isinstance(v, torch.Tensor))
+        nbytes = sum(_tensor_bytes(v) for state in optimizer.state.values() for v in state.values()
+                     if isinstance(v, torch.Tensor))
+        shaped = {id(p): tuple((str(k), _dtype_name(v.dtype)) for k, v in s.items()
+                               if isinstance(v, torch.Tensor) and v.shape == p.shape)
+                  for p, s in optimizer.state.items()}
+        return nbytes, shaped
     except Exception:  # noqa: BLE001 (the planner then assumes Adam)
-        return None
+        return None, None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _build_model(job: Job) -> tuple[nn.Module, torch.device]:

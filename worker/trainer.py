@@ -55,7 +55,8 @@ from worker.parallel.replicated import GradBuckets, apply_replicated
 from worker.parallel import mesh as meshes
 from worker.parallel.copies import Copies
 from worker.parallel.meta import meta_model
-from worker.parallel.slices import PARAM, LocalState, Outgoing, Pool, from_module, pack_sends
+from worker.parallel.slices import (PARAM, Incoming, LocalState, Outgoing, Pool, expect, from_module,
+                                    pack_sends)
 from worker.parallel.update import GRAD, apply_update
 from worker.save import save_model, save_state
 from worker.step import local_grad
@@ -241,16 +242,14 @@ class Trainer:
         if delta.resume_path and not self._resume(delta):
             return None
         try:
+            # While the group forms (the members may still be finishing a step): a member that
+            # holds nothing makes its memory and its receives ready, a holder packs what it sends.
             pool = self._pool(delta)
-            touching = threading.Thread(target=pool.touch, name="pool", daemon=True) if pool is not None else None
-            if touching is not None:  # while the group forms (the members may still be finishing a step)
-                touching.start()
-            packing = self._pack_ahead(delta, ranks)  # (also while the group forms)
+            receiving = self._expect_ahead(delta, ranks, pool)
+            packing = self._pack_ahead(delta, ranks)
             group = groups.form(store, delta, ranks, rank, self.device, timeout_s=self.config.group_timeout_s,
                                 superseded=superseded)
-            if touching is not None:
-                touching.join()
-            outgoing = packing()
+            incoming, outgoing = receiving(), packing()
             phases: dict[str, float] = {}  # where the entry's time went, for the log line
 
             def lap(name: str) -> None:
@@ -258,7 +257,7 @@ class Trainer:
             lap("group")
             if group.layout.sharded or delta.from_sharded or senders:
                 # Any epoch with sharded state on either side goes through the slice reshard.
-                local, received = self._reshard(group, pool, outgoing)
+                local, received = self._reshard(group, pool, outgoing, incoming)
                 lap("reshard")
                 if self.name not in delta.members:
                     self._drop_state()
@@ -307,7 +306,8 @@ class Trainer:
                  + (f", sent {sum(m.numel() * m.element_size() for _, _, m in outgoing.messages) / 1e6:.1f} MB packed "
                     "while the group formed" if outgoing is not None and outgoing.used else "")
                  + (f" ({pool.used / 1e6:.1f} of {pool.block.numel() / 1e6:.1f} MB into memory made ready while "
-                    "the group formed)" if pool is not None else ""))
+                    "the group formed" + (", its receives foreseen" if incoming is not None and incoming.used else "")
+                    + ")" if pool is not None else ""))
         return group
 
     def _resume(self, delta: PlanDelta) -> bool:
@@ -366,6 +366,43 @@ class Trainer:
                                {n: p.element_size() for n, p in self.model.named_parameters()},
                                self.graph().optimizer_state_factor, self.device)
 
+    def _expect_ahead(self, delta: PlanDelta, ranks: list[str], pool: Pool | None) -> Callable[[], Incoming | None]:
+        """In a thread: fault `pool` in (a member that holds nothing: `_pool`), then cut the arenas
+        and messages of what this member will receive, and its new state's pieces, from the plan it
+        foresees (`epoch.foresee`, from the layout being left, `delta.previous`) and the optimizer
+        state the graph recorded per tensor; returns the call that waits for it (None: nothing
+        foreseen). `execute` takes it where the plan is the one foreseen."""
+        if pool is None:
+            return lambda: None
+        box: dict[str, Incoming] = {}
+        tensors = self.graph().tensors
+
+        def ready() -> None:
+            pool.touch()
+            if delta.previous is None or any(t.state is None for t in tensors):
+                return
+            try:
+                layout = Layout.from_dict(dataclasses.asdict(delta.layout))
+                after, plan = epoch.foresee(Layout.from_dict(dataclasses.asdict(delta.previous)), layout,
+                                            self.tensors, ranks, copies=layout.sharded and layout.dp_replicate == 1)
+                if plan.missing:  # (a holder gone: the entry finds out who holds what)
+                    return
+                known = LocalState(step=0, keys={t.fqn: (PARAM, *(k for k, _ in t.state or ())) for t in tensors},
+                                   dtypes={t.fqn: {PARAM: t.dtype, **dict(t.state or ())} for t in tensors})
+                incoming = expect(plan.for_member(self.name)[1], known, pool, self.device)
+                incoming.assemble(after.get(self.name, {}), self.device)
+                box["in"] = incoming
+            except Exception as e:  # noqa: BLE001 (an optimisation: the reshard cuts them afresh)
+                self.log(f"epoch {delta.epoch}: could not make the receives ready ahead ({e})")
+
+        thread = threading.Thread(target=ready, name="pool", daemon=True)
+        thread.start()
+
+        def made() -> Incoming | None:
+            thread.join()
+            return box.get("in")
+        return made
+
     def _pack_ahead(self, delta: PlanDelta, ranks: list[str]) -> Callable[[], Outgoing | None]:
         """Start packing, in a thread, what this holder of sharded slices will send in the entry's
         reshard, from the plan it foresees (`epoch.foresee`: every member of its layout in the group
@@ -383,9 +420,9 @@ class Trainer:
         def pack() -> None:
             try:
                 local = self._local_state()  # (views of what is held: nothing changes it before the reshard)
-                plan = epoch.foresee(old, layout, self.tensors, ranks,
-                                     copies=layout.sharded and layout.dp_replicate == 1)
-                if plan.for_member(self.name)[0]:
+                _, plan = epoch.foresee(old, layout, self.tensors, ranks,
+                                        copies=layout.sharded and layout.dp_replicate == 1)
+                if plan.for_member(self.name)[0] and not plan.missing:
                     box["out"] = pack_sends(plan, self.name, local)
             except Exception as e:  # noqa: BLE001 (an optimisation: the reshard packs afresh)
                 self.log(f"epoch {delta.epoch}: could not pack ahead ({e}); the reshard packs")
@@ -398,11 +435,11 @@ class Trainer:
             return box.get("out")
         return packed
 
-    def _reshard(self, g: Group, pool: Pool | None = None,
-                 outgoing: Outgoing | None = None) -> tuple[LocalState, int]:
+    def _reshard(self, g: Group, pool: Pool | None = None, outgoing: Outgoing | None = None,
+                 incoming: Incoming | None = None) -> tuple[LocalState, int]:
         """Bring this member to exactly its slices of the new layout (`worker.epoch`); the new state
         and the bytes received (into `pool` first, when there is one). `outgoing`: what this member
-        sends, packed ahead (`_pack_ahead`)."""
+        sends, packed ahead (`_pack_ahead`); `incoming`: its receives, made ready ahead (`_expect_ahead`)."""
         # (a worker that never materialised its model holds nothing: if nobody does, all seed it)
         local = (self.resumed if self.resumed is not None
                  else None if self.stale or self._on_meta() else self._local_state())
@@ -411,7 +448,8 @@ class Trainer:
         new, received, plan = epoch.enter(g.layout, self.tensors, self.name, g.members, local, g.pg,
                                        lambda work, buf: self.wait(g, work, buf), self.device, self._seed_state,
                                        self._roll_forward, copies=g.layout.sharded and g.layout.dp_replicate == 1,
-                                       before_transfers=self._pause_reshard, pool=pool, outgoing=outgoing)
+                                       before_transfers=self._pause_reshard, pool=pool, outgoing=outgoing,
+                                       incoming=incoming)
         self.step, self.stale = new.step, False
         element_bytes = {fqn: sum(torch.empty(0, dtype=new.dtype(fqn, k)).element_size() for k in keys)
                          for fqn, keys in new.keys.items()}

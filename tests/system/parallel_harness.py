@@ -35,7 +35,7 @@ from worker.parallel import mesh as meshes  # noqa: E402
 from worker.parallel.fsdp import Sharded, apply_fsdp, extract  # noqa: E402
 from worker.parallel.replicated import Replica, apply_replicated, extract_replicated  # noqa: E402
 from worker import epoch as epoch_entry  # noqa: E402
-from worker.parallel.slices import LocalState, Pool, execute, from_module, pack_sends, pack_whole  # noqa: E402
+from worker.parallel.slices import PARAM, LocalState, Pool, execute, expect, from_module, pack_sends, pack_whole  # noqa: E402
 
 
 def _store(out: Path, names: list[str], me: str) -> Any:
@@ -106,23 +106,33 @@ def main() -> None:
         plan = plan_reshard(before, after)
         assert not plan.missing, plan.describe_missing()
         senders = [n for n in group if n in before]
-        # The holders' whole-state skeleton, as the worker learns it (worker.epoch's description).
         mine = local if me in before else None
+        # Before the descriptions, as a worker does while its group forms: a member that holds
+        # nothing cuts its receives from the plan and the optimizer state the graph recorded, a
+        # holder packs what it sends.
+        incoming = None
+        if mine is None and all(t.state is not None for t in graph.tensors):
+            known = LocalState(step=0, keys={t.fqn: (PARAM, *(k for k, _ in t.state or ())) for t in graph.tensors},
+                               dtypes={t.fqn: {PARAM: t.dtype, **dict(t.state or ())} for t in graph.tensors})
+            incoming = expect(plan.for_member(me)[1], known, pool, device)
+            incoming.assemble(after.get(me, {}), device)
+        outgoing = pack_sends(plan, me, mine) if mine is not None else None
+        # The holders' whole-state skeleton, as the worker learns it (worker.epoch's description).
         packed = pack_whole(mine) if mine is not None else None
         described = epoch_entry.exchange(raw, rank, len(group), epoch_entry.describe(tensors, mine, packed),
                                          lambda work, buf: work.wait())
         whole = epoch_entry.skeleton(described[group.index(senders[0])])
-        # A holder packs what it will send ahead, as a worker does while its group forms.
-        outgoing = pack_sends(plan, me, mine) if mine is not None else None
         raw.allreduce([torch.zeros(1)]).wait()  # everyone formed the group: time the reshard alone
         t0 = time.perf_counter()
         local, got = execute(plan, me, {n: i for i, n in enumerate(group)}, mine, after.get(me, {}), senders, raw,
                              lambda work, buf: work.wait(), device, whole=whole, pool=pool,
-                             packed_whole=packed if me == senders[0] else None, outgoing=outgoing)
+                             packed_whole=packed if me == senders[0] else None, outgoing=outgoing,
+                             incoming=incoming)
         seconds = time.perf_counter() - t0
         if dump:
             _dump(out / f"start{e}-{me}.pt", local)
         reshard.append({"epoch": e, "received": got, "seconds": seconds,
+                        "ahead": (incoming.used if incoming is not None else outgoing.used if outgoing is not None else None),
                         "sent": plan.sent.get(me, 0), "bytes": plan.bytes_moved({t.name: 12 for t in tensors})})
         if me not in members:  # handed its slices over: gone
             local = None

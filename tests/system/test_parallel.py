@@ -159,6 +159,14 @@ def test_a_chain_of_layout_changes_keeps_every_element_and_the_loss_curve(tmp_pa
             for key, values in keys.items():
                 assert len(values) == shapes[fqn] and not values.isnan().any(), f"epoch {e - 1} ends holding all of {fqn}"
                 assert torch.equal(values, after[fqn][key]), f"the reshard into epoch {e} changed {fqn} ({key})"
+    # Every member foresaw its part before the group formed (the harness's plans are the ones the
+    # layouts give): the holders' messages went out as packed ahead, the newcomers' receives landed
+    # where they were cut ahead (`slices.Outgoing`, `slices.Incoming`), and the state above is exact.
+    for name, r in results.items():
+        for entry in r["reshard"]:
+            if entry["received"] or entry["sent"]:
+                assert entry["ahead"] is not False, (name, entry)
+    assert any(entry["ahead"] for r in results.values() for entry in r["reshard"])
     c = results["c"]["reshard"][0]
     state_bytes = sum(n * 12 for n in shapes.values())  # fp32 parameters + Adam's two moments
     assert c["received"] < state_bytes / 3 + 65536, "the newcomer of a 3-way shard receives about a third"

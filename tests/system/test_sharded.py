@@ -82,8 +82,10 @@ def test_a_sharded_job_is_exact_through_a_join_and_a_drain(tmp_path: Path) -> No
         entries = [line for n in ("w1", "w2") for line in job.tail(n, 100_000).splitlines()
                    if f"epoch {joined['epoch']} (" in line and "formed in" in line]
         assert any("packed while the group formed" in line for line in entries), entries
-        # w3 held nothing: it made the memory for its slices ready while the group formed (`Pool`)
-        assert "into memory made ready while the group formed" in job.tail("w3", 10_000), job.tail("w3")
+        # w3 held nothing: it made the memory for its slices ready while the group formed (`Pool`),
+        # and cut its receives there from the plan it foresaw (`delta.previous`, the graph's state keys)
+        assert "into memory made ready while the group formed, its receives foreseen" in job.tail("w3", 10_000), \
+            job.tail("w3")
         # w1 and w2 started the job: in its first epoch they seeded the state and made no pool
         for n in ("w1", "w2"):
             first = [line for line in job.tail(n, 100_000).splitlines() if "epoch 1 (" in line and "formed in" in line]

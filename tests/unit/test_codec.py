@@ -40,6 +40,9 @@ SAMPLES: list[t.Message] = [
                 global_batch=64, abort=False),
     t.PlanDelta(epoch=5, reason="", layout=t.MeshLayout(dp_replicate=1, dp_shard=2, pp=1, tp=1, members=["a", "b"],
                                                         shares=[3, 0]), global_batch=3, abort=True),
+    t.PlanDelta(epoch=6, reason="join", layout=t.MeshLayout(dp_replicate=1, dp_shard=3, pp=1, tp=1, members=["a", "c", "b"],
+                                                            shares=[1, 1, 1]), global_batch=3, abort=False,
+                previous=t.MeshLayout(dp_replicate=1, dp_shard=2, pp=1, tp=1, members=["a", "b"], shares=[2, 1])),
     t.Abort(epoch=4, reason="failed w2"),
     t.Stop(reason="ctl stop"),
     t.Error(code=t.ERR_STALE_EPOCH, message="epoch 3 is over"),
@@ -178,7 +181,8 @@ def test_int_is_accepted_for_float() -> None:
 def test_nested_list_items_are_checked() -> None:
     layout = {"dp_replicate": 2, "dp_shard": 1, "pp": 1, "tp": 1, "members": ["a", "b"], "shares": [1, 2]}
     good = {"v": t.PROTOCOL_VERSION, "kind": "PlanDelta", "epoch": 1, "reason": "", "layout": layout,
-            "global_batch": 3, "abort": False, "senders": [], "micro_batch": [], "resume_path": "", "resume_step": 0, "from_sharded": False}
+            "global_batch": 3, "abort": False, "senders": [], "micro_batch": [], "resume_path": "", "resume_step": 0, "from_sharded": False,
+            "previous": None}
     assert decode(msgpack.packb(good, use_bin_type=True)).members == ["a", "b"]  # type: ignore[union-attr]
     _reject(good | {"layout": layout | {"members": ["a", 2]}}, match=r"PlanDelta.layout.members\[1\]: expected str")
     _reject(good | {"layout": layout | {"shares": [1, True]}}, match=r"shares\[1\]: expected int, got bool")

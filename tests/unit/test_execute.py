@@ -3,7 +3,8 @@ random layouts before and after (world sizes 1-5, sharded and replicated, uneven
 copies, holders lost, newcomers with no state), random tensors of two dtypes, large and small (both
 message kinds). Every member ends with exactly the ranges it needs, element for element the truth,
 its pieces views of what it held or received (never a stale value), and the bytes received are
-what the plan sends it. A holder's messages packed ahead are sent exactly when they are this plan's. The real-process reshard tests (tests/system/test_parallel.py) cover the
+what the plan sends it. A holder's messages packed ahead are sent, and a newcomer's receives cut
+ahead are taken, exactly when they are this plan's. The real-process reshard tests (tests/system/test_parallel.py) cover the
 same executor across processes and its use by FSDP2."""
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch.distributed as dist
 
 from plan.layout import Layout
 from plan.reshard import TensorShape, copy_ring, holdings, plan_reshard
-from worker.parallel.slices import ALIGN, PARAM, LocalState, Outgoing, Piece, Pool, execute, pack_sends, pack_whole
+from worker.parallel.slices import (ALIGN, PARAM, Incoming, LocalState, Outgoing, Piece, Pool, execute, expect,
+                                    pack_sends, pack_whole)
 
 CPU = torch.device("cpu")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -95,6 +97,25 @@ def _case(seed: int) -> None:
             foreseen = plan_reshard({h: held for h, held in before.items() if h != gone}, after)
             ahead[n] = pack_sends(foreseen, n, locals_[n])
             used[n] = foreseen.for_member(n)[0] == plan.for_member(n)[0]
+    # A member without state may have cut its receives ahead (`expect`, as a worker does while its
+    # group forms, from the keys and dtypes its graph recorded): for this very plan (taken), or for
+    # a plan foreseen with a holder gone (taken only where its receives are the same; else the
+    # arenas go back to its pool, and everything it receives still lands there when it fits).
+    made: dict[str, Incoming] = {}
+    known = LocalState(step=0, keys={t.name: (PARAM, "exp_avg") for t in tensors},
+                       dtypes={t.name: {PARAM: dtypes[t.name], "exp_avg": dtypes[t.name]} for t in tensors})
+    for n in group:
+        if n in holders or rng.random() < 0.4:
+            continue
+        foreseen = plan
+        if rng.random() < 0.5 and len(holders) > 1:
+            gone = rng.choice(holders)
+            foreseen = plan_reshard({h: held for h, held in before.items() if h != gone}, after)
+            if foreseen.missing:  # (nothing is made ready for a plan that cannot run)
+                continue
+        made[n] = expect(foreseen.for_member(n)[1], known, pools.get(n), CPU)
+        made[n].assemble(after.get(n, {}), CPU)
+        used[n] = foreseen.for_member(n)[1] == plan.for_member(n)[1]
     store = dist.HashStore()
     results: dict[str, Any] = {}
 
@@ -104,7 +125,7 @@ def _case(seed: int) -> None:
             results[name] = execute(plan, name, {n: i for i, n in enumerate(group)}, locals_.get(name),
                                     after.get(name, {}), holders, pg, lambda work, buf: work.wait(), CPU, whole=whole,
                                     pool=pools.get(name), packed_whole=packed if give_packed and name == holders[0] else None,
-                                    outgoing=ahead.get(name))
+                                    outgoing=ahead.get(name), incoming=made.get(name))
         except BaseException as e:  # noqa: BLE001 (reported below)
             results[name] = e
 
@@ -120,6 +141,8 @@ def _case(seed: int) -> None:
         state, received = result
         if name in ahead:
             assert ahead[name].used == used[name], (seed, name)
+        if name in made:
+            assert made[name].used == used[name], (seed, name)
         assert state.step == 5 and torch.equal(state.buffers["b"], torch.arange(3.0)), name
         expected_bytes = sum(t.elements * 2 * DTYPES[dtypes[t.tensor]].itemsize for t in plan.transfers if t.dst == name)
         if name in holders:

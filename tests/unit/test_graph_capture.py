@@ -92,6 +92,32 @@ def test_optimizer_state_is_measured(which: str, request: pytest.FixtureRequest)
     assert graph.state_bytes == graph.param_bytes + graph.optimizer_state_bytes
 
 
+@pytest.mark.parametrize("which", ["mlp_job", "gpt_job"])
+def test_each_tensor_records_the_optimizer_state_a_trained_member_holds_for_it(which: str,
+                                                                              request: pytest.FixtureRequest) -> None:
+    """The keys and dtypes of the state shaped like each parameter, in the order a member that
+    trained holds them (`from_module`): what a newcomer cuts its receives for before it learns them."""
+    from worker.parallel.slices import PARAM, from_module
+
+    job = request.getfixturevalue(which)
+    graph = capture_graph(job)
+    torch.manual_seed(job.seed)
+    model = job.model()
+    optimizer = job.optimizer(model.parameters())
+    x, y = job.dataset[torch.arange(2)]
+    job.loss(model(x), y).backward()
+    optimizer.step()
+    held = from_module(1, model, optimizer)
+    assert [t.fqn for t in graph.tensors] == list(held.keys)
+    for t in graph.tensors:
+        assert t.state is not None and t.state and held.keys[t.fqn] == (PARAM, *(k for k, _ in t.state)), t
+        assert all(held.dtypes[t.fqn][k] == dtype for k, dtype in t.state), t
+    bad = graph.to_dict()
+    bad["tensors"][0]["state"] = [["exp_avg", "float99"]]
+    with pytest.raises(ValueError, match="unknown dtype in its optimizer state"):
+        Graph.from_dict(bad)
+
+
 def test_graph_round_trips(gpt_job: Job) -> None:
     graph = capture_graph(gpt_job)
     again = Graph.from_dict(graph.to_dict())

@@ -32,6 +32,25 @@ def _journaled(tmp_path: Path) -> tuple[Sim, dict[str, object]]:
     return sim, values
 
 
+def test_a_journaled_delta_keeps_the_layout_it_follows(tmp_path: Path) -> None:
+    """A delta after the first carries the layout its members hold (`previous`): it survives the journal."""
+    sim = Sim(config=_config())
+    sim.running("a", "b")
+    sim(m.Joined(_join_msg("c")))
+    sim(m.MadeReady("c"))
+    delta = sim.state.delta
+    assert delta is not None and delta.epoch == 2 and delta.previous is not None
+    assert delta.previous.members == ["a", "b"] and "c" in delta.members
+    journal = Journal(tmp_path / "journal.sqlite")
+    assert journal.load() is None
+    journal.save(snapshot(sim.state, {}))
+    journal.close()
+    again = Journal(tmp_path / "journal.sqlite")
+    values = again.load()
+    again.close()
+    assert values is not None and recover(values, now=1.0).delta == delta
+
+
 def _back(name: str) -> m.Joined:
     """A member of the journaled epoch 1 registering again, at step 9."""
     return m.Joined(replace(_join_msg(name), epoch=1, step=9))

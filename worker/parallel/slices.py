@@ -124,6 +124,11 @@ class LocalState:
             raise KeyError(f"{fqn}[{lo}:{hi}] ({key}) is not held here (held: {[(p.lo, p.hi) for p in self.pieces.get(fqn, [])]})")
         return parts
 
+    def with_whole(self, whole: LocalState) -> LocalState:
+        """These pieces, with `whole`'s step, keys, dtypes and whole-state part."""
+        return LocalState(step=whole.step, keys=whole.keys, dtypes=whole.dtypes, pieces=self.pieces,
+                          scalars=whole.scalars, hyper=whole.hyper, buffers=whole.buffers)
+
     def whole(self) -> dict[str, Any]:
         """The part every holder has whole (what a newcomer receives first)."""
         return {"step": self.step, "keys": {k: list(v) for k, v in self.keys.items()}, "dtypes": self.dtypes,
@@ -193,14 +198,16 @@ def execute(plan: ReshardPlan, me: str, ranks: Mapping[str, int], local: LocalSt
             needed: Mapping[str, Sequence[Range]], holders: Sequence[str], pg: Any,
             wait: Callable[[Any, torch.Tensor | None], None], device: torch.device,
             whole: bytes = b"", sender: str | None = None, pool: Pool | None = None,
-            packed_whole: packing.Packed | None = None, outgoing: Outgoing | None = None) -> tuple[LocalState, int]:
+            packed_whole: packing.Packed | None = None, outgoing: Outgoing | None = None,
+            incoming: Incoming | None = None) -> tuple[LocalState, int]:
     """Run `me`'s part of `plan`; returns the new LocalState (exactly the ranges `needed`) and the
     bytes received. `holders`: the members whose state is current; `sender` (default: the
     lowest-ranked holder) sends the whole-state part's tensors to the others; `local`: this member's
     state, None if it has none; `whole`: the sender's `skeleton`, which a member without state needs
     (every member learns it in the description all-gather before, so its receives go out with the
     data's); `packed_whole`: the sender's `pack_whole`, when it has it already; `outgoing`: this
-    member's data messages packed ahead (`pack_sends`), used when they are this plan's."""
+    member's data messages packed ahead (`pack_sends`), used when they are this plan's; `incoming`:
+    where this member's receives land, made ready ahead (`expect`), used when they are this plan's."""
     received = 0
     sender = sender or min(holders, key=lambda n: ranks[n])
     works: list[tuple[Any, torch.Tensor]] = []
@@ -224,18 +231,105 @@ def execute(plan: ReshardPlan, me: str, ranks: Mapping[str, int], local: LocalSt
                     works.append((pg.send([buf], ranks[n], tag), buf))
     assert local is not None
     sends, recvs = plan.for_member(me)
-    # Receives first: the wire starts for each message as soon as both sides posted it. What comes
-    # from one peer in one dtype lands in one fresh buffer (an *arena*), each message where its
-    # elements belong, so the new state's pieces are views of it: nothing to allocate a piece,
-    # nothing to unpack, and never a write into live state (an abandoned receive writes into a
-    # buffer nobody keeps). The receives are posted taking the peers in turn, a message of each at a
-    # time: gloo reads a message whose data is already there in the posting call itself, so posting
-    # one peer's messages all first kept the others' streams waiting (a 10M GPT join from two
-    # holders, in the same hour: median 1.61 GB/s over 45 joins in turn, 1.39 over 27 one peer first).
-    arriving: dict[Transfer, dict[str, torch.Tensor]] = defaultdict(dict)  # transfer -> companion -> where it lands
-    posts: list[list[tuple[str, int, torch.Tensor]]] = []  # per peer: (peer, tag, buffer)
-    landing: list[tuple[torch.Tensor, list[Item]]] = []  # each message's buffer and its items
-    for peer, transfers in _by_peer(recvs, lambda t: t.src).items():
+    # Receives first: the wire starts for each message as soon as both sides posted it. Taken as
+    # made ready ahead (`incoming`, by a member that held nothing, while the group formed) when the
+    # plan is the one foreseen, else cut here (`expect`).
+    if incoming is not None and incoming.serves(recvs, local):
+        incoming.used = True
+    else:
+        if incoming is not None:
+            incoming.give_back(pool)
+        incoming = expect(recvs, local, pool, device)
+    for turn in zip_longest(*incoming.posts):
+        works += [(pg.recv([buf], ranks[peer], tag), buf) for peer, tag, buf in filter(None, turn)]
+    received += incoming.received
+    if meta is not None:  # the whole-state part: its tensors are views of `bufs`, filled as they arrive
+        bufs = packing.empty_buffers(meta, torch.device("cpu"))
+        for tag, buf in enumerate(bufs, start=META_TAG):
+            works.append((pg.recv([buf], ranks[sender], tag), buf))
+        received += len(whole) + sum(b.numel() * b.element_size() for b in bufs)
+        # (only the parts that hold tensors are walked: the keys and dtypes are plain data, read above)
+        tensors = packing.unpack({**meta, "skeleton": {k: structure[k] for k in ("scalars", "hyper", "buffers")}}, bufs)
+        local.scalars, local.hyper, local.buffers = dict(tensors["scalars"]), list(tensors["hyper"]), dict(tensors["buffers"])
+    arriving = incoming.land()  # (where each item lands, worked out while the first messages arrive)
+    # Both sides cut and number a pair's messages alike, from the plan. Packed ahead (`outgoing`,
+    # while the group formed) when the plan is the one foreseen; else each message is packed here and
+    # posted at once (the wire carries the last while the next is packed).
+    if outgoing is not None and outgoing.serves(sends, local.step):
+        outgoing.used = True
+        works += [(pg.send([out], ranks[peer], tag), out) for peer, tag, out in outgoing.messages]
+    else:
+        if outgoing is not None:
+            outgoing.messages.clear()  # (another plan: its memory goes before this one's is packed)
+        for peer, tag, out in _outgoing(local, sends):
+            works.append((pg.send([out], ranks[peer], tag), out))
+    # The new state while the data is on the wire: views of what arrives and of what is held.
+    new = (incoming.assembled.with_whole(local) if incoming.assembled is not None and incoming.assembled_for == needed
+           and not local.pieces else _assemble(local, needed, recvs, arriving, device))
+    wait(AllOf(works), None)
+    return new, received
+
+
+@dataclass(slots=True)
+class Incoming:
+    """Where one member's receives of a reshard land (`expect`): what comes from one peer in one
+    dtype lands in one fresh buffer (an *arena*), each message where its elements belong, so the new
+    state's pieces are views of it: nothing to allocate a piece, nothing to unpack, and never a write
+    into live state (an abandoned receive writes into a buffer nobody keeps).
+
+    A member that holds nothing makes this ready while its group forms, from the plan it foresees
+    (`worker.epoch.foresee`) and the keys and dtypes the graph recorded, with the new state's
+    pieces (`assembled`); `execute` takes it only when the plan it runs gives this member exactly
+    these receives, in these keys and dtypes, and else gives the arenas back to the pool."""
+
+    recvs: tuple[Transfer, ...]
+    keys: dict[str, tuple[str, ...]]
+    dtypes: dict[str, dict[str, str]]
+    posts: list[list[tuple[str, int, torch.Tensor]]]  # per peer, in order: (peer, tag, buffer)
+    landing: list[tuple[torch.Tensor, list[Item]]]  # each message's buffer and its items
+    received: int  # bytes
+    pool_mark: int | None  # the pool's use before the arenas were cut from it (None: no pool)
+    arriving: dict[Transfer, dict[str, torch.Tensor]] | None = None  # transfer -> companion -> its view
+    assembled: LocalState | None = None  # the new state of a member that held nothing, for `assembled_for`
+    assembled_for: Mapping[str, Sequence[Range]] | None = None
+    used: bool = False  # `execute` took it (the plan was the one foreseen)
+
+    def serves(self, recvs: Sequence[Transfer], local: LocalState) -> bool:
+        return tuple(recvs) == self.recvs and local.keys == self.keys and local.dtypes == self.dtypes
+
+    def land(self) -> dict[Transfer, dict[str, torch.Tensor]]:
+        """Where each item lands: views of the messages' buffers (one `split` a message: slicing
+        item by item cost 7 us an item)."""
+        if self.arriving is None:
+            self.arriving = defaultdict(dict)
+            for buf, items in self.landing:
+                for (t, key), view in zip(items, buf.split_with_sizes([t.hi - t.lo for t, _ in items])):
+                    self.arriving[t][key] = view
+        return self.arriving
+
+    def assemble(self, needed: Mapping[str, Sequence[Range]], device: torch.device) -> None:
+        """The new state of a member that holds nothing: views of the arenas (see `_assemble`)."""
+        self.assembled = _assemble(LocalState(step=0, keys=self.keys, dtypes=self.dtypes), needed, list(self.recvs),
+                                   self.land(), device)
+        self.assembled_for = {k: list(v) for k, v in needed.items()}
+
+    def give_back(self, pool: Pool | None) -> None:
+        """Not used: its arenas go back to the pool (no receive was posted into them)."""
+        if pool is not None and self.pool_mark is not None:
+            pool.used = self.pool_mark
+
+
+def expect(recvs: Sequence[Transfer], local: LocalState, pool: Pool | None, device: torch.device) -> Incoming:
+    """Cut the arenas and the messages for `recvs` (see `Incoming`); `local` gives the keys and dtypes.
+    The receives are posted taking the peers in turn, a message of each at a time: gloo reads a
+    message whose data is already there in the posting call itself, so posting one peer's messages
+    all first kept the others' streams waiting (a 10M GPT join from two holders, in the same hour:
+    median 1.61 GB/s over 45 joins in turn, 1.39 over 27 one peer first)."""
+    posts: list[list[tuple[str, int, torch.Tensor]]] = []
+    landing: list[tuple[torch.Tensor, list[Item]]] = []
+    received = 0
+    mark = pool.used if pool is not None else None
+    for peer, transfers in _by_peer(list(recvs), lambda t: t.src).items():
         messages = [(dtype, items, sum(t.hi - t.lo for t, _ in items)) for dtype, items in _messages(local, transfers)]
         sizes: dict[torch.dtype, int] = defaultdict(int)
         for dtype, _, count in messages:
@@ -249,34 +343,7 @@ def execute(plan: ReshardPlan, me: str, ranks: Mapping[str, int], local: LocalSt
             posts[-1].append((peer, tag, buf))
             landing.append((buf, items))
             received += buf.numel() * buf.element_size()
-    for turn in zip_longest(*posts):
-        works += [(pg.recv([buf], ranks[peer], tag), buf) for peer, tag, buf in filter(None, turn)]
-    if meta is not None:  # the whole-state part: its tensors are views of `bufs`, filled as they arrive
-        bufs = packing.empty_buffers(meta, torch.device("cpu"))
-        for tag, buf in enumerate(bufs, start=META_TAG):
-            works.append((pg.recv([buf], ranks[sender], tag), buf))
-        received += len(whole) + sum(b.numel() * b.element_size() for b in bufs)
-        # (only the parts that hold tensors are walked: the keys and dtypes are plain data, read above)
-        tensors = packing.unpack({**meta, "skeleton": {k: structure[k] for k in ("scalars", "hyper", "buffers")}}, bufs)
-        local.scalars, local.hyper, local.buffers = dict(tensors["scalars"]), list(tensors["hyper"]), dict(tensors["buffers"])
-    for buf, items in landing:  # where each item lands, worked out while the first messages arrive
-        for (t, key), view in zip(items, buf.split_with_sizes([t.hi - t.lo for t, _ in items])):
-            arriving[t][key] = view
-    # Both sides cut and number a pair's messages alike, from the plan. Packed ahead (`outgoing`,
-    # while the group formed) when the plan is the one foreseen; else each message is packed here and
-    # posted at once (the wire carries the last while the next is packed).
-    if outgoing is not None and outgoing.serves(sends, local.step):
-        outgoing.used = True
-        works += [(pg.send([out], ranks[peer], tag), out) for peer, tag, out in outgoing.messages]
-    else:
-        if outgoing is not None:
-            outgoing.messages.clear()  # (another plan: its memory goes before this one's is packed)
-        for peer, tag, out in _outgoing(local, sends):
-            works.append((pg.send([out], ranks[peer], tag), out))
-    # The new state while the data is on the wire: views of what arrives and of what is held.
-    new = _assemble(local, needed, recvs, arriving, device)
-    wait(AllOf(works), None)
-    return new, received
+    return Incoming(tuple(recvs), dict(local.keys), dict(local.dtypes), posts, landing, received, mark)
 
 
 @dataclass(slots=True)
