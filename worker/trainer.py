@@ -420,10 +420,10 @@ class Trainer:
         def pack() -> None:
             try:
                 local = self._local_state()  # (views of what is held: nothing changes it before the reshard)
-                _, plan = epoch.foresee(old, layout, self.tensors, ranks,
-                                        copies=layout.sharded and layout.dp_replicate == 1)
+                after, plan = epoch.foresee(old, layout, self.tensors, ranks,
+                                            copies=layout.sharded and layout.dp_replicate == 1)
                 if plan.for_member(self.name)[0] and not plan.missing:
-                    box["out"] = pack_sends(plan, self.name, local)
+                    box["out"] = pack_sends(plan, self.name, local, after.get(self.name, {}), self.device)
             except Exception as e:  # noqa: BLE001 (an optimisation: the reshard packs afresh)
                 self.log(f"epoch {delta.epoch}: could not pack ahead ({e}); the reshard packs")
 

@@ -116,7 +116,7 @@ def main() -> None:
                                dtypes={t.fqn: {PARAM: t.dtype, **dict(t.state or ())} for t in graph.tensors})
             incoming = expect(plan.for_member(me)[1], known, pool, device)
             incoming.assemble(after.get(me, {}), device)
-        outgoing = pack_sends(plan, me, mine) if mine is not None else None
+        outgoing = pack_sends(plan, me, mine, after.get(me, {}), device) if mine is not None else None
         # The holders' whole-state skeleton, as the worker learns it (worker.epoch's description).
         packed = pack_whole(mine) if mine is not None else None
         described = epoch_entry.exchange(raw, rank, len(group), epoch_entry.describe(tensors, mine, packed),

@@ -89,13 +89,13 @@ def _case(seed: int) -> None:
     for n in holders:
         kind = rng.choice(["none", "this", "other", "step"])
         if kind == "this" or (kind == "step" and plan.for_member(n)[0]):
-            ahead[n] = pack_sends(plan, n, locals_[n])
+            ahead[n] = pack_sends(plan, n, locals_[n], after.get(n, {}) if rng.random() < 0.5 else None)
             used[n] = kind == "this"
             ahead[n].step += kind == "step"
         elif kind == "other" and len(holders) > 1:
             gone = rng.choice([h for h in holders if h != n])
             foreseen = plan_reshard({h: held for h, held in before.items() if h != gone}, after)
-            ahead[n] = pack_sends(foreseen, n, locals_[n])
+            ahead[n] = pack_sends(foreseen, n, locals_[n], after.get(n, {}))
             used[n] = foreseen.for_member(n)[0] == plan.for_member(n)[0]
     # A member without state may have cut its receives ahead (`expect`, as a worker does while its
     # group forms, from the keys and dtypes its graph recorded): for this very plan (taken), or for

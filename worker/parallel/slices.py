@@ -264,8 +264,13 @@ def execute(plan: ReshardPlan, me: str, ranks: Mapping[str, int], local: LocalSt
         for peer, tag, out in _outgoing(local, sends):
             works.append((pg.send([out], ranks[peer], tag), out))
     # The new state while the data is on the wire: views of what arrives and of what is held.
-    new = (incoming.assembled.with_whole(local) if incoming.assembled is not None and incoming.assembled_for == needed
-           and not local.pieces else _assemble(local, needed, recvs, arriving, device))
+    if incoming.assembled is not None and incoming.assembled_for == needed and not local.pieces:
+        new = incoming.assembled.with_whole(local)  # (made ahead: a member that held nothing)
+    elif outgoing is not None and outgoing.used and not recvs and outgoing.assembled_for == needed:
+        assert outgoing.assembled is not None
+        new = outgoing.assembled.with_whole(local)  # (made ahead: a holder that receives nothing)
+    else:
+        new = _assemble(local, needed, recvs, arriving, device)
     wait(AllOf(works), None)
     return new, received
 
@@ -360,15 +365,24 @@ class Outgoing:
     step: int
     messages: list[tuple[str, int, torch.Tensor]]  # (peer, tag, what is sent)
     used: bool = False  # `execute` sent them (the plan was the one foreseen)
+    assembled: LocalState | None = None  # the sender's new state, when it receives nothing (`pack_sends`)
+    assembled_for: Mapping[str, Sequence[Range]] | None = None
 
     def serves(self, sends: Sequence[Transfer], step: int) -> bool:
         return step == self.step and tuple(sends) == self.sends
 
 
-def pack_sends(plan: ReshardPlan, me: str, local: LocalState) -> Outgoing:
-    """`me`'s data messages of `plan`, packed from `local` (which must not change before they are sent)."""
-    sends, _ = plan.for_member(me)
-    return Outgoing(tuple(sends), local.step, list(_outgoing(local, sends)))
+def pack_sends(plan: ReshardPlan, me: str, local: LocalState, needed: Mapping[str, Sequence[Range]] | None = None,
+               device: torch.device | None = None) -> Outgoing:
+    """`me`'s data messages of `plan`, packed from `local` (which must not change before they are
+    sent); and, given the ranges it will hold (`needed`) where it receives nothing (a join's
+    holders), its new state too: views of what it holds."""
+    sends, recvs = plan.for_member(me)
+    out = Outgoing(tuple(sends), local.step, list(_outgoing(local, sends)))
+    if needed is not None and not recvs and not plan.missing:
+        out.assembled = _assemble(local, needed, [], {}, device or torch.device("cpu"))
+        out.assembled_for = {k: list(v) for k, v in needed.items()}
+    return out
 
 
 def _outgoing(local: LocalState, sends: Sequence[Transfer]) -> Iterator[tuple[str, int, torch.Tensor]]:
