@@ -314,7 +314,7 @@ def _acked(state: State, ack: Ack, config: Config, now: float) -> Result:
                     reshard_largest_sender=max(state.reshard_largest_sender, ack.reshard_largest_sender))
     if state.pending:
         return state, []
-    state = replace(state, running=frozenset(),
+    state = replace(state, running=frozenset(), formed_at=now,
                     cluster=state.cluster.with_reshard(state.reshard_bytes, state.reshard_s),
                     slices_possible=state.plan is not None and state.plan.dp_shard > 1)  # every member switched
     plan = state.plan

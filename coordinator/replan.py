@@ -173,7 +173,9 @@ def _abandon_for_join(state: State, new: Plan, always: bool, now: float, wait_ma
     bound on the newcomer's wait bought with the members' work on the step (the rule above alone
     lets a join wait up to a step where a newcomer adds little: 1.2-1.7 s on this 2-core machine).
     A step already past its usual length is taken to end at once (a stuck one is the failure
-    detector's, not this rule's)."""
+    detector's, not this rule's). The step in flight began at the last step's report, or at the
+    epoch's formation for its first step (measured: joins 1.6 s after the last report, a step of
+    1.2 s, the first after a drain's switch, were taken to end at once and waited 1.2 s)."""
     current, tracker = state.plan, state.tracker
     if current is None or state.last_step_at <= 0 or new.predicted_step_s is None or state.graph is None:
         return ""  # (no step committed yet: nothing in flight worth weighing)
@@ -183,7 +185,9 @@ def _abandon_for_join(state: State, new: Plan, always: bool, now: float, wait_ma
     step_s = statistics.median(measured) if measured else current.predicted_step_s  # (a young epoch: predicted)
     if not step_s:
         return ""
-    elapsed = now - state.last_step_at
+    # The step in flight began at the last step's report, or, when it is the first of its epoch, when
+    # the epoch formed (its entry is not part of it: after a switch, the last report is an entry older).
+    elapsed = now - max(state.last_step_at, state.formed_at)
     if always:
         return f"the members abandon the step in flight ({elapsed:.2f} s of ~{step_s:.2f} s run): --join-abandons always"
     now_s = _current_step_s(state, current)

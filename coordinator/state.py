@@ -94,6 +94,7 @@ class State:
     calibrating: bool = True  # the latest plan rests on a guess for some member (not measured yet)
     last_step: int = 0  # highest step reported (and logged)
     last_step_at: float = 0.0  # when its first report arrived (the members then began the next step)
+    formed_at: float = 0.0  # when the last member of the epoch acked it (the members then began its first step)
     last_lr: float | None = None  # learning rate and gradient norm (before clipping) of that step
     last_grad_norm: float | None = None
     last_eval: tuple[int, float, int] | None = None  # (step, loss, samples) of the latest evaluation

@@ -13,7 +13,10 @@ members at the highest step (one that fell a step behind, or was fenced, holds n
 From that, every member derives the same transfer list (`plan.reshard.plan_reshard`: the new
 layout's slices, each needed byte once, sources balanced), and runs its part of it
 (`worker.parallel.slices.execute`). State that no holder has is `StateLost`: the worker tells the
-coordinator, which stops the job naming it; nothing trains on made-up state.
+coordinator, which stops the job naming it; nothing trains on made-up state. The usual planned
+change is foreseen before the group forms (`foresee`: every member of the layout being left still
+holds its slices), so that the packing and cutting of the transfers is done while it forms; what
+the descriptions say decides, and `slices.execute` uses that work only where it is this plan's.
 
 Why all-gather rather than the coordinator's word: after an abandoned epoch the members may hold
 different layouts (a failure can strike mid-reshard, when some members assembled their new slices

@@ -30,7 +30,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -61,6 +61,8 @@ from worker.parallel.update import GRAD, apply_update
 from worker.save import save_model, save_state
 from worker.step import local_grad
 from worker.store import CoordinatorStore
+
+T = TypeVar("T")
 
 RETRY_S = 0.5  # pause before forming an epoch's group again after a failed rendezvous
 
@@ -374,34 +376,23 @@ class Trainer:
         foreseen). `execute` takes it where the plan is the one foreseen."""
         if pool is None:
             return lambda: None
-        box: dict[str, Incoming] = {}
         tensors = self.graph().tensors
 
-        def ready() -> None:
+        def ready() -> Incoming | None:
             pool.touch()
             if delta.previous is None or any(t.state is None for t in tensors):
-                return
-            try:
-                layout = Layout.from_dict(dataclasses.asdict(delta.layout))
-                after, plan = epoch.foresee(Layout.from_dict(dataclasses.asdict(delta.previous)), layout,
-                                            self.tensors, ranks, copies=layout.sharded and layout.dp_replicate == 1)
-                if plan.missing:  # (a holder gone: the entry finds out who holds what)
-                    return
-                known = LocalState(step=0, keys={t.fqn: (PARAM, *(k for k, _ in t.state or ())) for t in tensors},
-                                   dtypes={t.fqn: {PARAM: t.dtype, **dict(t.state or ())} for t in tensors})
-                incoming = expect(plan.for_member(self.name)[1], known, pool, self.device)
-                incoming.assemble(after.get(self.name, {}), self.device)
-                box["in"] = incoming
-            except Exception as e:  # noqa: BLE001 (an optimisation: the reshard cuts them afresh)
-                self.log(f"epoch {delta.epoch}: could not make the receives ready ahead ({e})")
-
-        thread = threading.Thread(target=ready, name="pool", daemon=True)
-        thread.start()
-
-        def made() -> Incoming | None:
-            thread.join()
-            return box.get("in")
-        return made
+                return None
+            layout = Layout.from_dict(dataclasses.asdict(delta.layout))
+            after, plan = epoch.foresee(Layout.from_dict(dataclasses.asdict(delta.previous)), layout,
+                                        self.tensors, ranks, copies=layout.sharded and layout.dp_replicate == 1)
+            if plan.missing:  # (a holder gone: the entry finds out who holds what)
+                return None
+            known = LocalState(step=0, keys={t.fqn: (PARAM, *(k for k, _ in t.state or ())) for t in tensors},
+                               dtypes={t.fqn: {PARAM: t.dtype, **dict(t.state or ())} for t in tensors})
+            incoming = expect(plan.for_member(self.name)[1], known, pool, self.device)
+            incoming.assemble(after.get(self.name, {}), self.device)
+            return incoming
+        return self._meanwhile("pool", ready, f"epoch {delta.epoch}: could not make the receives ready ahead")
 
     def _pack_ahead(self, delta: PlanDelta, ranks: list[str]) -> Callable[[], Outgoing | None]:
         """Start packing, in a thread, what this holder of sharded slices will send in the entry's
@@ -415,25 +406,35 @@ class Trainer:
             return lambda: None
         old = self.sharded_at[0]
         layout = Layout.from_dict(dataclasses.asdict(delta.layout))
-        box: dict[str, Outgoing] = {}
 
-        def pack() -> None:
+        def pack() -> Outgoing | None:
+            local = self._local_state()  # (views of what is held: nothing changes it before the reshard)
+            after, plan = epoch.foresee(old, layout, self.tensors, ranks,
+                                        copies=layout.sharded and layout.dp_replicate == 1)
+            if not plan.for_member(self.name)[0] or plan.missing:
+                return None
+            return pack_sends(plan, self.name, local, after.get(self.name, {}), self.device)
+        return self._meanwhile("pack-ahead", pack, f"epoch {delta.epoch}: could not pack ahead")
+
+    def _meanwhile(self, name: str, work: Callable[[], T | None], failed: str) -> Callable[[], T | None]:
+        """Run `work` in a thread of its own (while the group forms); returns the call that waits for
+        its result. Work made ahead is an optimisation: where it fails, the reshard does it itself,
+        and the log says why (`failed`)."""
+        box: list[T | None] = [None]
+
+        def run() -> None:
             try:
-                local = self._local_state()  # (views of what is held: nothing changes it before the reshard)
-                after, plan = epoch.foresee(old, layout, self.tensors, ranks,
-                                            copies=layout.sharded and layout.dp_replicate == 1)
-                if plan.for_member(self.name)[0] and not plan.missing:
-                    box["out"] = pack_sends(plan, self.name, local, after.get(self.name, {}), self.device)
-            except Exception as e:  # noqa: BLE001 (an optimisation: the reshard packs afresh)
-                self.log(f"epoch {delta.epoch}: could not pack ahead ({e}); the reshard packs")
+                box[0] = work()
+            except Exception as e:  # noqa: BLE001 (see above)
+                self.log(f"{failed} ({e}); the reshard does it")
 
-        thread = threading.Thread(target=pack, name="pack-ahead", daemon=True)
+        thread = threading.Thread(target=run, name=name, daemon=True)
         thread.start()
 
-        def packed() -> Outgoing | None:
+        def result() -> T | None:
             thread.join()
-            return box.get("out")
-        return packed
+            return box[0]
+        return result
 
     def _reshard(self, g: Group, pool: Pool | None = None, outgoing: Outgoing | None = None,
                  incoming: Incoming | None = None) -> tuple[LocalState, int]:

@@ -795,6 +795,30 @@ def test_join_wait_max_abandons_even_where_a_newcomer_makes_the_step_no_faster()
     assert "would keep the newcomer waiting longer than --join-wait-max 0.05 s" in p.result.reason
 
 
+def test_the_first_step_of_an_epoch_counts_from_the_epochs_formation() -> None:
+    # c joins late in a step and waits for its boundary; the members finish the step, report it and
+    # take 0.4 s to form the new epoch (the entry). d becomes ready 0.05 s into that epoch's first
+    # step: most of the step is left, so --join-wait-max 0.05 abandons it. Timed from the last step's
+    # report instead, the step would look overdue, be taken to end at once, and d would wait for it
+    # (measured: 1.2 s joins after a drain's switch, the bench's default run).
+    sim, effects = _joining_mid_step(0.2)
+    assert not the_delta(effects).abort
+    plan = sim.state.plan
+    assert plan is not None and sim.state.epoch == 2
+    sim.now += 0.12
+    for name in ("a", "b"):
+        sim(timed(name, 9, 1, 16, 0.3))
+    sim.now += 0.4
+    sim.ack_all()
+    sim.config = replace(sim.config, join_wait_max_s=0.05)
+    sim.now += 0.05
+    effects = sim.join("d")
+    [p] = planned(effects)
+    assert "d" in the_delta(effects).members
+    assert the_delta(effects).abort and p.abandons_step, p.result.reason
+    assert "--join-wait-max 0.05 s" in p.result.reason, p.result.reason
+
+
 @pytest.mark.parametrize(("policy", "elapsed", "abandons"), [("never", 0.001, False), ("always", 0.2, True)])
 def test_join_abandons_policy_overrides_the_cost_model(policy: str, elapsed: float, abandons: bool) -> None:
     sim, effects = _joining_mid_step(elapsed, policy=policy)

@@ -19,21 +19,23 @@ wait goes through the caller's abortable `wait`. A member that holds nothing (a 
 receives the whole-state part's tensors from the lowest-ranked holder, in the same round; their
 structure (`skeleton`) reached it before, in the description all-gather.
 
-A newcomer's arenas are cut from a `Pool`, memory it made ready (faulted in) while its group
-formed; it posts its data receives as soon as it knows the keys and dtypes, and receives and
-unpacks the whole-state part after them, while the data is on the wire.
+Most of a reshard is known before the group forms, and done while it forms (forming waits on the
+store and on TCP handshakes, leaving the cores idle): every member foresees the plan from the layout
+being left and the new one (`worker.epoch.foresee`). A holder packs what it will send
+(`pack_sends`, an `Outgoing`) and, when it receives nothing (a join's holders), makes its new
+state's pieces. A member that holds nothing faults in a `Pool` and cuts its arenas, messages and new
+pieces from it (`expect`, an `Incoming`), with the keys and dtypes its graph recorded per tensor.
+`execute` takes what was made ahead only where the plan it runs gives that member exactly those
+transfers (and keys, dtypes, step); else it does the work itself, as before. The newcomer then
+receives and unpacks the whole-state part while the data is on the wire.
 
-Measured on a 10M GPT join (43 MB to the newcomer, two senders, 2 cores, 9 joins a run): 26-30 ms,
-1.4-1.7 GB/s median, where raw gloo p2p moves the same bytes in the same shape at 2.8-2.9 GB/s and,
-each message packed from the senders' items as here, at 1.8-2.1 GB/s (the packing copy costs the
-wire a third on 2 cores; sending the large items from views instead measured the same, 1.6-1.8).
-Into fresh arenas a join faulted in up to 10,500 pages inside the wire, 50-100 ms; from a pool,
-none. Before the receives go out: ~1-2 ms (the skeleton, the messages, the arenas). The ceiling,
-measured by moving every bit of both sides' Python and the senders' packing in front of the timer
-(an experiment, not kept: a newcomer cannot know its transfers before the description exchange):
-2.2-2.3 GB/s, the three processes' loopback TCP alone on 2 cores (about 26 ms of CPU a join between
-them: the newcomer's reads ~11, each sender's writes ~7; our path adds ~12 of packing and ~15 of
-Python, all on the same two cores).
+Measured on a 10M GPT join (43 MB to the newcomer, two senders, 2 cores, 9 joins a run): with the
+work made ahead, 18-22 ms, 2.0-2.5 GB/s median over nine runs, where raw gloo p2p (two processes)
+moved 2.9-3.6 GB/s and the join's own shape (two senders, one receiver) 2.7-3.2 GB/s in the same
+runs; before (packing and cutting inside the reshard), 1.5-2.0 GB/s on the same machine that day.
+What is left is mostly loopback TCP on 2 cores: the newcomer's reads take ~10 of its ~12 ms of CPU
+in a join, each sender's writes ~6 of ~7. Into fresh arenas a join faulted in up to 10,500 pages
+inside the wire, 50-100 ms; from a pool, none.
 """
 
 from __future__ import annotations
