@@ -32,7 +32,8 @@ receives and unpacks the whole-state part while the data is on the wire.
 Measured on a 10M GPT join (43 MB to the newcomer, two senders, 2 cores, 9 joins a run): with the
 work made ahead, 18-22 ms, 2.0-2.5 GB/s median over nine runs, where raw gloo p2p (two processes)
 moved 2.9-3.6 GB/s and the join's own shape (two senders, one receiver) 2.7-3.2 GB/s in the same
-runs; before (packing and cutting inside the reshard), 1.5-2.0 GB/s on the same machine that day.
+runs; the same day, with the packing and the cutting inside the reshard, 1.5 GB/s (two probes), and
+with only the senders' packing ahead, 1.7-2.1 (five).
 What is left is mostly loopback TCP on 2 cores: the newcomer's reads take ~10 of its ~12 ms of CPU
 in a join, each sender's writes ~6 of ~7. Into fresh arenas a join faulted in up to 10,500 pages
 inside the wire, 50-100 ms; from a pool, none.
