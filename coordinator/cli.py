@@ -16,8 +16,8 @@ from typing import TextIO
 import trio
 
 from coordinator.daemon import CoordinatorConfig, serve
-from coordinator.state import JOIN_WAIT_MAX_S
 from coordinator.jobinfo import JobRefused, inspect_job
+from coordinator.state import JOIN_WAIT_MAX_S
 from plan.layout import LayoutError, parse_pin
 from transport.security import KEYS_ENV, KeysError, generate_keys, keys_dir, load_server_keys
 
@@ -216,6 +216,8 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
         host = a.bind.rsplit(":", 1)[0] if a.bind.startswith("tcp://") else "tcp://127.0.0.1"
         control = f"{host}:0"
     state_dir = a.state_dir or Path(tempfile.mkdtemp(prefix="adaptrain-"))
+    # the bound is auto's (never and always have none); not given: the default; `none`: no bound
+    wait_max = None if a.join_abandons != "auto" else JOIN_WAIT_MAX_S if a.join_wait_max is UNSET else a.join_wait_max
     cfg = CoordinatorConfig(bind=a.bind, control=control, state_dir=state_dir, keys=keys,
                             max_joining=a.max_joining, min_workers=a.min_workers,
                             max_workers=a.max_workers, lease_s=a.lease, heartbeat_s=a.heartbeat,
@@ -225,8 +227,8 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
                             layout=layout, checkpoint_dir=a.checkpoint_dir or state_dir / "checkpoints",
                             checkpoint_every=a.checkpoint_every, checkpoint_keep=a.checkpoint_keep,
                             recovery_grace_s=a.recovery_grace, join_abandons=a.join_abandons,
-                            join_wait_max_s=(None if a.join_abandons != "auto" else JOIN_WAIT_MAX_S
-                                             if a.join_wait_max is UNSET else a.join_wait_max), solver=a.solver, metrics_port=a.metrics_port, metrics_host=metrics_host(a.bind))
+                            join_wait_max_s=wait_max, solver=a.solver, metrics_port=a.metrics_port,
+                            metrics_host=metrics_host(a.bind))
     return cfg, a.job
 
 

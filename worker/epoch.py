@@ -113,15 +113,15 @@ def plan_entry(layout: Layout, tensors: Sequence[TensorShape], described: list[l
     return best, holders, after, plan
 
 
-def foresee(old: Layout, layout: Layout, tensors: Sequence[TensorShape], ranks: Sequence[str], *,
-            copies: bool = True) -> tuple[Holdings, ReshardPlan]:
+def foresee(old: Layout, layout: Layout, tensors: Sequence[TensorShape],
+            ranks: Sequence[str]) -> tuple[Holdings, ReshardPlan]:
     """The new layout's holdings and the transfers `enter` will run when every member of `old` in
     the new group (`ranks`) still holds its slices of `old` (and its copies), all at one step: the
     usual planned change, which every member foresees before the group forms, a holder to pack what
     it will send meanwhile (`slices.pack_sends`), a member that holds nothing to make its receives
     ready (`slices.expect`). Where the descriptions then say otherwise, `execute` does it afresh."""
     before = {n: h for n, h in holdings(old, tensors, copy_ring(old)).items() if n in ranks}
-    after = holdings(layout, tensors, copy_ring(layout) if copies else None)
+    after = holdings(layout, tensors, copy_ring(layout))  # (a layout that needs no copies has no ring)
     return after, plan_reshard(before, after)
 
 

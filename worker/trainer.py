@@ -376,19 +376,16 @@ class Trainer:
         foreseen). `execute` takes it where the plan is the one foreseen."""
         if pool is None:
             return lambda: None
-        tensors = self.graph().tensors
+        known = LocalState.recorded(self.graph().tensors)
 
         def ready() -> Incoming | None:
             pool.touch()
-            if delta.previous is None or any(t.state is None for t in tensors):
+            if delta.previous is None or known is None:
                 return None
-            layout = Layout.from_dict(dataclasses.asdict(delta.layout))
-            after, plan = epoch.foresee(Layout.from_dict(dataclasses.asdict(delta.previous)), layout,
-                                        self.tensors, ranks, copies=layout.sharded and layout.dp_replicate == 1)
+            after, plan = epoch.foresee(Layout.from_dict(dataclasses.asdict(delta.previous)),
+                                        Layout.from_dict(dataclasses.asdict(delta.layout)), self.tensors, ranks)
             if plan.missing:  # (a holder gone: the entry finds out who holds what)
                 return None
-            known = LocalState(step=0, keys={t.fqn: (PARAM, *(k for k, _ in t.state or ())) for t in tensors},
-                               dtypes={t.fqn: {PARAM: t.dtype, **dict(t.state or ())} for t in tensors})
             incoming = expect(plan.for_member(self.name)[1], known, pool, self.device)
             incoming.assemble(after.get(self.name, {}), self.device)
             return incoming
@@ -409,8 +406,7 @@ class Trainer:
 
         def pack() -> Outgoing | None:
             local = self._local_state()  # (views of what is held: nothing changes it before the reshard)
-            after, plan = epoch.foresee(old, layout, self.tensors, ranks,
-                                        copies=layout.sharded and layout.dp_replicate == 1)
+            after, plan = epoch.foresee(old, layout, self.tensors, ranks)
             if not plan.for_member(self.name)[0] or plan.missing:
                 return None
             return pack_sends(plan, self.name, local, after.get(self.name, {}), self.device)

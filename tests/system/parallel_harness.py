@@ -35,7 +35,7 @@ from worker.parallel import mesh as meshes  # noqa: E402
 from worker.parallel.fsdp import Sharded, apply_fsdp, extract  # noqa: E402
 from worker.parallel.replicated import Replica, apply_replicated, extract_replicated  # noqa: E402
 from worker import epoch as epoch_entry  # noqa: E402
-from worker.parallel.slices import PARAM, LocalState, Pool, execute, expect, from_module, pack_sends, pack_whole  # noqa: E402
+from worker.parallel.slices import LocalState, Pool, execute, expect, from_module, pack_sends, pack_whole  # noqa: E402
 
 
 def _store(out: Path, names: list[str], me: str) -> Any:
@@ -111,9 +111,8 @@ def main() -> None:
         # nothing cuts its receives from the plan and the optimizer state the graph recorded, a
         # holder packs what it sends.
         incoming = None
-        if mine is None and all(t.state is not None for t in graph.tensors):
-            known = LocalState(step=0, keys={t.fqn: (PARAM, *(k for k, _ in t.state or ())) for t in graph.tensors},
-                               dtypes={t.fqn: {PARAM: t.dtype, **dict(t.state or ())} for t in graph.tensors})
+        known = LocalState.recorded(graph.tensors)
+        if mine is None and known is not None:
             incoming = expect(plan.for_member(me)[1], known, pool, device)
             incoming.assemble(after.get(me, {}), device)
         outgoing = pack_sends(plan, me, mine, after.get(me, {}), device) if mine is not None else None

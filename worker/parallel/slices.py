@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from plan.graph import TensorInfo
 from plan.reshard import Range, ReshardPlan, Transfer, subtract
 from worker import state as packing
 from worker.comm import AllOf
@@ -126,6 +127,16 @@ class LocalState:
         if at != hi:
             raise KeyError(f"{fqn}[{lo}:{hi}] ({key}) is not held here (held: {[(p.lo, p.hi) for p in self.pieces.get(fqn, [])]})")
         return parts
+
+    @staticmethod
+    def recorded(tensors: Sequence[TensorInfo]) -> LocalState | None:
+        """No pieces, the keys and dtypes a trained member holds for `tensors` as the graph recorded
+        them (`TensorInfo.state`): what a member that holds nothing cuts its receives for before it
+        learns them; None where the capture could not step the optimizer."""
+        if any(t.state is None for t in tensors):
+            return None
+        return LocalState(step=0, keys={t.fqn: (PARAM, *(k for k, _ in t.state or ())) for t in tensors},
+                          dtypes={t.fqn: {PARAM: t.dtype, **dict(t.state or ())} for t in tensors})
 
     def with_whole(self, whole: LocalState) -> LocalState:
         """These pieces, with `whole`'s step, keys, dtypes and whole-state part."""
@@ -267,13 +278,10 @@ def execute(plan: ReshardPlan, me: str, ranks: Mapping[str, int], local: LocalSt
         for peer, tag, out in _outgoing(local, sends):
             works.append((pg.send([out], ranks[peer], tag), out))
     # The new state while the data is on the wire: views of what arrives and of what is held.
-    if incoming.assembled is not None and incoming.assembled_for == needed and not local.pieces:
-        new = incoming.assembled.with_whole(local)  # (made ahead: a member that held nothing)
-    elif outgoing is not None and outgoing.used and not recvs and outgoing.assembled_for == needed:
-        assert outgoing.assembled is not None
-        new = outgoing.assembled.with_whole(local)  # (made ahead: a holder that receives nothing)
-    else:
-        new = _assemble(local, needed, recvs, arriving, device)
+    made = (incoming.assembled if not local.pieces  # (a member that held nothing)
+            else outgoing.assembled if outgoing is not None and outgoing.used and not recvs else None)  # (a holder)
+    new = (made.state.with_whole(local) if made is not None and made.serves(needed)
+           else _assemble(local, needed, recvs, arriving, device))
     wait(AllOf(works), None)
     return new, received
 
@@ -298,8 +306,7 @@ class Incoming:
     received: int  # bytes
     pool_mark: int | None  # the pool's use before the arenas were cut from it (None: no pool)
     arriving: dict[Transfer, dict[str, torch.Tensor]] | None = None  # transfer -> companion -> its view
-    assembled: LocalState | None = None  # the new state of a member that held nothing, for `assembled_for`
-    assembled_for: Mapping[str, Sequence[Range]] | None = None
+    assembled: Made | None = None  # the new state (`assemble`)
     used: bool = False  # `execute` took it (the plan was the one foreseen)
 
     def serves(self, recvs: Sequence[Transfer], local: LocalState) -> bool:
@@ -317,9 +324,8 @@ class Incoming:
 
     def assemble(self, needed: Mapping[str, Sequence[Range]], device: torch.device) -> None:
         """The new state of a member that holds nothing: views of the arenas (see `_assemble`)."""
-        self.assembled = _assemble(LocalState(step=0, keys=self.keys, dtypes=self.dtypes), needed, list(self.recvs),
-                                   self.land(), device)
-        self.assembled_for = {k: list(v) for k, v in needed.items()}
+        self.assembled = Made.of(LocalState(step=0, keys=self.keys, dtypes=self.dtypes), needed, list(self.recvs),
+                                 self.land(), device)
 
     def give_back(self, pool: Pool | None) -> None:
         """Not used: its arenas go back to the pool (no receive was posted into them)."""
@@ -368,8 +374,7 @@ class Outgoing:
     step: int
     messages: list[tuple[str, int, torch.Tensor]]  # (peer, tag, what is sent)
     used: bool = False  # `execute` sent them (the plan was the one foreseen)
-    assembled: LocalState | None = None  # the sender's new state, when it receives nothing (`pack_sends`)
-    assembled_for: Mapping[str, Sequence[Range]] | None = None
+    assembled: Made | None = None  # the sender's new state, when it receives nothing (`pack_sends`)
 
     def serves(self, sends: Sequence[Transfer], step: int) -> bool:
         return step == self.step and tuple(sends) == self.sends
@@ -383,9 +388,25 @@ def pack_sends(plan: ReshardPlan, me: str, local: LocalState, needed: Mapping[st
     sends, recvs = plan.for_member(me)
     out = Outgoing(tuple(sends), local.step, list(_outgoing(local, sends)))
     if needed is not None and not recvs and not plan.missing:
-        out.assembled = _assemble(local, needed, [], {}, device or torch.device("cpu"))
-        out.assembled_for = {k: list(v) for k, v in needed.items()}
+        out.assembled = Made.of(local, needed, [], {}, device or torch.device("cpu"))
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class Made:
+    """A member's new state made ahead of its reshard (views of arenas, or of what it holds), for
+    exactly the ranges `needed`: `execute` takes it where the plan needs the same of this member."""
+
+    state: LocalState
+    needed: dict[str, list[Range]]
+
+    @staticmethod
+    def of(local: LocalState, needed: Mapping[str, Sequence[Range]], recvs: Sequence[Transfer],
+           arriving: Mapping[Transfer, dict[str, torch.Tensor]], device: torch.device) -> Made:
+        return Made(_assemble(local, needed, recvs, arriving, device), {k: list(v) for k, v in needed.items()})
+
+    def serves(self, needed: Mapping[str, Sequence[Range]]) -> bool:
+        return self.needed == needed
 
 
 def _outgoing(local: LocalState, sends: Sequence[Transfer]) -> Iterator[tuple[str, int, torch.Tensor]]:
