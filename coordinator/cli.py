@@ -8,6 +8,7 @@ that does not load, keys that cannot be used, or an address that cannot be bound
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import sys
 import tempfile
 from pathlib import Path
@@ -294,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     if args[:1] == ["keygen"]:
         return keygen(args[1:])
     cfg, job_ref = parse_args(args)
+    faulthandler.enable(all_threads=True)  # a native crash (zmq, the solver) leaves its stacks in the log
     try:
         job = inspect_job(job_ref)
     except JobRefused as e:

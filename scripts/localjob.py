@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -227,6 +227,11 @@ class LocalJob:
         if not path.exists():
             return "(no log)"
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+    def tails(self, names: Iterable[str], lines: int = 30) -> str:
+        """Each worker's last lines under its name: one string, which pytest prints whole in a failed
+        assertion's message (a dict of them it cuts to a line)."""
+        return "\n".join(f"--- {n} ---\n{self.tail(n, lines)}" for n in names)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

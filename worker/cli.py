@@ -2,11 +2,14 @@
 
 Exit status: 0 when the job finished, the worker was drained or preempted (SIGTERM) or stopped;
 1 when the job failed on this worker; 2 for a usage error or a coordinator that refused it.
+A crash in native code (exit -11, SIGSEGV; -6, SIGABRT) writes every thread's Python stack to
+stderr first (`faulthandler`), so the worker's log says where it was.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import hashlib
 import os
 import signal
@@ -157,6 +160,7 @@ def _exit(code: int) -> None:
 
 def _main(argv: list[str] | None) -> int:
     cfg = parse_args(argv)
+    faulthandler.enable(all_threads=True)  # a native crash (torch, gloo, zmq) leaves its stacks in the log
     from worker import collector
     from worker.heap import keep_freed_memory
 

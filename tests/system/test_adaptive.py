@@ -110,6 +110,6 @@ def test_too_little_memory_waits_then_a_worker_with_room_for_few_samples_trains_
         w1 = next(m for m in explained["members"] if m["name"] == "w1")
         assert w1["memory_bytes"] <= w1["memory_limit_bytes"]
         exits = job.wait_workers(180)
-        assert exits["w1"] == 0, {n: job.tail(n) for n in exits}
+        assert exits["w1"] == 0, job.tails(exits)
         assert job.wait_coordinator(30) == 0
         assert_same_curve(job, undisturbed)

@@ -114,7 +114,7 @@ def test_stopped_worker_is_fenced_and_rejoins(tmp_path: Path, undisturbed: dict[
         # again) and counted, never applied.
         assert job.ctl("status")["refused"].get("stale", 0) >= 1
         exits = job.wait_workers(180)
-        assert exits == {"w1": 0, "w2": 0, "w3": 0}, {n: job.tail(n) for n in exits}
+        assert exits == {"w1": 0, "w2": 0, "w3": 0}, job.tails(exits)
         assert job.wait_coordinator(30) == 0
         assert progressed["step"] < NUM_STEPS
         assert sorted(job.steps()) == list(range(1, NUM_STEPS + 1))

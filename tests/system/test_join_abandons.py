@@ -37,7 +37,7 @@ def test_a_join_that_abandons_the_step_in_flight_loses_nothing(tmp_path: Path, l
         assert first["step"] == 6, "step 6 was given up in the old epoch and done in the new one"
         assert first["ts"] - joined["ts"] < 50, "the members did not sit out the 60 s pause"
         exits = job.wait_workers(300)
-        assert exits == {"w1": 0, "w2": 0, "w3": 0}, {n: job.tail(n) for n in exits}
+        assert exits == {"w1": 0, "w2": 0, "w3": 0}, job.tails(exits)
         assert job.wait_coordinator(30) == 0
         old_epoch = joined["epoch"] - 1
         for name in ("w1", "w2"):  # each member gave a step of the old epoch up

@@ -67,7 +67,7 @@ def test_a_sharded_job_is_exact_through_a_join_and_a_drain(tmp_path: Path) -> No
         drained = job.wait_event(lambda e: e["kind"] == "plan" and "w1" not in e["layout"]["members"]
                                  and e["epoch"] > joined["epoch"], 60, "w1 planned out")
         exits = job.wait_workers(300)
-        assert exits == {"w1": 0, "w2": 0, "w3": 0}, {n: job.tail(n) for n in exits}
+        assert exits == {"w1": 0, "w2": 0, "w3": 0}, job.tails(exits)
         assert job.wait_coordinator(30) == 0
         events = job.events()
         _assert_exact(events, reference)
@@ -114,7 +114,7 @@ def test_a_shard_holder_killed_mid_step_loses_nothing(tmp_path: Path, phase: str
         failure = job.wait_event(lambda e: e["kind"] == "plan" and e["reason"] == "failure", 60, "failure plan")
         assert failure["layout"]["members"] == ["w1", "w3"] and failure["layout"]["dp_shard"] == 2
         exits = job.wait_workers(300)
-        assert exits == {"w1": 0, "w2": -signal.SIGKILL, "w3": 0}, {n: job.tail(n) for n in exits}
+        assert exits == {"w1": 0, "w2": -signal.SIGKILL, "w3": 0}, job.tails(exits)
         assert job.wait_coordinator(30) == 0
         events = job.events()
         assert not [e for e in events if e["kind"] == "state_lost"]
@@ -147,7 +147,7 @@ def test_a_source_killed_mid_reshard_is_replanned_from_the_remaining_holders(tmp
         resumed = job.wait_event(lambda e: e["kind"] == "reshard" and e["epoch"] == failure["epoch"], 60, "reshard")
         assert resumed["bytes"] > 0
         exits = job.wait_workers(300)
-        assert exits == {"w1": 0, "w2": -signal.SIGKILL, "w3": 0, "w4": 0}, {n: job.tail(n) for n in exits}
+        assert exits == {"w1": 0, "w2": -signal.SIGKILL, "w3": 0, "w4": 0}, job.tails(exits)
         assert job.wait_coordinator(30) == 0
         events = job.events()
         assert not [e for e in events if e["kind"] == "state_lost"]
@@ -168,7 +168,7 @@ def test_sigterm_to_a_shard_holder_hands_its_slices_over_and_exits_0(tmp_path: P
         out = job.wait_event(lambda e: e["kind"] == "plan" and e["reason"] == "preempted", 60, "w2 planned out")
         assert out["layout"]["members"] == ["w1", "w3"]
         exits = job.wait_workers(300)
-        assert exits == {"w1": 0, "w2": 0, "w3": 0}, {n: job.tail(n) for n in exits}
+        assert exits == {"w1": 0, "w2": 0, "w3": 0}, job.tails(exits)
         assert job.wait_coordinator(30) == 0
         events = job.events()
         assert not [e for e in events if e["kind"] in ("state_lost", "failed", "drain_deadline")]
@@ -195,7 +195,7 @@ def test_a_drain_past_its_deadline_falls_back_to_the_copies(tmp_path: Path) -> N
         failure = job.wait_event(lambda e: e["kind"] == "plan" and e["reason"] == "failure", 30, "failure plan")
         assert failure["layout"]["members"] == ["w1", "w3"]
         exits = job.wait_workers(300)
-        assert exits["w1"] == 0 and exits["w3"] == 0, {n: job.tail(n) for n in exits}
+        assert exits["w1"] == 0 and exits["w3"] == 0, job.tails(exits)
         assert job.wait_coordinator(30) == 0
         events = job.events()
         assert not [e for e in events if e["kind"] == "state_lost"]
@@ -221,7 +221,7 @@ def test_a_stopped_shard_holder_is_planned_out_and_rejoins(tmp_path: Path) -> No
         job.wait_event(lambda e: e["kind"] == "step" and e["epoch"] == plan["epoch"], 30, "a step without w2")
         job.signal("w2", signal.SIGCONT)
         exits = job.wait_workers(300)
-        assert exits == {"w1": 0, "w2": 0, "w3": 0}, {n: job.tail(n) for n in exits}
+        assert exits == {"w1": 0, "w2": 0, "w3": 0}, job.tails(exits)
         assert job.wait_coordinator(30) == 0
         events = job.events()
         _assert_exact(events, reference)
@@ -263,7 +263,7 @@ def test_a_model_no_worker_can_replicate_trains_sharded_in_micro_batches(tmp_pat
                                 180, "w5 planned in")
         assert (joined["layout"]["dp_replicate"], joined["layout"]["dp_shard"]) == (2, 2), joined
         exits = job.wait_workers(400)
-        assert exits == {"w1": 0, "w2": 0, "w3": 0, "w4": -signal.SIGKILL, "w5": 0}, {n: job.tail(n) for n in exits}
+        assert exits == {"w1": 0, "w2": 0, "w3": 0, "w4": -signal.SIGKILL, "w5": 0}, job.tails(exits)
         events = job.events()
         _assert_exact(events, reference)
         assert not [e for e in events if e["kind"] == "state_lost"]
@@ -289,7 +289,7 @@ def test_a_replica_whose_share_does_not_fit_runs_it_in_micro_batches(tmp_path: P
         job.add_worker("w1", *memory)
         job.add_worker("w2", *memory)
         exits = job.wait_workers(300)
-        assert exits == {"w1": 0, "w2": 0}, {n: job.tail(n) for n in exits}
+        assert exits == {"w1": 0, "w2": 0}, job.tails(exits)
         events = job.events()
         plans = [e for e in events if e["kind"] == "plan" and e.get("layout")]
         assert plans and all(p["layout"]["dp_shard"] == 1 for p in plans)
@@ -317,7 +317,7 @@ def test_a_step_some_members_applied_is_rolled_forward_by_the_others(tmp_path: P
         assert "abandoning step 12" in job.tail("w3")
         job.kill("w2")
         exits = job.wait_workers(300)
-        assert exits == {"w1": 0, "w2": -signal.SIGKILL, "w3": 0}, {n: job.tail(n) for n in exits}
+        assert exits == {"w1": 0, "w2": -signal.SIGKILL, "w3": 0}, job.tails(exits)
         assert "rolled step 12 forward" in (tmp_path / "w3.log").read_text()
         events = job.events()
         _assert_exact(events, reference)
@@ -334,7 +334,7 @@ def test_hsdp_2x2_is_exact(tmp_path: Path) -> None:
         for name in ("w1", "w2", "w3", "w4"):
             job.add_worker(name)
         exits = job.wait_workers(400)
-        assert exits == {"w1": 0, "w2": 0, "w3": 0, "w4": 0}, {n: job.tail(n) for n in exits}
+        assert exits == {"w1": 0, "w2": 0, "w3": 0, "w4": 0}, job.tails(exits)
         events = job.events()
         layouts = [e["layout"] for e in events if e["kind"] == "plan" and e.get("layout")]
         assert layouts and all((lay["dp_replicate"], lay["dp_shard"]) == (2, 2) for lay in layouts), layouts
@@ -364,7 +364,7 @@ def test_a_stopped_hsdp_member_releases_its_replica_from_the_all_reduce(tmp_path
         assert first["ts"] - failed["ts"] < 20, (first["ts"] - failed["ts"], job.tail("w2"))
         job.signal("w4", signal.SIGCONT)
         exits = job.wait_workers(300)
-        assert exits == {"w1": 0, "w2": 0, "w3": 0, "w4": 0}, {n: job.tail(n) for n in exits}
+        assert exits == {"w1": 0, "w2": 0, "w3": 0, "w4": 0}, job.tails(exits)
         events = job.events()
         assert not [e for e in events if e["kind"] == "state_lost"]
         _assert_exact(events, reference)
@@ -397,7 +397,7 @@ def test_bf16_compute_keeps_float32_master_state(tmp_path: Path, layout: str) ->
         job.add_worker("w1")
         job.add_worker("w2")
         exits = job.wait_workers(400)
-        assert exits == {"w1": 0, "w2": 0}, {n: job.tail(n) for n in exits}
+        assert exits == {"w1": 0, "w2": 0}, job.tails(exits)
         steps = {e["step"]: e for e in job.events() if e["kind"] == "step"}
     assert sorted(steps) == list(range(1, NUM_STEPS + 1))
     worst = max(abs(steps[k]["loss"] - reference[k]["loss"]) / reference[k]["loss"] for k in reference)
