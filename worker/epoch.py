@@ -99,14 +99,14 @@ def exchange(pg: Any, rank: int, world: int, mine: torch.Tensor, wait: Wait) -> 
 
 
 def plan_entry(layout: Layout, tensors: Sequence[TensorShape], described: list[list[int]],
-               ranks: Sequence[str], *, copies: bool = True) -> tuple[int, list[str], Holdings, ReshardPlan]:
-    """(step to continue from, holders, the new layout's holdings, the transfers); StateLost when
-    some slice is held by nobody."""
+               ranks: Sequence[str]) -> tuple[int, list[str], Holdings, ReshardPlan]:
+    """(step to continue from, holders, the new layout's holdings with its copies, the transfers);
+    StateLost when some slice is held by nobody."""
     states = [read(tensors, d) for d in described]
     best = max(step for step, _ in states)
     holders = [ranks[r] for r, (step, _) in enumerate(states) if step == best and best >= 0]
     before: Holdings = {ranks[r]: held for r, (step, held) in enumerate(states) if ranks[r] in holders}
-    after = holdings(layout, tensors, copy_ring(layout) if copies else None)
+    after = holdings(layout, tensors, copy_ring(layout))  # (a layout that needs no copies has no ring)
     plan = plan_reshard(before, after)
     if plan.missing:
         raise StateLost(f"no member holds {plan.describe_missing()} of step {best}")
@@ -127,7 +127,7 @@ def foresee(old: Layout, layout: Layout, tensors: Sequence[TensorShape],
 
 def enter(layout: Layout, tensors: Sequence[TensorShape], me: str, ranks: Sequence[str], local: LocalState | None,
           pg: Any, wait: Wait, device: torch.device, seed: Callable[[], LocalState],
-          roll: Callable[[LocalState, float], None], copies: bool = True,
+          roll: Callable[[LocalState, float], None],
           before_transfers: Callable[[ReshardPlan], None] = lambda plan: None,
           pool: slices.Pool | None = None, outgoing: slices.Outgoing | None = None,
           incoming: slices.Incoming | None = None) -> tuple[LocalState, int, ReshardPlan]:
@@ -140,8 +140,8 @@ def enter(layout: Layout, tensors: Sequence[TensorShape], me: str, ranks: Sequen
     applied it: the members that applied it are one step ahead. Those behind roll it forward
     (`roll`, with the clipping coefficient broadcast by the lowest-ranked member ahead), so that all
     continue from the later step; when nobody applied it, the gradients are dropped and the step is
-    done again. `copies`: the new layout keeps a copy of every slice (`plan.reshard.copy_ring`);
-    `pool`: memory made ready for what this member receives (`slices.Pool`); `outgoing`: what this
+    done again. The new layout's copies (`plan.reshard.copy_ring`) are part of what each member
+    needs. `pool`: memory made ready for what this member receives (`slices.Pool`); `outgoing`: what this
     member will send, packed ahead from the plan it foresaw (`foresee`, `slices.pack_sends`);
     `incoming`: where what it receives lands, made ready ahead likewise (`slices.expect`)."""
     rank = list(ranks).index(me)
@@ -168,7 +168,7 @@ def enter(layout: Layout, tensors: Sequence[TensorShape], me: str, ranks: Sequen
             described[r] = [best, 0, *described[r][2:]]
     if local is not None:
         _drop_pending(local)
-    _, holders, after, plan = plan_entry(layout, tensors, described, ranks, copies=copies)
+    _, holders, after, plan = plan_entry(layout, tensors, described, ranks)
     mine = local if me in holders else None
     before_transfers(plan)  # (the --pause-at reshard knob: a source that dies with the transfers ahead)
     new, received = slices.execute(plan, me, {n: i for i, n in enumerate(ranks)}, mine, after.get(me, {}),

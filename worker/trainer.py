@@ -363,8 +363,7 @@ class Trainer:
         layout = Layout.from_dict(dataclasses.asdict(delta.layout))
         if not layout.sharded:
             return None
-        copies = copy_ring(layout) if layout.dp_replicate == 1 else None
-        return Pool.for_slices(holdings(layout, self.tensors, copies).get(self.name, {}),
+        return Pool.for_slices(holdings(layout, self.tensors, copy_ring(layout)).get(self.name, {}),
                                {n: p.element_size() for n, p in self.model.named_parameters()},
                                self.graph().optimizer_state_factor, self.device)
 
@@ -444,9 +443,8 @@ class Trainer:
         self.before_reshard = local
         new, received, plan = epoch.enter(g.layout, self.tensors, self.name, g.members, local, g.pg,
                                        lambda work, buf: self.wait(g, work, buf), self.device, self._seed_state,
-                                       self._roll_forward, copies=g.layout.sharded and g.layout.dp_replicate == 1,
-                                       before_transfers=self._pause_reshard, pool=pool, outgoing=outgoing,
-                                       incoming=incoming)
+                                       self._roll_forward, before_transfers=self._pause_reshard, pool=pool,
+                                       outgoing=outgoing, incoming=incoming)
         self.step, self.stale = new.step, False
         element_bytes = {fqn: sum(torch.empty(0, dtype=new.dtype(fqn, k)).element_size() for k in keys)
                          for fqn, keys in new.keys.items()}

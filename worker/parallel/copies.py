@@ -45,7 +45,7 @@ class Copies:
     def of(layout: Layout, me: str, local: LocalState, tensors: Sequence[TensorShape]) -> Copies:
         """This member's part of the layout's ring, its copy taken from `local` (which the reshard
         made hold both its own slices and its source's)."""
-        ring = copy_ring(layout) if layout.sharded and layout.dp_replicate == 1 else {}
+        ring = copy_ring(layout)  # (none where every slice already lives on two members)
         keeper = next((k for k, source in ring.items() if source == me), None)
         source = ring.get(me)
         if source is None:
