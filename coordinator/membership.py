@@ -7,7 +7,9 @@ Everything that affects membership lives here, as pure transitions with the time
 Epochs: every plan the coordinator sends is a new epoch. A planned change (join, drain,
 preemption notice) is sent with ``abort=False`` and the workers switch at a step boundary they
 agree on through the data plane; the next planned change waits until every member acknowledged the
-current one, so at most one planned change is in flight. A failure (socket monitor disconnect,
+current one, so at most one planned change is in flight. A planned join whose delta missed the
+members' vote (a step reported without ``switching``) may be sent again with ``abort=True``
+(`_missed_vote`). A failure (socket monitor disconnect,
 expired lease, a member leaving mid-plan) sends `Abort` to everyone and a new plan with
 ``abort=True`` at once, superseding anything pending. A worker that is not a member and talks as one
 (it was fenced while stopped, say) gets ``ERR_STALE_EPOCH`` and joins again.
@@ -283,6 +285,9 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
         effects.append(Log("step", {"step": r.step, "epoch": r.epoch, "loss": r.loss, "samples": r.global_batch,
                                     "step_s": r.step_s, "predicted_s": predicted, "lr": r.lr,
                                     "grad_norm": r.grad_norm}))
+        if r.epoch < state.epoch and not r.switching and state.abandon_if_missed:
+            state, more = _missed_vote(state, r.step, now)
+            effects += more
     if calm and changes and any(w.host == host and not w.ready for w in state.workers.values()):
         # A worker on this host is still loading (importing torch, building the job): it loads the
         # cores for a few seconds and then joins, which re-plans and re-measures anyway. What its
@@ -298,6 +303,26 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
         state, more = replan(state, config, reason, abort=False, now=now)
         effects += more
     return state, effects
+
+
+def _missed_vote(state: State, step: int, now: float) -> Result:
+    """The members committed `step` of the old epoch without switching: the planned join delta
+    reached one of them after its vote, and they have begun a whole step more of the old epoch
+    before the newcomer is taken in. Where the join rule, weighed at that step's start, says to
+    abandon it (`State.abandon_if_missed`), the delta goes out again, aborting: measured, a join
+    that came 1.35 s into a 1.4 s step waited 1.39 s for the step after it."""
+    delta, plan = state.delta, state.plan
+    if delta is None or delta.abort or not state.pending or plan is None:
+        return replace(state, abandon_if_missed=""), []
+    why = state.abandon_if_missed
+    delta = replace(delta, abort=True)
+    recipients = sorted((set(state.running) | set(plan.members) | set(delta.senders)) & set(state.workers))
+    workers = {n: replace(w, nudged_at=now) if n in recipients else w for n, w in state.workers.items()}
+    state = replace(state, delta=delta, workers=workers, abandon_if_missed="")
+    return state, [Log("abandon", {"epoch": delta.epoch, "step": step + 1,
+                                   "detail": f"step {step} was committed without the switch (the plan reached a member "
+                                             f"after its vote); {why}"}),
+                   *(Send(n, delta) for n in recipients)]
 
 
 def _acked(state: State, ack: Ack, config: Config, now: float) -> Result:

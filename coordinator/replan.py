@@ -122,12 +122,18 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
             told: list[Effect] = [Log("kept", {"reason": reason, "detail": kept.kept})] if verdict.detail else []
             return kept, [*said, *told, *benched]
         result = replace(result, reason=f"{result.reason}; {verdict.detail}")
-    abandons = False
+    abandons, if_missed = False, ""
     if not abort and reason == "join" and config.join_abandons != "never":
-        why = _abandon_for_join(state, new, config.join_abandons == "always", now, config.join_wait_max_s)
+        # The step in flight began at the last step's report, or, when it is the first of its epoch,
+        # when the epoch formed (its entry is not part of it: after a switch, the last report is an
+        # entry older).
+        elapsed = now - max(state.last_step_at, state.formed_at)
+        why = _abandon_for_join(state, new, config.join_abandons == "always", elapsed, config.join_wait_max_s)
         if why:
             abandons = abort = True  # the members abandon the step in flight, as for a failure
             result = replace(result, reason=f"{result.reason}; {why}")
+        else:  # should the delta miss their vote, the join waits for the whole next step: weighed at its start
+            if_missed = _abandon_for_join(state, new, config.join_abandons == "always", 0.0, config.join_wait_max_s)
     if state.changed:
         result = replace(result, reason=f"{result.reason}; changed: {'; '.join(state.changed)}")
     epoch = state.epoch + 1
@@ -150,14 +156,14 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
     state = replace(state, slices_possible=from_sharded or new.dp_shard > 1)
     state = replace(state, workers=workers, delta=delta, epoch=epoch, plan=new, result=result, tracker=tracker,
                     acked=frozenset(), reshard_bytes=0, reshard_s=0.0, reshard_largest_sender=0, running=frozenset(holders),
-                    changed=(),
+                    changed=(), abandon_if_missed=if_missed,
                     kept=None, calibrating=guessed,
                     replan_wanted=f"{handoff} handed off" if handoff else None)
     return state, [*said, Planned(result, epoch, reason, abandons_step=abandons), *benched,
                    *(Send(n, delta) for n in recipients)]
 
 
-def _abandon_for_join(state: State, new: Plan, always: bool, now: float, wait_max: float | None = None) -> str:
+def _abandon_for_join(state: State, new: Plan, always: bool, elapsed: float, wait_max: float | None = None) -> str:
     """Why the members should abandon the step in flight to take a newcomer in at once ("": they
     should not, and switch at the step boundary they vote on, up to a step later).
 
@@ -173,9 +179,10 @@ def _abandon_for_join(state: State, new: Plan, always: bool, now: float, wait_ma
     bound on the newcomer's wait bought with the members' work on the step (the rule above alone
     lets a join wait up to a step where a newcomer adds little: 1.2-1.7 s on this 2-core machine).
     A step already past its usual length is taken to end at once (a stuck one is the failure
-    detector's, not this rule's). The step in flight began at the last step's report, or at the
-    epoch's formation for its first step (measured: joins 1.6 s after the last report, a step of
-    1.2 s, the first after a drain's switch, were taken to end at once and waited 1.2 s)."""
+    detector's, not this rule's); should it end before the delta reaches every member's vote, the
+    members report it without switching and the coordinator weighs the next step with this rule at
+    its start (`State.abandon_if_missed`, membership's `_missed_vote`). `elapsed`: how long the step
+    in flight has run."""
     current, tracker = state.plan, state.tracker
     if current is None or state.last_step_at <= 0 or new.predicted_step_s is None or state.graph is None:
         return ""  # (no step committed yet: nothing in flight worth weighing)
@@ -185,9 +192,6 @@ def _abandon_for_join(state: State, new: Plan, always: bool, now: float, wait_ma
     step_s = statistics.median(measured) if measured else current.predicted_step_s  # (a young epoch: predicted)
     if not step_s:
         return ""
-    # The step in flight began at the last step's report, or, when it is the first of its epoch, when
-    # the epoch formed (its entry is not part of it: after a switch, the last report is an entry older).
-    elapsed = now - max(state.last_step_at, state.formed_at)
     if always:
         return f"the members abandon the step in flight ({elapsed:.2f} s of ~{step_s:.2f} s run): --join-abandons always"
     now_s = _current_step_s(state, current)

@@ -88,6 +88,10 @@ class State:
     reshard_s: float = 0.0  # slowest ack of `epoch`
     reshard_largest_sender: int = 0  # bytes the busiest sender of `epoch`'s reshard sent
     replan_wanted: str | None = None  # a planned change waiting for the current one to land
+    # Why the members should abandon their next step should they miss the vote on the planned join
+    # `delta` (it reached one of them after its vote): they would run a whole step more for it.
+    # "" when they should not (the policy or the cost model), or the delta already aborts.
+    abandon_if_missed: str = ""
     standby: frozenset[str] = frozenset()  # ready workers the latest plan left out
     changed: tuple[str, ...] = ()  # what changed since the latest plan (speeds), said by the next re-plan
     kept: str | None = None  # why the latest re-plan that found a better plan kept the current one

@@ -304,7 +304,8 @@ def join_and_kill(job_ref: str, n: int, workdir: Path, sections: tuple[str, ...]
             formed = [j["plan_to_formed_s"] for j in every]
             out["join"] = {**first_join, "policy": _policy(policy, wait_max), "joins": every,
                            "median_plan_to_formed_s": statistics.median(formed), "max_plan_to_formed_s": max(formed),
-                           "abandoned": sum(1 for j in every if j["abandoned"])}
+                           "abandoned": sum(1 for j in every if j["abandoned"]),
+                           "missed_vote": sum(1 for j in every if j["missed_vote"])}
         if "kill" in sections:
             job.wait_step(max(job.steps()) + 2, 600)
             last = max(job.steps())
@@ -342,12 +343,14 @@ def _one_join(job: LocalJob, name: str) -> dict[str, Any]:
     events = job.events()
     before = max((e for e in events if e["kind"] == "step" and e["epoch"] < plan["epoch"]), key=lambda e: e["step"])
     last = max((e["ts"] for e in events if e["kind"] == "step" and e["ts"] <= plan["ts"]), default=plan["ts"])
+    missed = [e for e in events if e["kind"] == "abandon" and e["epoch"] == plan["epoch"]]
     # The newcomer is planned in the moment it is ready. The members either finish the step they
     # are in and switch at its boundary, or (`abandons_step`: the cost model says it pays) give it
-    # up at once; then the group forms and the slices move (the pause: the time between the old
+    # up at once, or (an `abandon` event) give up the step after it, which the plan reached them too
+    # late to vote on; then the group forms and the slices move (the pause: the time between the old
     # epoch's last step and the new one's first, less that step's own time); then the first step
     # of the new epoch commits.
-    return {"epoch": plan["epoch"], "abandoned": bool(plan.get("abandons_step")),
+    return {"epoch": plan["epoch"], "abandoned": bool(plan.get("abandons_step")), "missed_vote": bool(missed),
             "plan_to_first_step_s": first["ts"] - plan["ts"], "plan_to_formed_s": reshard["ts"] - plan["ts"],
             "since_last_step_s": plan["ts"] - last,  # (how far into the members' step it came)
             "pause_s": first["ts"] - before["ts"] - first["step_s"], "step_s": first["step_s"],
@@ -419,7 +422,9 @@ def table(r: dict[str, Any]) -> str:
             lines.append(f"  {len(j['joins'])} joins: ready -> formed median {j['median_plan_to_formed_s']:.2f} s, "
                          f"longest {j['max_plan_to_formed_s']:.2f} s; each (s after the members' last step, "
                          f"abandoned?): " + ", ".join(f"{x['plan_to_formed_s']:.2f} ({x['since_last_step_s']:.2f}"
-                                                      f"{', abandoned' if x['abandoned'] else ''})" for x in j["joins"]))
+                                                      f"{', abandoned' if x['abandoned'] else ''}"
+                                                      f"{', next step abandoned' if x.get('missed_vote') else ''})"
+                                                      for x in j["joins"]))
         lines.append(f"  reshard {j['reshard_bytes'] / 1e6:.1f} MB; the slowest member's entry took "
                      f"{j['reshard_s']:.2f} s (the newcomer's: from its plan, through the members' steps)")
     if "kill" in r:

@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-PROTOCOL_VERSION = 9  # 9: Join.epoch/step, Welcome.last_step, ERR_REJOIN, Checkpointed, ResumeFailed, CheckpointNow, Welcome.checkpoint_*, PlanDelta.resume_*; 8: PlanDelta.layout (MeshLayout), PlanDelta.senders, StateLost; 2: StepReport.comm_s, Slowdown; 3: Join.cores; 4: StepReport.lr, grad_norm; 5: Saved, Welcome.final_dir; 6: SaveModel, Saved.final; 7: EvalReport
+PROTOCOL_VERSION = 10  # 10: StepReport.switching (and PlanDelta.previous, TensorInfo.state); 9: Join.epoch/step, Welcome.last_step, ERR_REJOIN, Checkpointed, ResumeFailed, CheckpointNow, Welcome.checkpoint_*, PlanDelta.resume_*; 8: PlanDelta.layout (MeshLayout), PlanDelta.senders, StateLost; 2: StepReport.comm_s, Slowdown; 3: Join.cores; 4: StepReport.lr, grad_norm; 5: Saved, Welcome.final_dir; 6: SaveModel, Saved.final; 7: EvalReport
 
 # Error codes carried by `Error.code`.
 ERR_DECODE = "decode"  # the frame could not be decoded or failed validation
@@ -140,6 +140,10 @@ class StepReport:
     `digest` is a hash of the parameters after the step when the worker runs with
     `--digest-every`, else "". `lr` is the first parameter group's learning rate the step used
     (after `Job.lr_schedule`) and `grad_norm` the global gradient's L2 norm before clipping.
+    `switching`: in this step every member voted to switch to the planned delta it holds, and they
+    switch right after it. False while a planned delta is out means it reached some member after
+    its vote: the members run one more whole step of the old epoch, which the coordinator may
+    rather have them abandon for a join (it sends the delta again, aborting).
     """
 
     name: str
@@ -154,6 +158,7 @@ class StepReport:
     digest: str
     lr: float = 0.0
     grad_norm: float = 0.0  # may be inf or nan when training diverges: reported, not refused
+    switching: bool = False
 
     def __post_init__(self) -> None:
         check_name(self.name)

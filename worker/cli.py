@@ -22,7 +22,7 @@ from typing import Any
 from transport import PROTOCOL_VERSION, GraphUpload, Leave, check_name
 from transport.security import KEYS_ENV, ROLE_WORKER, ClientKeys, KeysError, keys_dir, load_client_keys
 
-PAUSE_PHASES = ("forward", "backward", "exchange", "optimizer", "abandon", "reshard")
+PAUSE_PHASES = ("forward", "backward", "exchange", "vote", "optimizer", "abandon", "reshard")
 
 EPILOG = """\
 examples:
@@ -79,7 +79,9 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
                         "gradient slices went to the copy's keeper; optimizer: after the step's all-reduce, "
                         "before the update), saying so in the log, so that a test can SIGKILL or SIGSTOP it there; "
                         "abandon: after the all-reduce, drop the step as if its result never arrived (the others "
-                        "apply it: a roll forward follows at the next failure); reshard: in the first epoch "
+                        "apply it: a roll forward follows at the next failure); vote (either layout): just before its "
+                        "switch vote, wait until a planned delta arrives, so that the others vote before it (a "
+                        "missed vote); reshard: in the first epoch "
                         "entered at or after step STEP in which it sends slices, before any moves")
     p.add_argument("--keys", metavar="DIR",
                    help=f"CURVE keys from `coordinator keygen` (server.key + worker.key_secret); default ${KEYS_ENV}; "

@@ -87,6 +87,7 @@ def replicated(t: Trainer, g: Group) -> PlanDelta | None:
     # The vote and the loss: the switch to a planned delta all replicas hold, and the loss sum.
     # Asked now, not at the step's start: a delta that arrived during the compute is voted on
     # in this step (a join waits about half a step less).
+    _pause_for_plan(t, g)
     pending = t.agent.pending_planned(g.epoch)
     buf = torch.zeros(3, dtype=torch.float32, device=t.device)
     buf[0] = loss_sum
@@ -111,13 +112,14 @@ def replicated(t: Trainer, g: Group) -> PlanDelta | None:
     t.optimizer.step()
     t.step += 1
     t.final_writer = t.step == job.num_steps and g.rank == 0
-    t.after_step(g, float(buf[0]) / G, len(ids), compute_s, comm_s, time.perf_counter() - t0, lr, grad_norm)
+    agreed = round(float(buf[1])) == len(g.members) and pending is not None
+    t.after_step(g, float(buf[0]) / G, len(ids), compute_s, comm_s, time.perf_counter() - t0, lr, grad_norm,
+                 switching=agreed)
     requested = t.agent.take_save()
     if requested is not None:  # `ctl save PATH`: at this step boundary
         t.save(requested, final=False)
     t.checkpoint_if_due(g, asked=round(float(buf[2])) == len(g.members))
-    agreed = round(float(buf[1])) == len(g.members)
-    return pending if agreed and pending is not None else None
+    return pending if agreed else None
 
 
 def sharded(t: Trainer, g: Group, sharded: Sharded) -> PlanDelta | None:
@@ -180,6 +182,7 @@ def sharded(t: Trainer, g: Group, sharded: Sharded) -> PlanDelta | None:
     squares = sum((squared_norm(gr) for gr in grads), torch.zeros((), dtype=torch.float64, device=t.device))
     # The vote: the switch to a planned delta, and a `ctl save` and a checkpoint every member has
     # (writing either is a collective: all of them take it at the same step boundary).
+    _pause_for_plan(t, g)
     pending = t.agent.pending_planned(g.epoch)
     buf = torch.stack([loss_sum.cpu(), squares.cpu() / g.layout.dp_replicate,
                        torch.tensor(1.0 if pending is not None else 0.0, dtype=torch.float64),
@@ -208,7 +211,9 @@ def sharded(t: Trainer, g: Group, sharded: Sharded) -> PlanDelta | None:
     t.redundancy_s += time.perf_counter() - t_copies
     t.pending, t.coefficient = False, coefficient
     t.step += 1
-    t.after_step(g, float(buf[0]) / G, len(ids), compute_s, comm_s, time.perf_counter() - t0, lr, grad_norm)
+    agreed = round(float(buf[2])) == len(g.members) and pending is not None
+    t.after_step(g, float(buf[0]) / G, len(ids), compute_s, comm_s, time.perf_counter() - t0, lr, grad_norm,
+                 switching=agreed)
     if t.step == job.num_steps and t.config.final_dir:  # every member gathers; rank 0 writes
         t.save_gathered(g, t.config.final_dir, final=True)
     if round(float(buf[3])) == len(g.members):
@@ -216,8 +221,7 @@ def sharded(t: Trainer, g: Group, sharded: Sharded) -> PlanDelta | None:
         if requested is not None:
             t.save_gathered(g, requested, final=False)
     t.checkpoint_if_due(g, asked=round(float(buf[4])) == len(g.members))
-    agreed = round(float(buf[2])) == len(g.members)
-    return pending if agreed and pending is not None else None
+    return pending if agreed else None
 
 
 def _grad_buckets(t: Trainer) -> GradBuckets:
@@ -271,6 +275,21 @@ def _pause(t: Trainer, g: Group, phase: str) -> None:
         t.paused_step = True  # (once: a step given up here is done again without a pause)
         t.log(f"pausing at {phase} of step {t.step + 1} (--pause-at)")
         _sleep(t, g, 60, f"the --pause-at pause at {phase}")
+
+
+def _pause_for_plan(t: Trainer, g: Group) -> None:
+    """The --pause-at vote knob: just before this member's switch vote, wait (at most 60 s, given up
+    with the epoch) until a planned delta arrives. The others, waiting for it in the step's last
+    collective, voted before the delta came: a test's deterministic missed vote."""
+    if t.config.pause_at != ("vote", t.step + 1) or t.paused_step:
+        return
+    t.paused_step = True
+    t.log(f"pausing at the vote of step {t.step + 1} until a plan arrives (--pause-at)")
+    deadline = time.monotonic() + 60
+    while t.agent.pending_planned(g.epoch) is None and time.monotonic() < deadline:
+        if t.agent.superseded(g.epoch):
+            raise Superseded("given up in the --pause-at pause at the vote")
+        time.sleep(0.02)
 
 
 def is_comm_error(e: BaseException) -> bool:

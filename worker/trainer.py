@@ -605,9 +605,11 @@ class Trainer:
             raise Superseded(f"the step in flight is given up in its compute (epoch {self.computing} superseded)")
 
     def after_step(self, g: Group, loss: float, samples: int, compute_s: float, comm_s: float, step_s: float,
-                   lr: float, grad_norm: float) -> None:
+                   lr: float, grad_norm: float, *, switching: bool = False) -> None:
         """What every step ends with, in any layout: the digest (when asked), the report to the
-        coordinator (and the --trace-steps line), the log line, and the evaluation when it is due."""
+        coordinator (and the --trace-steps line), the log line, and the evaluation when it is due.
+        `switching`: the members agreed in this step to switch to the planned delta (the report says
+        so: one that missed the vote may make the coordinator abandon the next step for a join)."""
         job = self.job
         self.agent.step = self.step
         self.before_reshard = None  # a step of this epoch is committed: its holdings are complete
@@ -618,7 +620,7 @@ class Trainer:
             self.log(f"digest step {self.step} {digest}")
         report = StepReport(name=self.name, epoch=g.epoch, step=self.step, loss=loss, samples=samples,
                             global_batch=job.global_batch, compute_s=compute_s, comm_s=comm_s, step_s=step_s,
-                            digest=digest, lr=lr, grad_norm=grad_norm)
+                            digest=digest, lr=lr, grad_norm=grad_norm, switching=switching)
         self.agent.send(report)
         if self.config.trace_path is not None:
             with open(self.config.trace_path, "a") as trace:

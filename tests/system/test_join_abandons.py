@@ -46,6 +46,41 @@ def test_a_join_that_abandons_the_step_in_flight_loses_nothing(tmp_path: Path, l
         _assert_exact(job.events(), reference)
 
 
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("layout", ["fsdp=1", "dp=1"], ids=["replicated", "sharded"])
+def test_a_join_that_missed_the_vote_abandons_the_step_after_it(tmp_path: Path, layout: str) -> None:
+    """w1 waits at its switch vote in step 6 until the join's delta reaches it (--pause-at vote@6);
+    w2, waiting for w1 in the step's all-reduce, voted before the delta came. Step 6 looked over
+    when w3 came, so the plan went out planned (for the step boundary); the members commit step 6
+    without the switch, and instead of running all of step 7 in the old epoch while w3 waits, they
+    give it up when the coordinator sends the delta again, aborting (`abandon` event: with
+    --join-wait-max 0 any wait is too long). The new group does step 7; every step exact."""
+    reference = single_process()
+    with LocalJob(JOB, tmp_path, min_workers=2,
+                  coordinator_args=["--layout", layout, "--join-wait-max", "0"]) as job:
+        job.start()
+        job.add_worker("w1", "--pause-at", "vote@6")
+        job.add_worker("w2")
+        _wait_for_log(job, "w1", "pausing at the vote of step 6")
+        job.add_worker("w3")
+        joined = job.wait_event(lambda e: e["kind"] == "plan" and "w3" in (e["layout"] or {}).get("members", []),
+                                120, "w3 planned in")
+        assert joined["abandons_step"] is False, joined["detail"]
+        missed = job.wait_event(lambda e: e["kind"] == "abandon", 60, "the next step abandoned")
+        assert (missed["epoch"], missed["step"]) == (joined["epoch"], 7), missed
+        assert "step 6 was committed without the switch" in missed["detail"], missed
+        first = job.wait_event(lambda e: e["kind"] == "step" and e["epoch"] == joined["epoch"], 120, "a step with w3")
+        assert first["step"] == 7, "step 7 was given up in the old epoch and done in the new one"
+        exits = job.wait_workers(300)
+        assert exits == {"w1": 0, "w2": 0, "w3": 0}, job.tails(exits)
+        assert job.wait_coordinator(30) == 0
+        old_epoch = joined["epoch"] - 1
+        events = job.events()
+        # (no member committed step 7 in the old epoch: each gave it up, or got the delta before it began)
+        assert [e["step"] for e in events if e["kind"] == "step" and e["epoch"] == old_epoch][-1] == 6
+        _assert_exact(events, reference)
+
+
 # Four paced blocks (a ModuleList of one class: each its own FSDP2 unit), 8 ms of forward a sample
 # each: a step is mostly compute outside any collective, where an abort lands with no wait to notice it.
 PACED_BLOCKS = '''

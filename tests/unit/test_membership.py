@@ -819,6 +819,47 @@ def test_the_first_step_of_an_epoch_counts_from_the_epochs_formation() -> None:
     assert "--join-wait-max 0.05 s" in p.result.reason, p.result.reason
 
 
+def _step_of(sim: Sim, name: str, step: int, epoch: int, *, switching: bool) -> list[m.Effect]:
+    return sim(m.StepDone(StepReport(name=name, epoch=epoch, step=step, loss=1.0, samples=32,
+                                     global_batch=GLOBAL_BATCH, compute_s=0.3, comm_s=0.001, step_s=0.3,
+                                     digest="", switching=switching)))
+
+
+@pytest.mark.parametrize(("wait_max", "policy", "abandons"),
+                         [(0.05, "auto", True), (None, "auto", True), (None, "never", False)])
+def test_a_join_that_misses_the_members_vote_abandons_the_next_step(wait_max: float | None, policy: str,
+                                                                    abandons: bool) -> None:
+    # c comes 0.35 s into a ~0.32 s step: the step looks over, so the join waits for its boundary.
+    # The step ends, but the delta reached a member after its vote: the members commit it without
+    # switching and begin a whole step more of the old epoch. Weighed at that step's start, the
+    # join rule abandons it (the new plan is faster; with --join-wait-max, the whole step is also
+    # longer than the bound): the delta goes out again, aborting. Measured before: a join 1.35 s
+    # into a 1.4 s step waited 1.39 s.
+    sim, effects = _joining_mid_step(0.35, wait_max=wait_max, policy=policy)
+    first = the_delta(effects)
+    assert first.members == ["a", "b", "c"] and not first.abort, planned(effects)[0].result.reason
+    sim.now += 0.02
+    effects = _step_of(sim, "a", 9, 1, switching=False)
+    again = deltas(effects)
+    assert bool(again) is abandons, effects
+    if abandons:
+        assert set(again) == {"a", "b", "c"} and all(d.abort and d.epoch == first.epoch for d in again.values())
+        assert sim.state.delta is not None and sim.state.delta.abort, "a member that lost it is sent the aborting one"
+        [ev] = logs(effects, "abandon")
+        assert ev["epoch"] == first.epoch and ev["step"] == 10, ev
+        assert "step 9 was committed without the switch" in ev["detail"], ev
+    assert not deltas(_step_of(sim, "b", 9, 1, switching=False)), "decided once a step"
+
+
+def test_a_join_whose_vote_the_members_made_is_not_abandoned() -> None:
+    sim, effects = _joining_mid_step(0.35, wait_max=0.05)
+    assert not the_delta(effects).abort
+    sim.now += 0.02
+    for name in ("a", "b"):  # they voted in step 9 and switch right after it
+        assert not deltas(_step_of(sim, name, 9, 1, switching=True))
+    assert sim.state.delta is not None and not sim.state.delta.abort
+
+
 @pytest.mark.parametrize(("policy", "elapsed", "abandons"), [("never", 0.001, False), ("always", 0.2, True)])
 def test_join_abandons_policy_overrides_the_cost_model(policy: str, elapsed: float, abandons: bool) -> None:
     sim, effects = _joining_mid_step(elapsed, policy=policy)
