@@ -133,6 +133,8 @@ def sharded(t: Trainer, g: Group, sharded: Sharded) -> PlanDelta | None:
     ids = sample_ids(job.seed, t.step, len(job.dataset), G)[start:stop]
     sharded.optimizer.zero_grad(set_to_none=True)
     sharded.comm.take()  # (FSDP2's gathers and scatters of this step from here on)
+    if sharded.kept is not None:
+        sharded.kept.clear()
     loss_sum = torch.zeros((), dtype=torch.float64, device=t.device)
     # Micro-batches: every member runs as many forward/backward passes as the member that needs
     # the most (each pass gathers the units), with no samples once its own share is done.
@@ -171,9 +173,12 @@ def sharded(t: Trainer, g: Group, sharded: Sharded) -> PlanDelta | None:
     _pause(t, g, "backward")
     # Every member gets its copy's gradients: from here on the step may be rolled forward.
     t_copies = time.perf_counter()
-    t.copies.exchange(((p.to_local() if isinstance(p, DTensor) else p, local_grad(p))
-                       for p in sharded.params.values()),
-                      g.members, g.pg, lambda work, buf: t.wait(g, work, buf), t.device)
+    if sharded.reduced_everywhere:  # (gloo: the reduce-scatters were all-reduces; no message needed)
+        t.copies.take(((fqn, local_grad(p)) for fqn, p in sharded.params.items()), sharded.kept)
+    else:
+        t.copies.exchange(((p.to_local() if isinstance(p, DTensor) else p, local_grad(p))
+                           for p in sharded.params.values()),
+                          g.members, g.pg, lambda work, buf: t.wait(g, work, buf), t.device)
     t.redundancy_s = time.perf_counter() - t_copies  # (what the copies cost this step: --trace-steps)
     collectives_s += t.redundancy_s  # (the copies' exchange: communication too)
     _pause(t, g, "exchange")

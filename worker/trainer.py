@@ -488,13 +488,15 @@ class Trainer:
             groups.forget(old)
             mp = (MixedPrecisionPolicy(param_dtype=getattr(torch, self.job.compute_dtype), reduce_dtype=torch.float32)
                   if self.job.compute_dtype else None)
+            copies = Copies.of(g.layout, self.name, local, self.tensors)
             self.sharded = apply_fsdp(self.job, self.units(), g.layout, g.rank, on.mesh, local, self.device,
                                       replicate=on.replicate, mp_policy=mp,
                                       wait=lambda work, buf: self.wait(g, work, buf),
-                                      give_up=self.give_up_if_superseded)
+                                      give_up=self.give_up_if_superseded,
+                                      keep=g.members.index(copies.source) if copies.source is not None else None)
             self.sharded_at = (g.layout, g.rank)
             self.model, self.optimizer = self.sharded.model, self.sharded.optimizer
-            self.copies = Copies.of(g.layout, self.name, local, self.tensors)
+            self.copies = copies
             if self.buckets is not None:  # the replica they hooked is gone
                 self.buckets.close()
                 self.buckets = None

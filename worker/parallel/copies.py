@@ -3,8 +3,9 @@
 Each member keeps a copy of its *source*'s slices (parameters and optimizer state) and has its own
 slices copied by its *keeper*. The copies stay current without moving the state: after the step's
 backward, every member sends its gradient slices to its keeper (`exchange`: one buffer per dtype,
-the send and the receive posted before either is waited for), and after the step's update the
-keeper applies the same update to its copy (`update`, with the job's own optimizer:
+the send and the receive posted before either is waited for), or, where the step's reduce-scatters
+ran as all-reduces (gloo), the keeper takes them from what it kept of those (`take`); after the
+step's update the keeper applies the same update to its copy (`update`, with the job's own optimizer:
 `worker.parallel.update`). Until the update is applied, the gradients stay on the copy's pieces:
 a step that some members applied before a failure is rolled forward with them.
 """
@@ -19,6 +20,7 @@ import torch
 
 from plan.layout import Layout
 from plan.reshard import TensorShape, copy_ring
+from worker.parallel.fsdp import KeptShard
 from worker.parallel.slices import PARAM, LocalState, Piece
 from worker.parallel.update import GRAD, apply_update
 
@@ -101,6 +103,25 @@ class Copies:
                     start = at.get(dtype, 0)
                     q.data[GRAD] = inbox[dtype][start:start + q.hi - q.lo]
                     at[dtype] = start + q.hi - q.lo
+
+    def take(self, named_grads: Iterable[tuple[str, torch.Tensor | None]], kept: KeptShard | None) -> None:
+        """The copy's gradients from the source's reduced shards this member kept from the step's
+        reduce-scatters run as all-reduces (`worker.parallel.fsdp.KeptShard`; `named_grads`: each
+        parameter's name and this member's gradient shard, or None): the exchange's result, with no
+        message sent. Nothing to do without a copy (the others take theirs the same way)."""
+        copy = self.copy
+        if copy is None:
+            return
+        if kept is None:
+            raise RuntimeError("a member that keeps a copy has no reduced shards of its source to take")
+        grads = dict(named_grads)
+        for fqn, pieces in copy.pieces.items():
+            if not pieces:
+                continue
+            [q] = pieces  # (the source's one slice of the tensor: `Copies.of`)
+            grad, numel = grads.get(fqn), q.hi - q.lo
+            q.data[GRAD] = (kept.grad(grad, numel) if grad is not None
+                            else torch.zeros(numel, dtype=copy.dtype(fqn, PARAM), device=q.data[PARAM].device))
 
     def update(self, optimizer_factory: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer],
                shapes: Mapping[str, tuple[int, ...]], lr: Callable[[int], float], coefficient: float) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,7 +42,7 @@ from worker.parallel.slices import PARAM, LocalState, Piece
 
 Wait = Callable[[Any, torch.Tensor | None], None]  # the trainer's abortable wait (raises when superseded)
 
-__all__ = ["AbortableAllReduce", "CommTime", "Sharded", "apply_fsdp", "extract"]
+__all__ = ["AbortableAllReduce", "CommTime", "KeptShard", "Sharded", "apply_fsdp", "extract"]
 
 
 @dataclass(slots=True)
@@ -60,6 +60,50 @@ class CommTime:
 
 
 @dataclass(slots=True)
+class KeptShard:
+    """Another member's reduced gradient shards (`rank`'s, in the unit's shard group), kept from
+    the units' reduce-scatters where they run as all-reduces (`AbortableReduceScatter`), for the
+    copy of its slices this member keeps (`worker.parallel.copies`): no exchange of gradient
+    slices is then needed, every member already holds every member's.
+
+    FSDP2 lays a unit's reduce-scatter input out as one chunk per member, each that member's dim-0
+    shards of the unit's parameters, each padded to one size on every member, and makes each
+    parameter's sharded gradient a view of the output at that shard's offset (`foreach_reduce`,
+    torch 2.13); so `rank`'s gradient of a parameter is its chunk at the offset of this member's.
+    Over a step's micro-batch passes FSDP2 adds each pass's output into the first one's views;
+    the kept chunk is summed in the same order, so the copy's gradients are the owner's, bit for bit
+    (an all-reduce leaves the same bits on every member). FSDP2 divides nothing here (a sum with a
+    divide factor of 1), and the reduce dtype is the parameters' (`apply_fsdp` keeps none otherwise)."""
+
+    rank: int
+    units: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # a unit's hook -> (its first
+    # output of the step, on this member; `rank`'s chunk, summed over the step's passes)
+
+    def clear(self) -> None:
+        """A new step: nothing reduced yet."""
+        self.units.clear()
+
+    def add(self, unit: int, output: torch.Tensor, chunks: torch.Tensor) -> None:
+        """A unit's pass reduced: `chunks` is the whole all-reduced input, one row per member."""
+        first = self.units.get(unit)
+        if first is None:
+            self.units[unit] = (output, chunks[self.rank].clone())
+        else:
+            first[1].add_(chunks[self.rank])
+
+    def grad(self, local_grad: torch.Tensor, numel: int) -> torch.Tensor:
+        """`rank`'s gradient (its shard, `numel` elements, flat) of the parameter whose gradient on
+        this member is `local_grad`."""
+        storage = local_grad.untyped_storage().data_ptr()
+        for output, kept in self.units.values():
+            if output.untyped_storage().data_ptr() == storage:
+                at = local_grad.storage_offset() - output.storage_offset()
+                return kept[at:at + numel]
+        raise RuntimeError("a sharded gradient is not a view of its unit's reduce-scatter output: FSDP2's "
+                           "gradient layout is not the one KeptShard reads (torch 2.13's)")
+
+
+@dataclass(slots=True)
 class Sharded:
     """The executor. `params`: the sharded parameters (DTensors) by name, as the optimizer holds
     them. Read the state through them, not `model.named_parameters()`: a step abandoned inside a
@@ -73,19 +117,28 @@ class Sharded:
     comm: CommTime
     params: dict[str, nn.Parameter]
     stepper: LocalStep  # steps `optimizer` on the shards' local tensors (worker.parallel.shard_step)
+    # Every member holds every member's reduced gradient shards once backward is done (gloo: the
+    # reduce-scatters are all-reduces, in the parameters' dtype), the same on every member of the
+    # layout: the copies take their gradients from `kept`, with no exchange.
+    reduced_everywhere: bool = False
+    kept: KeptShard | None = None  # the copy's source's gradient shards (where this member keeps a copy)
 
 
 def apply_fsdp(job: Job, units: Sequence[str], layout: Layout, rank: int, mesh: DeviceMesh, local: LocalState,
                device: torch.device, *, replicate: dist.ProcessGroup | None = None,
                mp_policy: MixedPrecisionPolicy | None = None, wait: Wait | None = None,
-               give_up: Callable[[], None] | None = None) -> Sharded:
+               give_up: Callable[[], None] | None = None, keep: int | None = None) -> Sharded:
     """The job's model, each of `units` (module paths: the graph's layers but the root) sharded on
     its own and then the root, over `mesh`, and loaded with this member's slices of `local`. HSDP:
     `mesh` is this member's shard group and `replicate` its replica group, over which every reduced
     gradient shard is summed. `wait` (the trainer's abortable wait) waits for every collective;
     without it they are waited for plainly. `give_up` is called before each collective is issued
     and raises to give the step up (an abort arrived during the compute): the units' gathers and
-    reduce-scatters are the sharded step's abandon points, as a replica's forward hooks are."""
+    reduce-scatters are the sharded step's abandon points, as a replica's forward hooks are.
+    On gloo each reduce-scatter runs as an all-reduce (`AbortableReduceScatter`); `keep`: the rank
+    (in the shard group) whose gradient shards this member keeps from them (`Sharded.kept`: the
+    copy's; None where the backend reduce-scatters natively or the reduce dtype differs from the
+    parameters', and the copies exchange their gradients instead: `Sharded.reduced_everywhere`)."""
     if (replicate is not None) != (layout.dp_replicate > 1):
         raise ValueError(f"{layout.describe()}: a replica group is needed exactly when dp_replicate > 1")
     model = meta_model(job)
@@ -103,13 +156,18 @@ def apply_fsdp(job: Job, units: Sequence[str], layout: Layout, rank: int, mesh: 
             fully_shard(module, **kwargs)
     fully_shard(model, **kwargs)
     comm = CommTime()
+    by_all_reduce = dist.get_backend(mesh.get_group()) == "gloo"
+    reduce_dtype = mp_policy.reduce_dtype if mp_policy is not None else None
+    everywhere = by_all_reduce and wait is not None and all(reduce_dtype in (None, p.dtype) for p in model.parameters())
+    kept = KeptShard(keep) if everywhere and keep is not None else None
     for module in model.modules():
         if isinstance(module, FSDPModule):  # exact sums on gloo (no PREMUL_SUM)
             module.set_force_sum_reduction_for_comms(True)
             module.set_gradient_divide_factor(1.0)
             if wait is not None:
                 module.set_custom_all_gather(AbortableAllGather(wait, comm, give_up))
-                module.set_custom_reduce_scatter(AbortableReduceScatter(wait, comm, give_up))
+                module.set_custom_reduce_scatter(AbortableReduceScatter(wait, comm, give_up,
+                                                                        by_all_reduce=by_all_reduce, kept=kept))
             if replicate is not None:
                 module.set_all_reduce_hook(AbortableAllReduce(wait or _plain_wait, comm, replicate, give_up))
     model.to_empty(device=device)
@@ -126,7 +184,8 @@ def apply_fsdp(job: Job, units: Sequence[str], layout: Layout, rank: int, mesh: 
     optimizer = job.optimizer(params.values())
     _load_optimizer(optimizer, params, layout, rank, local)
     return Sharded(model=model, optimizer=optimizer, mesh=mesh, comm=comm, params=params,
-                   stepper=LocalStep(optimizer, list(params.values()), job.optimizer))
+                   stepper=LocalStep(optimizer, list(params.values()), job.optimizer),
+                   reduced_everywhere=everywhere, kept=kept)
 
 
 class _FreshBuffers:
@@ -158,14 +217,34 @@ class AbortableAllGather(_FreshBuffers, AllGather):
 
 
 class AbortableReduceScatter(_FreshBuffers, ReduceScatter):
-    """FSDP2's reduce-scatter, waited for like `AbortableAllGather`."""
+    """FSDP2's reduce-scatter, waited for like `AbortableAllGather`. `by_all_reduce` (gloo): an
+    all-reduce of the whole input in place (a fresh buffer of FSDP2's, `_FreshBuffers.allocate`),
+    then this member's chunk copied out. gloo's reduce-scatter is the slower of the two: measured
+    at a 10M GPT block's 1.77M float32 elements, 7.8 against 6.2 ms on 2 members, 14.7 against 9.6
+    on 3, 19.1 against 13.7 on 4 (the copy-out included; /tmp probe, medians of 15); and every
+    member then holds every member's reduced shard: `kept` keeps one (`KeptShard`)."""
+
+    def __init__(self, wait: Wait, comm: CommTime, give_up: Callable[[], None] | None = None, *,
+                 by_all_reduce: bool = False, kept: KeptShard | None = None) -> None:
+        super().__init__(wait, comm, give_up)
+        self._by_all_reduce = by_all_reduce
+        self._kept = kept
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: Any, async_op: bool = False) -> dist.Work | None:
         self._give_up()
         t0 = time.perf_counter()
-        work = dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op, async_op=True)
-        self._wait(work, output_tensor)
+        if self._by_all_reduce:
+            work = dist.all_reduce(input_tensor, op=op, group=group, async_op=True)
+            self._wait(work, input_tensor)
+            chunks = input_tensor.view(group.size(), -1)
+            output_tensor.copy_(chunks[group.rank()])
+            if self._kept is not None:
+                self._kept.add(id(self), output_tensor, chunks)
+        else:
+            work = dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op,
+                                              async_op=True)
+            self._wait(work, output_tensor)
         self._comm.seconds += time.perf_counter() - t0
         return None
 
