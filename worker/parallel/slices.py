@@ -15,7 +15,8 @@ fresh buffer (an *arena*), every message where its elements belong, and the new 
 views of the arenas and of what it held: no piece allocated, nothing unpacked, nothing copied. The
 transfer list is sorted the same everywhere, so both sides cut and number a pair's messages alike.
 All receives, then all sends are posted before any is waited for (no ordering deadlock), and each
-wait goes through the caller's abortable `wait`. A member that holds nothing (a newcomer) also
+wait goes through the caller's abortable `wait`; a member that sent waits for a note from each peer
+it sent to that everything arrived (none builds its executor beside a peer still receiving). A member that holds nothing (a newcomer) also
 receives the whole-state part's tensors from the lowest-ranked holder, in the same round; their
 structure (`skeleton`) reached it before, in the description all-gather.
 
@@ -36,7 +37,9 @@ runs; the same day, with the packing and the cutting inside the reshard, 1.5 GB/
 with only the senders' packing ahead, 1.7-2.1 (five).
 What is left is mostly loopback TCP on 2 cores: the newcomer's reads take ~10 of its ~12 ms of CPU
 in a join, each sender's writes ~6 of ~7. Into fresh arenas a join faulted in up to 10,500 pages
-inside the wire, 50-100 ms; from a pool, none.
+inside the wire, 50-100 ms; from a pool, none. The senders, done first, then went on to build their
+FSDP2 executors on the same cores and stalled the newcomer's last messages for 5-10 ms: made to
+wait for the newcomer's note, see the README's figures.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from worker.comm import AllOf
 
 PARAM = "param"  # the companion key of the parameter itself
 META_TAG, DATA_TAG = 1, 1 << 16  # p2p tags: the whole-state part's tensors, then the data
+DONE_TAG = DATA_TAG - 1  # a receiver's note to each peer it received from: everything arrived
 # Bytes a message: smaller items (a companion's range of one transfer) are packed into messages of
 # about this size. Each message has a fixed cost in gloo and in Python (posting a 10M GPT join's 147
 # took 4-9 ms), and gloo's loopback rate peaks at 20-50 messages of 1-2 MB (43 MB from two senders,
@@ -226,6 +230,7 @@ def execute(plan: ReshardPlan, me: str, ranks: Mapping[str, int], local: LocalSt
     sender = sender or min(holders, key=lambda n: ranks[n])
     works: list[tuple[Any, torch.Tensor]] = []
     meta: dict[str, Any] | None = None  # the whole-state part's structure, for a member without state
+    behind: list[str] = []  # the members without state this member sends the whole-state part to
     if local is None or me not in holders:
         if not whole:
             raise ValueError(f"{me} holds no current state and was not given the holders' skeleton")
@@ -283,6 +288,22 @@ def execute(plan: ReshardPlan, me: str, ranks: Mapping[str, int], local: LocalSt
     new = (made.state.with_whole(local) if made is not None and made.serves(needed)
            else _assemble(local, needed, recvs, arriving, device))
     wait(AllOf(works), None)
+    # Delivered: a member that received tells each peer it received from, and one that sent waits
+    # to hear it from each peer it sent to, rather than build its executor beside a peer still
+    # receiving. On a host whose cores they share, that work stretched a newcomer's receive of
+    # 43 MB from ~12 to ~18 ms (scripts/bench_parallel.py --sections reshard: its last messages
+    # arrived after 5-10 ms stalls). A receiver's notes are 4-byte sends: it waits for nothing more.
+    received_from = {t.src for t in recvs if t.hi > t.lo} | ({sender} if meta is not None else set())
+    sent_to = {t.dst for t in sends if t.hi > t.lo} | set(behind)
+    notes: list[tuple[Any, torch.Tensor]] = []
+    for peer in sorted(received_from):
+        note = torch.ones(1, device=device)
+        notes.append((pg.send([note], ranks[peer], DONE_TAG), note))
+    for peer in sorted(sent_to):
+        note = torch.zeros(1, device=device)
+        notes.append((pg.recv([note], ranks[peer], DONE_TAG), note))
+    if notes:
+        wait(AllOf(notes), None)
     return new, received
 
 
