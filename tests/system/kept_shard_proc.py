@@ -9,6 +9,7 @@ usage: python kept_shard_proc.py RANK WORLD OUT MODE   (MODE: all_reduce or nati
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -71,7 +72,8 @@ def main() -> None:
             lo, hi = layout.slice_of(source, p.shape[0], p.numel())
             copy[fqn] = kept.grad(grad, hi - lo).clone()
     torch.save({"own": own, "copy": copy}, out / f"{rank}-{mode}.pt")
-    dist.destroy_process_group()
+    dist.barrier()  # (rank 0 serves the store: it leaves last)
+    os._exit(0)  # (no teardown of gloo's threads: seen to abort a process at exit, after its work was done)
 
 
 if __name__ == "__main__":
