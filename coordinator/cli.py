@@ -128,7 +128,9 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
                         "predicts it pays: the new plan is faster and little enough of the step has run (with M equal "
                         "members and one more like them, the first 1/(M+1) of the step); the plan event's detail says "
                         "so. always: whenever a step is in flight (the fastest join; the step is done again). never: "
-                        "a join always waits for the step boundary. Nothing is lost either way")
+                        "a join always waits for the step boundary. A plan that reaches a member after its switch vote "
+                        "would wait for the whole next step: auto and always weigh that step at its start and may "
+                        "abandon it (an abandon event). Nothing is lost either way")
     p.add_argument("--join-wait-max", type=_seconds_or_none, default=UNSET, metavar="SECONDS|none",
                    help="with --join-abandons auto: also abandon the step in flight when the rest of it is "
                         "predicted to take longer than SECONDS, so that a newcomer never waits longer than that for "
