@@ -170,6 +170,11 @@ def main() -> None:
         holders, old_layout = members, layout
     digest = {fqn: [[p.lo, p.hi, _hash(p.data)] for p in pieces] for fqn, pieces in (local.pieces if local else {}).items()}
     (out / f"{me}.json").write_text(json.dumps({"losses": losses, "reshard": reshard, "held": digest}))
+    # Process 0 serves the store: it leaves last (one that handed its slices over and left first
+    # took the store with it while the others still formed their training group on it).
+    store.set(f"done/{me}", "1")
+    if names.index(me) == 0:
+        store.wait([f"done/{n}" for n in names], timedelta(seconds=300))
 
 
 def _step(job: Any, sharded: Sharded | Replica, layout: Layout, rank: int, step: int) -> float:
