@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from coordinator import steps
-from coordinator.replan import lose_state, replan
+from coordinator.replan import addressed, lose_state, replan
 from coordinator.state import (
     Acked,
     Checkpoint,
@@ -316,8 +316,7 @@ def _missed_vote(state: State, step: int, now: float) -> Result:
         return replace(state, abandon_if_missed=""), []
     why = state.abandon_if_missed
     delta = replace(delta, abort=True)
-    recipients = sorted((set(state.running) | set(plan.members) | set(delta.senders)) & set(state.workers))
-    workers = {n: replace(w, nudged_at=now) if n in recipients else w for n, w in state.workers.items()}
+    recipients, workers = addressed(state, set(state.running) | set(plan.members) | set(delta.senders), now)
     state = replace(state, delta=delta, workers=workers, abandon_if_missed="")
     return state, [Log("abandon", {"epoch": delta.epoch, "step": step + 1,
                                    "detail": f"step {step} was committed without the switch (the plan reached a member "

@@ -34,7 +34,7 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from coordinator import steps
-from coordinator.state import Config, Effect, Log, Planned, Result, Send, State
+from coordinator.state import Config, Effect, Log, Planned, Result, Send, State, Worker
 from plan import Plan, PlanLimits, PlanResult, make_plan, predict
 from plan.prediction import repredict
 from transport import MeshLayout, PlanDelta
@@ -146,8 +146,7 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
         result = replace(result, reason=f"{result.reason}; every member loads checkpoint {resume.path} "
                                         f"(step {resume.step})")
     old = set(state.plan.members) if state.plan else set()
-    recipients = sorted((old | set(new.members) | set(senders)) & set(state.workers))
-    workers = {n: replace(w, nudged_at=now) if n in recipients else w for n, w in state.workers.items()}
+    recipients, workers = addressed(state, old | set(new.members) | set(senders), now)
     hosts = {n: state.cluster.devices[n].host for n in new.members if n in state.cluster.devices}
     loads = {h: state.cluster.load(h, new.members) for h in set(hosts.values())}
     guessed = any(state.cluster.is_guess(n) for n in new.members)
@@ -161,6 +160,13 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
                     replan_wanted=f"{handoff} handed off" if handoff else None)
     return state, [*said, Planned(result, epoch, reason, abandons_step=abandons), *benched,
                    *(Send(n, delta) for n in recipients)]
+
+
+def addressed(state: State, names: set[str], now: float) -> tuple[list[str], dict[str, Worker]]:
+    """The live workers among `names` that a delta goes to (by name), and the workers with their
+    nudge clock set to `now` (membership's `_nudge` sends it again a lease later to one that lags)."""
+    recipients = sorted(names & set(state.workers))
+    return recipients, {n: replace(w, nudged_at=now) if n in recipients else w for n, w in state.workers.items()}
 
 
 def _abandon_for_join(state: State, new: Plan, always: bool, elapsed: float, wait_max: float | None = None) -> str:

@@ -423,7 +423,7 @@ def table(r: dict[str, Any]) -> str:
                          f"longest {j['max_plan_to_formed_s']:.2f} s; each (s after the members' last step, "
                          f"abandoned?): " + ", ".join(f"{x['plan_to_formed_s']:.2f} ({x['since_last_step_s']:.2f}"
                                                       f"{', abandoned' if x['abandoned'] else ''}"
-                                                      f"{', next step abandoned' if x.get('missed_vote') else ''})"
+                                                      f"{', next step abandoned' if x['missed_vote'] else ''})"
                                                       for x in j["joins"]))
         lines.append(f"  reshard {j['reshard_bytes'] / 1e6:.1f} MB; the slowest member's entry took "
                      f"{j['reshard_s']:.2f} s (the newcomer's: from its plan, through the members' steps)")

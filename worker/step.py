@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -256,11 +257,12 @@ def _abandon_points(t: Trainer) -> None:
                                                for m in modules])
 
 
-def _sleep(t: Trainer, g: Group, seconds: float, why: str = "the --slowdown stretch") -> None:
+def _sleep(t: Trainer, g: Group, seconds: float, why: str = "the --slowdown stretch",
+           until: Callable[[], bool] = lambda: False) -> None:
     """Sleep inside a step (the --slowdown knob's extra compute, a --pause-at pause), given up as the
-    step's real compute would be: Superseded the moment its epoch is."""
+    step's real compute would be: Superseded the moment its epoch is. Ends early once `until()`."""
     deadline = time.monotonic() + seconds
-    while (left := deadline - time.monotonic()) > 0:
+    while (left := deadline - time.monotonic()) > 0 and not until():
         if t.agent.superseded(g.epoch):
             raise Superseded(f"given up in {why}")
         time.sleep(min(left, 0.02))
@@ -290,11 +292,7 @@ def _pause_for_plan(t: Trainer, g: Group) -> None:
         return
     t.paused_step = True
     t.log(f"pausing at the vote of step {t.step + 1} until a plan arrives (--pause-at)")
-    deadline = time.monotonic() + 60
-    while t.agent.pending_planned(g.epoch) is None and time.monotonic() < deadline:
-        if t.agent.superseded(g.epoch):
-            raise Superseded("given up in the --pause-at pause at the vote")
-        time.sleep(0.02)
+    _sleep(t, g, 60, "the --pause-at pause at the vote", until=lambda: t.agent.pending_planned(g.epoch) is not None)
 
 
 def is_comm_error(e: BaseException) -> bool:
