@@ -294,8 +294,8 @@ class Core:
                 self.apply(m.StepDone(msg))
             case Ack():
                 self.apply(m.Acked(msg))
-            case Leave(name=name, reason=reason):
-                self.apply(m.Left(name, reason))
+            case Leave(name=name, reason=reason, error=error, where=where):
+                self.apply(m.Left(name, reason, error, where))
             case Saved():
                 self.apply(m.ModelSaved(msg))
             case EvalReport():

@@ -106,8 +106,8 @@ def apply(state: State, event: Event, config: Config, *, now: float) -> Result:
             return _step_done(state, report, config, now)
         case Acked(ack):
             return _acked(state, ack, config, now)
-        case Left(name, reason):
-            return _left(state, name, reason, config, now)
+        case Left(name, reason, error, where):
+            return _left(state, name, reason, config, now, cause={"error": error, "where": where} if error else {})
         case Lost(name, detected_by):
             return _lost(state, name, detected_by, config, now)
         case Tick():
@@ -419,7 +419,10 @@ def _resume_failed(state: State, msg: ResumeFailed) -> Result:
     return state, [*effects, FollowUp(ReplanDue("resume", abort=True))]
 
 
-def _left(state: State, name: str, reason: str, config: Config, now: float) -> Result:
+def _left(state: State, name: str, reason: str, config: Config, now: float, *,
+          cause: dict[str, str] | None = None) -> Result:
+    """A worker leaves on purpose; `cause` (the job's exception and where in the job's code it was
+    raised) goes into its `left` event."""
     if name not in state.workers:
         return state, [Send(name, Stop(reason="not a member"))]
     in_latest = state.plan is not None and name in state.plan.members
@@ -429,7 +432,7 @@ def _left(state: State, name: str, reason: str, config: Config, now: float) -> R
     clean = reason == "finished" or planned_out  # planned out: it left at the agreed switch
     in_plan = state.in_play(name) and not clean
     state = _remove(state, name)
-    effects: list[Effect] = [Log("left", {"worker": name, "reason": reason}),
+    effects: list[Effect] = [Log("left", {"worker": name, "reason": reason, **(cause or {})}),
                              Send(name, Stop(reason="goodbye"))]
     if in_plan and not state.finished:
         effects += [Send(n, Abort(epoch=state.epoch, reason=f"{name} left")) for n in state.workers]

@@ -205,6 +205,8 @@ class ModelSaved:
 class Left:
     name: str
     reason: str
+    error: str = ""  # the job's exception, "TypeName: message" (reason "error: ...")
+    where: str = ""  # its innermost frame in the job's own code, "FILE:LINE in FUNCTION"
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-PROTOCOL_VERSION = 10  # 10: StepReport.switching (and PlanDelta.previous, TensorInfo.state); 9: Join.epoch/step, Welcome.last_step, ERR_REJOIN, Checkpointed, ResumeFailed, CheckpointNow, Welcome.checkpoint_*, PlanDelta.resume_*; 8: PlanDelta.layout (MeshLayout), PlanDelta.senders, StateLost; 2: StepReport.comm_s, Slowdown; 3: Join.cores; 4: StepReport.lr, grad_norm; 5: Saved, Welcome.final_dir; 6: SaveModel, Saved.final; 7: EvalReport
+PROTOCOL_VERSION = 11  # 11: Leave.error, Leave.where; 10: StepReport.switching (and PlanDelta.previous, TensorInfo.state); 9: Join.epoch/step, Welcome.last_step, ERR_REJOIN, Checkpointed, ResumeFailed, CheckpointNow, Welcome.checkpoint_*, PlanDelta.resume_*; 8: PlanDelta.layout (MeshLayout), PlanDelta.senders, StateLost; 2: StepReport.comm_s, Slowdown; 3: Join.cores; 4: StepReport.lr, grad_norm; 5: Saved, Welcome.final_dir; 6: SaveModel, Saved.final; 7: EvalReport
 
 # Error codes carried by `Error.code`.
 ERR_DECODE = "decode"  # the frame could not be decoded or failed validation
@@ -276,10 +276,15 @@ class Leave:
 
     reason: "finished" (ran all steps), "preempted" (SIGTERM), "drained" (after `ctl drain`),
     "error: ..." (the job raised).
+    error: when the job's code raised, the exception as "TypeName: message" ("" otherwise).
+    where: the innermost frame of that traceback in the job's own code (outside adaptrain, torch
+    and the standard library), as "FILE:LINE in FUNCTION" ("" when none is).
     """
 
     name: str
     reason: str
+    error: str = ""
+    where: str = ""
 
     def __post_init__(self) -> None:
         check_name(self.name)

@@ -175,6 +175,7 @@ def _main(argv: list[str] | None) -> int:
     from worker.agent import Agent, FatalError
     from worker.calibrate import calibrate
     from worker.checkpoint import check_writable
+    from worker.failure import describe
     from worker.job import JobError, load_job
     from worker.trainer import Trainer, TrainerConfig
 
@@ -204,7 +205,7 @@ def _main(argv: list[str] | None) -> int:
         welcome = agent.wait_welcome(cfg.connect_timeout_s)
         if hashlib.sha256(welcome.job_source.encode()).hexdigest() != welcome.job_sha256:
             raise JobError("the job source arrived damaged (sha256 mismatch)")
-        job = load_job(welcome.job_source, welcome.job_name, filename=welcome.job_ref)
+        job = load_job(welcome.job_source, welcome.job_name, filename=welcome.job_ref.rpartition(":")[0] or welcome.job_ref)
         trainer = Trainer(job, agent, cfg.join, TrainerConfig(group_timeout_s=cfg.group_timeout_s,
                                                               digest_every=cfg.digest_every,
                                                               log_every=cfg.log_every, device=cfg.device,
@@ -244,10 +245,11 @@ def _main(argv: list[str] | None) -> int:
         print(f"worker: {e}", file=sys.stderr)
         agent.close()
         return 1
-    except Exception as e:  # the job's own code failed mid-training: say so, leave cleanly
-        step = trainer.step if trainer is not None else 0
-        print(f"worker: training failed at step {step}: {type(e).__name__}: {e}", file=sys.stderr)
-        agent.say_goodbye(Leave(name=cfg.name, reason=f"error: {type(e).__name__}: {e}"[:500]))
+    except Exception as e:  # the job's own code failed mid-training: its traceback, then leave cleanly
+        failure = describe(e, trainer.step if trainer is not None else 0)
+        print(failure.report, file=sys.stderr, flush=True)
+        agent.say_goodbye(Leave(name=cfg.name, reason=f"error: {failure.error}"[:500], error=failure.error,
+                                where=failure.where[:300]))
         agent.close()
         return 1
     print(f"[{cfg.name}] done: {outcome} at step {trainer.step}", flush=True)

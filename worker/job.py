@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import itertools
+import linecache
 import math
 import sys
 import types
@@ -256,6 +257,8 @@ def load_job(source: str, name: str, filename: str = "<job>") -> Job:
     module = types.ModuleType(module_name)
     module.__file__ = filename
     sys.modules[module_name] = module
+    # The text under `filename` for tracebacks: a failure in the job's code shows its lines.
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
     loaded = False
     try:
         try:
