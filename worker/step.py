@@ -50,6 +50,8 @@ def replicated(t: Trainer, g: Group) -> PlanDelta | None:
     for p in t.params:
         p.grad = None
     buckets = _grad_buckets(t)
+    buffers = t.buffers_of(t.model)
+    buffers.begin()
     _abandon_points(t)
     t.computing = g.epoch  # (until the compute ends: the units' hooks may give the step up)
     # Micro-batches (the plan's, where a share does not fit memory at once): gradients accumulate
@@ -96,8 +98,13 @@ def replicated(t: Trainer, g: Group) -> PlanDelta | None:
     buf[2] = 1.0 if t.agent.checkpoint_waiting() else 0.0  # a checkpoint every member was asked for
     t_comm = time.perf_counter()
     works = [*buckets.finish(), (g.pg.allreduce([buf]), buf)]
+    if buffers:  # (the members' updates of the model's buffers this step, weighted by their shares)
+        deltas = buffers.deltas(len(ids), G)
+        works.append((g.pg.allreduce([deltas]), deltas))
     t.wait(g, AllOf(works))  # one hand-off to the waiting thread for all of them
     comm_s = time.perf_counter() - t_comm
+    if buffers:
+        buffers.apply(works.pop()[1])
 
     summed = [out for _, out in works[:-1]]
     grad_norm = float(torch.stack([squared_norm(b) for b in summed]).sum().sqrt())  # every parameter
@@ -133,6 +140,8 @@ def sharded(t: Trainer, g: Group, sharded: Sharded) -> PlanDelta | None:
     start, stop = g.layout.batch_slice(g.rank)
     ids = sample_ids(job.seed, t.step, len(job.dataset), G)[start:stop]
     sharded.optimizer.zero_grad(set_to_none=True)
+    buffers = t.buffers_of(sharded.model)
+    buffers.begin()
     sharded.comm.take()  # (FSDP2's gathers and scatters of this step from here on)
     if sharded.kept is not None:
         sharded.kept.clear()
@@ -194,8 +203,12 @@ def sharded(t: Trainer, g: Group, sharded: Sharded) -> PlanDelta | None:
                        torch.tensor(1.0 if pending is not None else 0.0, dtype=torch.float64),
                        torch.tensor(1.0 if t.agent.save_waiting() else 0.0, dtype=torch.float64),
                        torch.tensor(1.0 if t.agent.checkpoint_waiting() else 0.0, dtype=torch.float64)]).to(t.device)
+    if buffers:  # (the members' updates of the model's buffers this step, weighted by their shares)
+        buf = torch.cat([buf, buffers.deltas(len(ids), G)])
     t_comm = time.perf_counter()
     t.wait(g, g.pg.allreduce([buf]), buf)
+    if buffers:
+        buffers.apply(buf[5:])
     comm_s = time.perf_counter() - t_comm + collectives_s
     grad_norm = float(buf[1].sqrt())
     _pause(t, g, "optimizer")

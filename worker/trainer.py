@@ -53,6 +53,7 @@ from worker.job import Job
 from worker.parallel.fsdp import Sharded, apply_fsdp, extract
 from worker.parallel.replicated import GradBuckets, apply_replicated
 from worker.parallel import mesh as meshes
+from worker.parallel.buffers import BufferSync
 from worker.parallel.copies import Copies
 from worker.parallel.meta import meta_model
 from worker.parallel.slices import (PARAM, Incoming, LocalState, Outgoing, Pool, expect, from_module,
@@ -108,6 +109,7 @@ class Trainer:
         self.registered: list[dist.ProcessGroup] = []
         self._graph: Graph | None = None
         self.buckets: GradBuckets | None = None  # the replicated step's gradient buckets (`worker.step`)
+        self.buffer_sync: BufferSync | None = None  # the current model's buffers, the same on every member
         # The replicated step's abandon points (`worker.step`): hooks on the replica's units that give
         # its compute up once `computing`, the epoch of the step in flight, is superseded.
         self.computing = 0
@@ -587,15 +589,27 @@ class Trainer:
                 return steps.sharded(self, g, self.sharded)
             return steps.replicated(self, g)
         except Superseded:
+            self._restore_buffers()
             raise
         except Exception as e:
             # A peer gone can surface as an error when an op is issued (gloo: "Connection closed by
             # peer"), before the coordinator's abort: the epoch is over either way, not the job.
             if steps.is_comm_error(e) or self.agent.superseded(g.epoch):
+                self._restore_buffers()
                 raise Superseded(f"the step's communication failed: {str(e).splitlines()[0][:200]}") from None
             raise
         finally:
             self.computing = 0
+
+    def buffers_of(self, model: torch.nn.Module) -> BufferSync:
+        """The buffer sync of the model a step runs (rebuilt when the layout built a new one)."""
+        if self.buffer_sync is None or self.buffer_sync.model is not model:
+            self.buffer_sync = BufferSync(model)
+        return self.buffer_sync
+
+    def _restore_buffers(self) -> None:
+        if self.buffer_sync is not None:
+            self.buffer_sync.restore()
 
     def give_up_if_superseded(self, *_: Any) -> None:
         """An abandon point inside a step's compute (replicated: a unit's forward, a gradient's
@@ -709,9 +723,9 @@ class Trainer:
         self._write(directory, final, lambda path: save_state(model_state, optimizer_state, path))
 
     def digest(self) -> str:
-        """A hash of the whole model's parameters (sharded: gathered, so every member must ask)."""
+        """A hash of the whole model's parameters and buffers (sharded: gathered, so every member must ask)."""
         h = hashlib.sha256()
-        for p in self.model.parameters():
+        for p in [*self.model.parameters(), *self.model.buffers()]:
             full = p.full_tensor() if hasattr(p, "full_tensor") else p
             h.update(full.detach().cpu().contiguous().numpy().tobytes())
         return h.hexdigest()[:16]
