@@ -265,7 +265,7 @@ def load_job(source: str, name: str, filename: str = "<job>") -> Job:
             exec(compile(source, filename, "exec"), module.__dict__)
         except (Exception, SystemExit) as exc:
             raise JobError(
-                f"job file {filename} failed to load: {type(exc).__name__}: {exc}"
+                f"job file {filename} failed to load{_line_in(exc, filename)}: {type(exc).__name__}: {exc}"
             ) from exc
         factory = getattr(module, name, None)
         if factory is None:
@@ -281,7 +281,7 @@ def load_job(source: str, name: str, filename: str = "<job>") -> Job:
             job = factory()
         except (Exception, SystemExit) as exc:  # includes a JobError from Job.__post_init__
             raise JobError(
-                f"job file {filename} failed to load: {type(exc).__name__}: {exc}"
+                f"job file {filename} failed to load{_line_in(exc, filename)}: {type(exc).__name__}: {exc}"
             ) from exc
         if not isinstance(job, Job):
             raise JobError(
@@ -293,6 +293,16 @@ def load_job(source: str, name: str, filename: str = "<job>") -> Job:
     finally:
         if not loaded:
             sys.modules.pop(module_name, None)
+
+
+def _line_in(exc: BaseException, filename: str) -> str:
+    """" at line N" of the job file's innermost frame in `exc`'s traceback ("" when it has none)."""
+    tb, line = exc.__traceback__, 0
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == filename:
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return f" at line {line}" if line else ""
 
 
 def sample_ids(seed: int, step: int, dataset_len: int, global_batch: int) -> torch.Tensor:

@@ -144,7 +144,14 @@ def test_job_checks_its_fields() -> None:
 
 def test_a_bad_job_field_in_a_job_file_names_the_file() -> None:
     source = _GOOD_JOB.replace("global_batch=4", "global_batch=-4")
-    with pytest.raises(JobError, match=r"bad\.py failed to load: JobError: .*global_batch"):
+    line = 1 + next(i for i, text in enumerate(source.splitlines()) if "Job(" in text)
+    with pytest.raises(JobError, match=rf"bad\.py failed to load at line {line}: JobError: .*global_batch"):
+        load_job(source, "job", filename="bad.py")
+
+
+def test_a_job_file_that_raises_says_at_which_line() -> None:
+    source = "x = 1\n\ndef job():\n    return {}['missing']\n"
+    with pytest.raises(JobError, match=r"bad\.py failed to load at line 4: KeyError: 'missing'"):
         load_job(source, "job", filename="bad.py")
 
 
