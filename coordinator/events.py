@@ -1,8 +1,6 @@
 """STATE_DIR/events.jsonl: one JSON object a line, each with "ts" (unix seconds) and "kind".
 
-Kinds (DESIGN.md): joined{worker} left{worker,reason} failed{worker,detected_by}
-straggler{worker,speed} plan{epoch,reason,predicted_step_s,solve_s,status,layout,mode}
-reshard{epoch,bytes,seconds} step{step,epoch,loss,samples,step_s}. The log is appended and flushed
+Every kind and its fields: docs/operations.md, "Events". The log is appended and flushed
 line by line, so `tail -f` and a crashed coordinator both see every event written. A copy stays in
 memory for `ctl events`.
 """

@@ -89,9 +89,8 @@ class ConnectionLedger:
     that closed with no outcome at all is the hard case: libzmq's (v1) monitor names the connection
     (its fd) in ACCEPTED and DISCONNECTED but not in the handshake events between them, so when two
     handshakes overlap, which one an outcome belongs to is unknown. Crediting it to the oldest
-    waiting connection (what this did before) miscounts: a newer connection's success taken by an
-    older one that later fails leaves the newer one "waiting", and its close was counted as a
-    refusal too (seen once in `test_fuzz`).
+    waiting connection miscounts: a newer connection's success taken by an older one that later
+    fails leaves the newer one "waiting", and its close would be counted as a refusal too.
 
     So an outcome is kept unattributed, with the connections it may belong to (those open and
     without a known outcome when it came), and it is settled by what follows: a connection that

@@ -309,8 +309,8 @@ def _missed_vote(state: State, step: int, now: float) -> Result:
     """The members committed `step` of the old epoch without switching: the planned join delta
     reached one of them after its vote, and they have begun a whole step more of the old epoch
     before the newcomer is taken in. Where the join rule, weighed at that step's start, says to
-    abandon it (`State.abandon_if_missed`), the delta goes out again, aborting: measured, a join
-    that came 1.35 s into a 1.4 s step waited 1.39 s for the step after it."""
+    abandon it (`State.abandon_if_missed`), the delta goes out again, aborting: otherwise a join that
+    came near the end of a step would wait for the whole step after it."""
     delta, plan = state.delta, state.plan
     if delta is None or delta.abort or not state.pending or plan is None:
         return replace(state, abandon_if_missed=""), []

@@ -14,7 +14,8 @@ counters.
 trio thread may update while a scrape reads). Port 0 picks a free port; `MetricsServer.url` has
 the real one. A port that cannot be bound is an `OSError` whose message names it.
 
-Names all start `adaptrain_`; see METRICS below for each one's meaning (also in the README).
+Names all start `adaptrain_`; see METRICS below for each one's meaning (also in docs/operations.md,
+"Metrics").
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from coordinator.guard import REASONS
 
-# Plan reasons the coordinator writes (README "Events"); their counters exist from the start at 0.
+# Plan reasons the coordinator writes (docs/operations.md, "Events"); their counters exist from the
+# start at 0.
 PLAN_REASONS = ("join", "failure", "leave", "drained", "preempted", "straggler", "recovered", "contention",
                 "calibration", "handoff")
 # Event kinds counted by adaptrain_events_total (others are counted as "other": bounded labels).

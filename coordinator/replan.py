@@ -183,7 +183,7 @@ def _abandon_for_join(state: State, new: Plan, always: bool, elapsed: float, wai
     latency. `always` (`--join-abandons always`): whenever a step is in flight. `wait_max`
     (`--join-wait-max`): also when the rest of the step is predicted to last longer than that, a
     bound on the newcomer's wait bought with the members' work on the step (the rule above alone
-    lets a join wait up to a step where a newcomer adds little: 1.2-1.7 s on this 2-core machine).
+    lets a join wait up to a whole step where a newcomer adds little).
     A step already past its usual length is taken to end at once (a stuck one is the failure
     detector's, not this rule's); should it end before the delta reaches every member's vote, the
     members report it without switching and the coordinator weighs the next step with this rule at

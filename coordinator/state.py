@@ -15,10 +15,10 @@ from transport import (Ack, Checkpointed, EvalReport, Join, Message, PlanDelta, 
                        StepReport)
 
 
-# --join-wait-max's default: a newcomer waits at most this long for the members' step boundary (a
-# 10M GPT's join then trains within ~0.5 s of its ready, the issue's goal 1 s; measured: 0.36-0.43 s
-# longest, against 1.46-1.75 s unbounded, where a third worker on 2 cores adds little). Its price is
-# the members' work on an abandoned step, under one step each, once per join.
+# --join-wait-max's default: a newcomer waits at most this long for the members' step boundary, so a
+# 10M-parameter model's join trains within about a second of its ready even where one more worker adds
+# little and the cost-model rule alone would let it wait a whole step. Its price is the members' work
+# on an abandoned step, under one step each, once per join.
 JOIN_WAIT_MAX_S = 0.5
 
 

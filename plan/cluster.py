@@ -44,10 +44,10 @@ EWMA_WEIGHT = 0.3  # weight of the newest measurement in a device's overhead est
 COMPUTE_WINDOW = 16  # steps the compute model of a device is fitted over
 WARMUP_STEPS = 2  # a worker's first steps pay for lazy set-up (allocator, autograd): not fitted
 SPEED_TOLERANCE = 0.1  # devices within 10% of a class's slowest member share its class
-# Contention exponent before a host's own is measured: none. A compute-bound prior (1 for CPUs) was
-# tried and measured to do harm: for workers that do not contend (the paced job) it predicted that
-# planning a co-located worker out would speed the others up 1.5x, so the planner benched one, and
-# the next steps disproved it (three calibration re-plans in a row).
+# Contention exponent before a host's own is measured: none. A compute-bound prior (1 for CPUs) does
+# harm: for workers that do not contend (the paced job) it predicts that planning a co-located worker
+# out speeds the others up 1.5x, so the planner benches one, and the next steps disprove it (a
+# calibration re-plan after another).
 GAMMA_PRIOR: dict[str, float] = {}
 GAMMA_MAX = 1.5
 LOAD_WINDOW = 32  # (load, per-sample seconds) observations kept per device to learn γ
@@ -110,9 +110,9 @@ class Cluster:
     def with_peer_calibration(self, name: str) -> Cluster:
         """One calibration per piece of hardware: devices on one host with the same device string
         and thread count compute on the same cores (or the same GPU), so join-time matmul figures
-        that differ between them measured the moment's contention, not the hardware (seen: 36 to 84
-        GFLOP/s for workers on this 2-core machine, which planned unequal shares that the first
-        measured steps then undid with a re-plan). All of them take the best figure, the
+        that differ between them measured the moment's contention, not the hardware (they can
+        differ twofold on a busy machine, which would plan unequal shares that the first measured
+        steps undo with a re-plan). All of them take the best figure, the
         calibration's own rule: interference only ever slows a run down."""
         device = self.devices.get(name)
         if device is None:

@@ -1,7 +1,8 @@
 """The planner for data parallelism over device classes: who trains, and each one's share.
 
-A binary per (sample, device) does not scale (DESIGN.md), so the model works on device *classes*:
-devices of one kind and speed, of which `available` can take part. A plan takes k_c ≤ available_c
+A binary per (sample, device) does not scale (HiGHS needs seconds to prove even a 16 × 8 placement
+optimal), so the model works on device *classes*: devices of one kind and speed, of which
+`available` can take part. A plan takes k_c ≤ available_c
 devices of each class c (Σ k_c ≤ max_devices) and gives each an integer share of the global batch
 B: at least one sample (a device with none only lengthens the ring), at most what fits in memory.
 
@@ -12,13 +13,13 @@ The normal path is an exact search (plan/_dp_search.py). One ring: the all-reduc
 R and the migration only on N, how many of the R are newcomers. For a pair (R, N) the best devices
 are the R − N kept and N new ones holding the most at the makespan, which piecewise-linear tables
 give; all pairs are bounded with continuous shares, then checked in integer shares in order of that
-bound until it proves the rest no better within MIP_GAP. At 1,024 devices: up to ~260k pairs, at
-most 64 ms measured (scripts/bench_planner_solve.py).
+bound until it proves the rest no better within MIP_GAP. At 1,024 devices: up to ~260k pairs, tens
+of milliseconds (scripts/bench_planner_solve.py).
 
-Why not the MILP first: measured with the same bench, a MILP with one-hot counts y[c,k] and ring
-size z[r] (ring sizes pruned by these bounds, a cut T ≥ bound(r), HiGHS) hit the 1 s limit in most
-scenarios from 256 devices up: many ring sizes lie within 0.1% of each other and branch and bound
-cannot separate them. That MILP (plan/_milp_model.py, exact in integer shares, CBC if HiGHS is
+Why not the MILP first: a MILP with one-hot counts y[c,k] and ring size z[r] (ring sizes pruned by
+these bounds, a cut T ≥ bound(r), HiGHS) hits a 1 s limit in most scenarios from 256 devices up
+(the same bench, `--engine milp`): many ring sizes lie within 0.1% of each other and branch and
+bound cannot separate them. That MILP (plan/_milp_model.py, exact in integer shares, CBC if HiGHS is
 missing) runs only when the search would enumerate more than _MAX_PAIRS pairs.
 
 The reported shares are rounded from balanced continuous ones (floors first, then one sample at a
@@ -48,10 +49,10 @@ from plan.shares import round_to_total
 # step time is below what the cost model can predict.
 MIP_GAP = 1e-3
 # Above this many (ring size, newcomers) pairs the search would need too much memory (~100 bytes
-# a pair) and time (~0.25 µs a pair measured, before the integer checks): the MILP takes over.
+# a pair) and time (~0.25 µs a pair, before the integer checks): the MILP takes over.
 _MAX_PAIRS = 1_000_000
-# Integer-share checks of the search per second of `time_limit_s`: measured ~180k/s (one core,
-# chunks of 4096), assumed ~half that. The budget is work, not a clock: the planner stays pure.
+# Integer-share checks of the search per second of `time_limit_s`: about 180k/s on one core (chunks
+# of 4096), assumed ~half that. The budget is work, not a clock: the planner stays pure.
 _CHECKS_PER_S = 100_000
 ENGINES = ("auto", "search", "milp")
 

@@ -26,9 +26,9 @@ write to, until one of them has something or a heartbeat is due (never a fixed s
 
 Every send is non-blocking, with what zmq cannot take yet kept in order for the next turn of the loop:
 a DEALER whose only connection was refused at the handshake (a protocol error: zmq does not
-reconnect) has no pipe, and a blocking send waits forever. Seen on a loaded machine: the refusal
-landed before the first Join was sent, the thread blocked in `send`, and the refusal it was there
-to report went unread.
+reconnect) has no pipe, and a blocking send waits forever: on a loaded machine the refusal can land
+before the first Join is sent, and a thread blocked in `send` would never read the refusal it is
+there to report.
 """
 
 from __future__ import annotations
@@ -125,8 +125,8 @@ class Agent:
         self._closing = threading.Event()
         self._close_by = 0.0  # monotonic: stop trying to flush the unsent after this (set by close)
         # The trainer's sends wake the loop through this pipe, so the loop sleeps until something
-        # happens instead of waking every few ms: measured, a 10 ms poll loop took 9% of a sharded
-        # worker's samples on 3 workers sharing 2 cores, and the GIL from the training thread.
+        # happens instead of waking every few ms: a 10 ms poll loop takes CPU (several percent of a
+        # sharded worker's samples where workers share cores) and the GIL from the training thread.
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)

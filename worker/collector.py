@@ -3,20 +3,19 @@ start-up built.
 
 A worker's start (importing torch, loading the job, building the model, capturing its graph) makes
 hundreds of thousands of long-lived Python objects and little cyclic garbage. With the collector
-on, CPython scans all of them again and again as they accumulate: measured on the 10M-parameter GPT
-(2-core machine, 3 workers), five full (generation 2) collections per worker during start-up, 450-530
-ms in all, the longest 155-220 ms, on the way to `Ready`, and on a machine whose other workers are
-training. During training itself there were none: a step makes little Python garbage.
+on, CPython scans all of them again and again as they accumulate: for the 10M-parameter GPT, several
+full (generation 2) collections per worker during start-up, about half a second in all, on the way
+to `Ready` and on a machine whose other workers are training. During training itself there are
+none: a step makes little Python garbage.
 
 So the collector is off from the first line of the worker until it is ready. Then one full
 collection takes what start-up left as cyclic garbage (~15,000 objects after the GPT's graph
 capture: FX graphs, temporary modules; ~200 ms), `gc.freeze()` moves everything that remains into
 the permanent generation, which later collections never scan, and the collector is turned back on:
-what training makes is collected as usual, over a heap of its own objects. Measured on a quiet
-machine: importing torch 2.33-2.41 s with the collector on, 1.86-1.88 s off (three runs each); one
-collection instead of five. This is CPython's own recipe (`gc.freeze`'s documentation: disable
-early, freeze once the long-lived objects exist); torchtitan likewise keeps automatic collection
-out of its training steps.
+what training makes is collected as usual, over a heap of its own objects (importing torch alone
+takes about a fifth less time with the collector off). This is CPython's own recipe (`gc.freeze`'s
+documentation: disable early, freeze once the long-lived objects exist); torchtitan likewise keeps
+automatic collection out of its training steps.
 """
 
 from __future__ import annotations

@@ -3,11 +3,11 @@
 gloo (CPU) or NCCL (GPU) is chosen by the worker's device. Every group is built on a PrefixStore
 "epoch{E}/" over the coordinator's store, in a helper thread, and every wait can be given up the
 moment the agent reports an abort (`Waiter`), because a dead or stopped peer can hold a gloo
-collective for the whole group timeout (DESIGN.md, measured). A superseded operation is neither
-waited for nor destroyed (destroying a group with an op in flight blocks until that op's timeout):
-its group, work and buffer stay with the helper thread that waits for it and are dropped once the
-op ends on its own. NCCL groups are also aborted (ncclCommAbort frees the GPU from a kernel that
-would spin).
+collective for the whole group timeout (docs/architecture.md, "Failure detection"). A superseded
+operation is neither waited for nor destroyed (destroying a group with an op in flight blocks until
+that op's timeout): its group, work and buffer stay with the helper thread that waits for it and
+are dropped once the op ends on its own. NCCL groups are also aborted (ncclCommAbort frees the GPU
+from a kernel that would spin).
 
 Why not `init_process_group`/`new_group`: they keep one process-wide default group and block in
 `destroy_process_group` on a pending op; a group object per epoch is what makes live re-forming

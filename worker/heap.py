@@ -5,9 +5,9 @@ and reduce-scatter buffers, the optimizer's foreach temporaries, activations. Wi
 (dynamic) settings, malloc returns the free memory at the top of its heap to the kernel once more
 than M_TRIM_THRESHOLD lies there (twice the mmap threshold: tens of MB) and serves blocks above
 M_MMAP_THRESHOLD with fresh mappings, so the next step touches fresh pages again: a page fault and
-4 KiB zeroed for each. Measured on the 10M-parameter GPT, sharded over 3 workers on 2 cores: about
-11,000 minor faults per step and worker (44 MB of fresh pages) with the defaults, about 100-2,300
-with the settings below.
+4 KiB zeroed for each: on the 10M-parameter GPT, sharded over 3 workers, about 11,000 minor faults
+per step and worker (44 MB of fresh pages) with the defaults, a tenth of that or less with the
+settings below.
 
 The settings: blocks up to 32 MiB (glibc's ceiling for the mmap threshold) come from the heap, and
 up to 512 MiB of free heap stays mapped. The worker's peak memory is unchanged (what it keeps is

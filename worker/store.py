@@ -5,7 +5,7 @@ coordinator serves it, a group can form after any worker dies, and because every
 polls `is_aborted`, a worker that is waiting for a peer that will never come is released as soon as
 the coordinator says so (an exception inside the gloo constructor, which the trainer catches).
 
-Measured rules this follows (DESIGN.md): the C++ side only sees the camelCase names `getNumKeys` and
+Rules this follows: the C++ side only sees the camelCase names `getNumKeys` and
 `deleteKey`; DEALER rather than REQ (REQ wedges after a timeout); one socket per thread, because
 gloo may call from its own threads; a socket whose request timed out is discarded, so that a late
 reply can never be read as the answer to the next request.

@@ -11,7 +11,7 @@ optimizer's state (DTensors with the parameters' placements), from the member's 
 exactly the slices `Layout.slice_of` gives it, which the reshard brought. `extract` gives the state
 back as a LocalState for the next epoch's reshard.
 
-Mathematics (DESIGN.md, measured): gradients are *summed* across members
+Mathematics: gradients are *summed* across members
 (`set_force_sum_reduction_for_comms(True)`, divide factor 1: gloo has no PREMUL_SUM), each member's
 loss is its slice's summed loss over the global batch, as in the replicated executor, so a step is
 the full-batch gradient however the batch and the state are split. Optimizer state is sharded with
@@ -219,10 +219,10 @@ class AbortableAllGather(_FreshBuffers, AllGather):
 class AbortableReduceScatter(_FreshBuffers, ReduceScatter):
     """FSDP2's reduce-scatter, waited for like `AbortableAllGather`. `by_all_reduce` (gloo): an
     all-reduce of the whole input in place (a fresh buffer of FSDP2's, `_FreshBuffers.allocate`),
-    then this member's chunk copied out. gloo's reduce-scatter is the slower of the two: measured
-    at a 10M GPT block's 1.77M float32 elements, 7.8 against 6.2 ms on 2 members, 14.7 against 9.6
-    on 3, 19.1 against 13.7 on 4 (the copy-out included; /tmp probe, medians of 15); and every
-    member then holds every member's reduced shard: `kept` keeps one (`KeptShard`)."""
+    then this member's chunk copied out. gloo's reduce-scatter is slower than its all-reduce at
+    these sizes (a 10M GPT block's 1.77M float32 elements: 14.7 against 9.6 ms on 3 members, the
+    copy-out included); and every member then holds every member's reduced shard: `kept` keeps one
+    (`KeptShard`)."""
 
     def __init__(self, wait: Wait, comm: CommTime, give_up: Callable[[], None] | None = None, *,
                  by_all_reduce: bool = False, kept: KeptShard | None = None) -> None:

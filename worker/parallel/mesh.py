@@ -7,10 +7,8 @@ maps know, and resolve group ranks through the default group. The epoch's raw gl
 and made the default group for as long as the epoch lasts (every epoch's group spans all of its
 members, so it is the world while it lives). This leans on private c10d functions: they are all in
 this module, and `forget` undoes exactly what `register` did, without touching the backend (whose
-pending op may be hung on a stopped peer: DESIGN.md, "Releasing survivors").
-
-Measured here (DESIGN.md, "Sharded state with FSDP2 on the epoch's group"): FSDP2 over such a
-group matched single-process training to 1.3e-7 relative loss.
+pending op may be hung on a stopped peer: destroying it would block until that op's timeout).
+FSDP2 over such a group matches single-process training to about 1e-7 relative loss.
 """
 
 from __future__ import annotations
@@ -54,8 +52,8 @@ def mesh_of(pg: dist.ProcessGroup, device: torch.device, epoch: int) -> DeviceMe
 
     The dimension name carries the epoch: DeviceMesh equality ignores the groups (it compares ranks,
     device type and names), and DTensor caches redistribution plans by mesh, so without it a new
-    epoch's mesh over the same ranks would be served the old epoch's (unregistered) groups (seen:
-    "Could not resolve the process group registered under the name adaptrain-epoch1")."""
+    epoch's mesh over the same ranks would be served the old epoch's (unregistered) groups ("Could
+    not resolve the process group registered under the name adaptrain-epoch1")."""
     return DeviceMesh.from_group(pg, device.type, mesh_dim_names=(f"epoch{epoch}.dp_shard",))
 
 

@@ -5,7 +5,7 @@ Building it runs the job's constructor, whose initialisers (`normal_`, `uniform_
 reference implementations on meta tensors: 42 ms for the 10M-parameter GPT, at every entry of every
 member (a join or a failure pauses the members for it). A deepcopy of one built once takes 4 ms and
 gives the same structure, tied parameters included (deepcopy keeps sharing). A model that cannot be
-deep-copied (a constructor that keeps something uncopyable) is built every time, as before.
+deep-copied (a constructor that keeps something uncopyable) is built every time.
 """
 
 from __future__ import annotations

@@ -57,17 +57,18 @@ BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 
 class GradBuckets:
     """Gradients all-reduced in buckets as the backward produces them, as DDP does, instead of one
-    flat all-reduce after the whole backward (measured before: 0.906x the samples/s of torchrun +
-    DDP on the 10M-parameter GPT).
+    flat all-reduce after the whole backward, so communication overlaps the backward as it does in
+    torchrun + DDP.
 
     Parameters are grouped, in reverse registration order (the order the backward reaches them), into
     buckets of about `bucket_bytes`; a hook on each parameter's gradient accumulation launches a
     bucket's all-reduce the moment its last gradient is in. A bucket's float32 buffer is reused from
     the last step only when that step's all-reduce was waited for to the end (`assign`); after an
     abandoned step it is a fresh one, so an op that completes late writes into memory nobody reads.
-    (Fresh buffers every step cost the page faults of 40 MB a step on the 10M GPT.) `finish` launches what the backward did
-    not reach (a member with no samples, unused parameters: zeros) and returns every (work, buffer)
-    for the caller's abortable wait; `assign` then hands each parameter its summed gradient.
+    (Fresh buffers every step would fault in 40 MB of pages a step on the 10M GPT.) `finish`
+    launches what the backward did not reach (a member with no samples, unused parameters: zeros)
+    and returns every (work, buffer) for the caller's abortable wait; `assign` then hands each
+    parameter its summed gradient.
     """
 
     def __init__(self, params: list[torch.nn.Parameter], bucket_bytes: int = BUCKET_BYTES) -> None:

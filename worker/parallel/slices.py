@@ -27,19 +27,15 @@ being left and the new one (`worker.epoch.foresee`). A holder packs what it will
 state's pieces. A member that holds nothing faults in a `Pool` and cuts its arenas, messages and new
 pieces from it (`expect`, an `Incoming`), with the keys and dtypes its graph recorded per tensor.
 `execute` takes what was made ahead only where the plan it runs gives that member exactly those
-transfers (and keys, dtypes, step); else it does the work itself, as before. The newcomer then
-receives and unpacks the whole-state part while the data is on the wire.
+transfers (and keys, dtypes, step); else it does the work itself. The newcomer then receives and
+unpacks the whole-state part while the data is on the wire.
 
-Measured on a 10M GPT join (43 MB to the newcomer, two senders, 2 cores, 9 joins a run): with the
-work made ahead, 18-22 ms, 2.0-2.5 GB/s median over nine runs, where raw gloo p2p (two processes)
-moved 2.9-3.6 GB/s and the join's own shape (two senders, one receiver) 2.7-3.2 GB/s in the same
-runs; the same day, with the packing and the cutting inside the reshard, 1.5 GB/s (two probes), and
-with only the senders' packing ahead, 1.7-2.1 (five).
-What is left is mostly loopback TCP on 2 cores: the newcomer's reads take ~10 of its ~12 ms of CPU
-in a join, each sender's writes ~6 of ~7. Into fresh arenas a join faulted in up to 10,500 pages
-inside the wire, 50-100 ms; from a pool, none. The senders, done first, then went on to build their
-FSDP2 executors on the same cores and stalled the newcomer's last messages for 5-10 ms: made to
-wait for the newcomer's note, see the README's figures.
+Why ahead and why the notes: packing, cutting and faulting pages in inside the reshard run on the
+same cores as the wire; done while the group forms they cost the transfer nothing. What is left is
+mostly loopback TCP: on 2 cores the newcomer's reads take most of its CPU in a join, each sender's
+writes most of theirs. A sender that, done first, built its FSDP2 executor at once would stall the
+newcomer's last messages on shared cores, so it waits for the newcomer's note that everything
+arrived (docs/benchmarks.md has the figures, beside raw gloo p2p).
 """
 
 from __future__ import annotations
@@ -62,9 +58,9 @@ PARAM = "param"  # the companion key of the parameter itself
 META_TAG, DATA_TAG = 1, 1 << 16  # p2p tags: the whole-state part's tensors, then the data
 DONE_TAG = DATA_TAG - 1  # a receiver's note to each peer it received from: everything arrived
 # Bytes a message: smaller items (a companion's range of one transfer) are packed into messages of
-# about this size. Each message has a fixed cost in gloo and in Python (posting a 10M GPT join's 147
-# took 4-9 ms), and gloo's loopback rate peaks at 20-50 messages of 1-2 MB (43 MB from two senders,
-# measured: 2.3 GB/s as 2 messages, 3.1 as 150, 3.7-3.8 as 20-50).
+# about this size. Each message has a fixed cost in gloo and in Python, and gloo's loopback rate
+# peaks at 20-50 messages of 1-2 MB (43 MB from two senders: 2.3 GB/s as 2 messages, 3.1 as 150,
+# 3.7-3.8 as 20-50).
 MESSAGE = 1 << 20
 Item = tuple[Transfer, str]  # one companion of one transfer
 
@@ -207,8 +203,8 @@ def pack_whole(local: LocalState) -> packing.Packed:
     """The whole-state part, packed: its skeleton (keys, dtypes, hyper-parameters, tensor shapes:
     what a member without state needs before it can receive anything) travels in the description
     all-gather, its buffers are what the sender sends in `execute`. Packed once per entry and used
-    for both: packing walks every parameter's optimizer scalars (a 10M GPT: 1.5-6 ms on 2 cores,
-    which the sender spent again before its first data message)."""
+    for both: packing walks every parameter's optimizer scalars (milliseconds for a 10M GPT, which
+    the sender would otherwise spend again before its first data message)."""
     return packing.pack(local.whole(), torch.device("cpu"))
 
 
@@ -290,9 +286,9 @@ def execute(plan: ReshardPlan, me: str, ranks: Mapping[str, int], local: LocalSt
     wait(AllOf(works), None)
     # Delivered: a member that received tells each peer it received from, and one that sent waits
     # to hear it from each peer it sent to, rather than build its executor beside a peer still
-    # receiving. On a host whose cores they share, that work stretched a newcomer's receive of
-    # 43 MB from ~12 to ~18 ms (scripts/bench_parallel.py --sections reshard: its last messages
-    # arrived after 5-10 ms stalls). A receiver's notes are 4-byte sends: it waits for nothing more.
+    # receiving. On a host whose cores they share, that work stalls the newcomer's last messages
+    # (a 10M GPT join's receive of 43 MB takes half as long again). A receiver's notes are 4-byte
+    # sends: it waits for nothing more.
     received_from = {t.src for t in recvs if t.hi > t.lo} | ({sender} if meta is not None else set())
     sent_to = {t.dst for t in sends if t.hi > t.lo} | set(behind)
     notes: list[tuple[Any, torch.Tensor]] = []
@@ -358,8 +354,8 @@ def expect(recvs: Sequence[Transfer], local: LocalState, pool: Pool | None, devi
     """Cut the arenas and the messages for `recvs` (see `Incoming`); `local` gives the keys and dtypes.
     The receives are posted taking the peers in turn, a message of each at a time: gloo reads a
     message whose data is already there in the posting call itself, so posting one peer's messages
-    all first kept the others' streams waiting (a 10M GPT join from two holders, in the same hour:
-    median 1.61 GB/s over 45 joins in turn, 1.39 over 27 one peer first)."""
+    all first would keep the others' streams waiting (a 10M GPT join from two holders is about 15%
+    faster in turn)."""
     posts: list[list[tuple[str, int, torch.Tensor]]] = []
     landing: list[tuple[torch.Tensor, list[Item]]] = []
     received = 0
@@ -445,14 +441,14 @@ ALIGN = 64  # bytes: an arena cut from a pool starts where a fresh allocation wo
 class Pool:
     """Memory a member that holds nothing makes ready for what it will receive before the reshard
     (while it waits for the group to form), so that the transfers land in pages already faulted in.
-    A fresh page costs a fault and a zeroing on first write; measured on a 10M GPT join into fresh
-    memory (43 MB, 10,500 pages, 2 cores): 20-70 ms more than into touched pages, the wire itself
-    taking 15-20 ms. The arenas are cut from it in order; what does not fit is allocated as before.
+    A fresh page costs a fault and a zeroing on first write: a 10M GPT join into fresh memory (43 MB,
+    10,500 pages) takes several times as long as the wire itself. The arenas are cut from it in
+    order; what does not fit is allocated as usual.
 
     Only a member that holds nothing gets one (`worker.trainer`): its wait for the group is the
     members' step boundary (or, when they abandon their step, 50-90 ms), which hides the touching.
-    A member that holds state forms its group at once; touching what it will receive there cost
-    more than it saved (a drain's entry 350-420 ms against 200-390 without, measured)."""
+    A member that holds state forms its group at once; touching what it will receive there costs
+    more than it saves (a drain's entry gets slower)."""
 
     def __init__(self, nbytes: int, device: torch.device) -> None:
         self.block = torch.empty(nbytes, dtype=torch.uint8, device=device)
