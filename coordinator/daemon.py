@@ -582,6 +582,15 @@ async def _signals(inbox: trio.MemorySendChannel[Inbox], core: Core, grace_s: fl
             return
 
 
+def open_log(path: Path) -> tuple[EventLog, Metrics]:
+    """The job's event log, and metrics seeded from the events already in it (those of the
+    coordinators before this one on the state dir): a counter covers the whole job, not the time
+    since the latest restart. (Refusals are not events: their counters start at 0.)"""
+    metrics = Metrics()
+    log = EventLog(path, fold=lambda event: metrics.observe(event["kind"], event))
+    return log, metrics
+
+
 def _open_journal(path: Path, log: EventLog, metrics: Metrics) -> tuple[Journal, dict[str, Any] | None]:
     """The journal and what it holds (None: a fresh one). A damaged one is moved aside, said in the
     log with what was lost, and a fresh one started: the job goes on from the checkpoints on disk."""
@@ -623,8 +632,7 @@ def _bind(sock: TrioSocket, endpoint: str) -> str:
 async def serve(cfg: CoordinatorConfig, job: JobInfo, *,
                 task_status: trio.TaskStatus[Endpoints] = trio.TASK_STATUS_IGNORED) -> str:
     """Run the coordinator until the job is over; returns why it ended."""
-    metrics = Metrics()  # seeded from the log already there (a restart): its counters cover the whole job
-    log = EventLog(cfg.state_dir / "events.jsonl", fold=lambda event: metrics.observe(event["kind"], event))
+    log, metrics = open_log(cfg.state_dir / "events.jsonl")
     journal, journaled = _open_journal(cfg.state_dir / "journal.sqlite", log, metrics)
     if journaled is not None:
         try:

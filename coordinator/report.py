@@ -57,6 +57,8 @@ MARK_STYLE: dict[str, tuple[str, str, str]] = {
 # Marks placed at the step their event names rather than at the latest committed one: a checkpoint
 # holds the state after its `step`, and a resume rewinds the curve to its `step`.
 AT_OWN_STEP = ("checkpoint", "resumed")
+# Marks named in a legend on the loss panel too: what the curve's breaks and rewinds come from.
+LEGEND_KINDS = ("checkpoint", "state_lost", "resumed", "restarted")
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,10 +208,10 @@ def format_summary(d: dict[str, Any]) -> str:
     ])
 
 
-def plot(s: Series, path: Path, *, title: str = "") -> None:
+def plot(s: Series, path: Path, *, title: str = "") -> Any:
     """Draw the series and write them to `path` (PNG unless its suffix names another format
     matplotlib knows). ValueError for a format matplotlib does not know; OSError when the file
-    cannot be written."""
+    cannot be written. Returns the matplotlib Figure (its axes: samples/s, loss, members, marks)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -237,10 +239,16 @@ def plot(s: Series, path: Path, *, title: str = "") -> None:
     # Every mark: a thin vertical line across the data panels, and a marker on its kind's row of
     # the bottom strip (marks of different kinds at one step stay visible there).
     kinds = [k for k in MARK_STYLE if any(m.kind == k for m in s.marks)]
+    legend: set[str] = set()
     for mark in s.marks:
-        colour, style, _ = MARK_STYLE[mark.kind]
+        colour, style, label = MARK_STYLE[mark.kind]
+        first = mark.kind in LEGEND_KINDS and mark.kind not in legend
+        legend.add(mark.kind)
         for ax in (rate_ax, loss_ax, members_ax):
-            ax.axvline(mark.step, color=colour, ls=style, lw=0.7, alpha=0.6)
+            ax.axvline(mark.step, color=colour, ls=style, lw=0.7, alpha=0.6,
+                       label=label if first and ax is loss_ax else "_nolegend_")
+    if legend & set(LEGEND_KINDS):  # what breaks or rewinds the curve, named on it
+        loss_ax.legend(loc="upper right", fontsize=7)
     for row, kind in enumerate(kinds):
         colour, _, label = MARK_STYLE[kind]
         steps = [m.step for m in s.marks if m.kind == kind]
@@ -253,9 +261,11 @@ def plot(s: Series, path: Path, *, title: str = "") -> None:
         for mark in epochs:
             members_ax.annotate(mark.label, (mark.step, 1.0), xycoords=("data", "axes fraction"),
                                 textcoords="offset points", xytext=(2, -10), fontsize=7, color="dimgray")
-    marks_ax.set_xlabel("step (events at the latest step committed when they happened)")
+    marks_ax.set_xlabel("step (events at the latest step committed when they happened; checkpoints and resumes "
+                        "at their own step)")
     marks_ax.xaxis.get_major_locator().set_params(integer=True)
     for ax in (rate_ax, loss_ax, members_ax, marks_ax):
         ax.grid(True, alpha=0.3)
     fig.suptitle(title or "adaptrain job")
     fig.savefig(path, dpi=100)
+    return fig
