@@ -587,7 +587,9 @@ def open_log(path: Path) -> tuple[EventLog, Metrics]:
     coordinators before this one on the state dir): a counter covers the whole job, not the time
     since the latest restart. (Refusals are not events: their counters start at 0.)"""
     metrics = Metrics()
-    log = EventLog(path, fold=lambda event: metrics.observe(event["kind"], event))
+    replay = metrics.replay()
+    log = EventLog(path, fold=replay)
+    replay.finish()
     return log, metrics
 
 

@@ -115,9 +115,11 @@ class EventLog:
 
     def _index(self, fold: Callable[[dict[str, Any]], None] | None) -> None:
         r = self.replayed
-        last = b"\n"
-        for number, (offset, line) in enumerate(_lines(self._reader, 0, self._end), start=1):
-            last = line
+        last, offset = b"\n", 0
+        self._reader.seek(0)
+        for number, line in enumerate(self._reader, start=1):  # (nothing is appended meanwhile)
+            last, at = line, offset
+            offset += len(line)
             if not line.strip():
                 continue
             event = parse_event(line)
@@ -126,7 +128,7 @@ class EventLog:
                 if len(r.first_bad) < MAX_BAD_KEPT:
                     r.first_bad.append(BadLine(number, event))
                 continue
-            self._offsets.append(offset)
+            self._offsets.append(at)
             if fold is not None:
                 fold(event)
         if not last.endswith(b"\n"):  # cut short mid-write: close it, so the next event is a line of its own
