@@ -10,6 +10,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from coordinator.daemon import Core, CoordinatorConfig, open_log
 from coordinator.events import EventLog
 from coordinator.jobinfo import JobInfo
@@ -56,6 +58,8 @@ def test_a_reopened_log_is_read_past_bad_lines_and_seeds_the_metrics(tmp_path: P
         assert metrics.value("adaptrain_failures_total") == 1
         assert metrics.value("adaptrain_steps_committed_total") == 8
         assert metrics.value("adaptrain_events_total", kind="step") == 8
+        err = capsys.readouterr().err  # each bad line said, with its number (even under --quiet)
+        assert f"{path} line 4: not JSON" in err and f"line {len(BEFORE) + 2}: not JSON" in err, err
         assert metrics.value("adaptrain_events_total", kind="joined") == 2
         assert metrics.value("adaptrain_replans_total", reason="failure") == 1
         assert metrics.value("adaptrain_step") == 8 and metrics.value("adaptrain_epoch") == 2
@@ -106,7 +110,8 @@ def _core(tmp_path: Path, log: EventLog, metrics: Metrics | None = None) -> Core
     return Core(cfg, info, None, None, log, run_id="1", metrics=metrics)  # type: ignore[arg-type]  (no socket used)
 
 
-def test_every_start_on_a_log_with_history_is_marked_restarted(tmp_path: Path) -> None:
+def test_every_start_on_a_log_with_history_is_marked_restarted(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
     fresh = tmp_path / "fresh"
     log = EventLog(fresh / "events.jsonl")
     _core(fresh, log)
@@ -123,5 +128,7 @@ def test_every_start_on_a_log_with_history_is_marked_restarted(tmp_path: Path) -
         assert marked["skipped_lines"] == 2 and marked["journal"] is None, marked
         assert metrics.value("adaptrain_events_total", kind="restarted") == 1
         assert metrics.value("adaptrain_events_total", kind="step") == 8
+        err = capsys.readouterr().err  # each bad line said, with its number (even under --quiet)
+        assert f"{path} line 4: not JSON" in err and f"line {len(BEFORE) + 2}: not JSON" in err, err
     finally:
         log.close()
