@@ -58,8 +58,6 @@ def test_a_reopened_log_is_read_past_bad_lines_and_seeds_the_metrics(tmp_path: P
         assert metrics.value("adaptrain_failures_total") == 1
         assert metrics.value("adaptrain_steps_committed_total") == 8
         assert metrics.value("adaptrain_events_total", kind="step") == 8
-        err = capsys.readouterr().err  # each bad line said, with its number (even under --quiet)
-        assert f"{path} line 4: not JSON" in err and f"line {len(BEFORE) + 2}: not JSON" in err, err
         assert metrics.value("adaptrain_events_total", kind="joined") == 2
         assert metrics.value("adaptrain_replans_total", reason="failure") == 1
         assert metrics.value("adaptrain_step") == 8 and metrics.value("adaptrain_epoch") == 2
