@@ -34,7 +34,7 @@ class ControlView:
     num_steps: int
     global_batch: int
     uptime_s: float
-    events: Sequence[dict[str, Any]] = ()  # the event log so far, oldest first
+    events: Sequence[dict[str, Any]] = ()  # the job's whole event log (across restarts), oldest first
     refused: dict[str, int] = field(default_factory=dict)  # refusal counts by reason (coordinator.guard)
     secure: bool = True  # CURVE keys on (False: --insecure)
     # `ctl save PATH`: the absolute path to write, or ValueError saying why it cannot be written
