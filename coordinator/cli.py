@@ -48,7 +48,9 @@ killed and started again with the same --state-dir (and --bind; port 0 reuses th
 takes the job over: the workers train on meanwhile, register again by themselves and re-send the
 step reports it missed (events: restarted, recovered; those not back within --recovery-grace are
 failed). A journal that cannot be read is moved aside (journal_damaged) and the newest checkpoint
-is resumed.
+is resumed. events.jsonl is the job's one log across restarts: a coordinator started on it reads
+it first (a line cut short by a crash is skipped, with a warning), so `ctl events`, `ctl report`
+and the metrics' counters cover the whole job, and logs `restarted` at each such start.
 
 Checkpoints: the workers write STATE_DIR/checkpoints/step-<N>/ (or --checkpoint-dir) with
 torch.distributed.checkpoint, every --checkpoint-every steps, on `adaptrain-ctl checkpoint` and on

@@ -18,6 +18,7 @@ from typing import Any
 
 from coordinator import membership as m
 from coordinator.explain import explain
+from coordinator.phase import phase
 from plan import Graph
 from transport import CONTROL_COMMANDS, ControlReply, ControlRequest
 
@@ -33,13 +34,14 @@ class ControlView:
     num_steps: int
     global_batch: int
     uptime_s: float
-    events: Sequence[dict[str, Any]] = ()  # the event log so far, oldest first
+    events: Sequence[dict[str, Any]] = ()  # the job's whole event log (across restarts), oldest first
     refused: dict[str, int] = field(default_factory=dict)  # refusal counts by reason (coordinator.guard)
     secure: bool = True  # CURVE keys on (False: --insecure)
     # `ctl save PATH`: the absolute path to write, or ValueError saying why it cannot be written
     # (the daemon passes a check of the filesystem; the default takes the path as it is)
     writable: Callable[[str], str] = str
     checkpoint_dir: str = ""  # where checkpoints go ("": none)
+    min_workers: int = 1  # --min-workers: ready workers the first plan (and the one after a total loss) waits for
 
 
 Answer = tuple[dict[str, Any], list[m.Event]]
@@ -66,6 +68,7 @@ def _status(view: ControlView, args: list[str], now: float) -> Answer:
         raise ValueError(f"status takes no argument, got {args}")
     s = view.state
     plan = s.plan
+    now_phase = phase(s, min_workers=view.min_workers)
     members = list(plan.members) if plan else []
     workers = []
     # Speeds as they are now: with the contention of the workers that share a host (the cluster
@@ -81,7 +84,8 @@ def _status(view: ControlView, args: list[str], now: float) -> Answer:
             "epoch": w.epoch, "step": w.step, "last_seen_s": round(now - w.last_seen, 3),
             "speed": round(speeds.get(w.name, 0.0), 3),
         })
-    return {"job": view.job_ref, "epoch": s.epoch, "step": s.last_step, "num_steps": view.num_steps,
+    return {"job": view.job_ref, "state": now_phase.name, "reason": now_phase.reason,
+            "epoch": s.epoch, "step": s.last_step, "num_steps": view.num_steps,
             "global_batch": view.global_batch, "pending": s.pending, "finished": s.finished,
             "stopping": s.stopping, "uptime_s": round(view.uptime_s, 1), "workers": workers,
             "lr": s.last_lr, "grad_norm": s.last_grad_norm,
@@ -97,17 +101,18 @@ def _plan(view: ControlView, args: list[str], now: float) -> Answer:
     if args not in ([], ["explain"]):
         raise ValueError(f"plan takes no argument or 'explain', got {args}")
     s = view.state
+    now_phase = phase(s, min_workers=view.min_workers)
     if s.plan is None:
-        out: dict[str, Any] = {"epoch": s.epoch, "plan": None,
-                               "status": s.result.status if s.result else None,
-                               "detail": s.result.reason if s.result else "waiting for enough ready workers"}
+        # (the planner's last answer may be older than the state: the phase says why nothing trains now)
+        out: dict[str, Any] = {"epoch": s.epoch, "plan": None, "state": now_phase.name,
+                               "status": s.result.status if s.result else None, "detail": now_phase.reason}
     else:
-        out = {"epoch": s.epoch, "mode": s.plan.mode, "members": list(s.plan.members),
+        out = {"epoch": s.epoch, "state": now_phase.name, "reason": now_phase.reason, "mode": s.plan.mode, "members": list(s.plan.members),
                "shares": list(s.plan.shares), "global_batch": s.plan.global_batch,
                "predicted_step_s": s.plan.predicted_step_s, "layout": s.plan.layout.to_dict(),
                "acknowledged": sorted(s.acked), "status": s.result.status if s.result else None}
     if args == ["explain"]:
-        out["explain"] = explain(s)
+        out["explain"] = explain(s, now_phase)
     return out, []
 
 
@@ -129,6 +134,7 @@ def _events(view: ControlView, args: list[str], now: float) -> Answer:
         after = max(int(args[0]), 0) if args else 0
     except ValueError:
         raise ValueError(f"events takes an event index, got {args[0][:40]!r}") from None
+    after = min(after, len(view.events))  # (so `next` says where the log ends)
     events = list(view.events[after:after + EVENTS_PAGE])
     return {"events": events, "next": after + len(events)}, []
 

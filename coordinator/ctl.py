@@ -224,16 +224,7 @@ def _yes(b: Any) -> str:
 
 
 def format_status(d: dict[str, Any]) -> str:
-    if d.get("finished"):
-        state = "finished"
-    elif d.get("stopping"):
-        state = "stopping"
-    elif d.get("pending"):
-        state = f"switching to epoch {d.get('epoch')} (waiting for acks)"
-    elif d.get("epoch"):
-        state = "training"
-    else:
-        state = "waiting for workers"
+    state = d.get("reason") or d.get("state") or "?"  # (coordinator.phase says what the job does and why)
     head = (f"job {d.get('job', '?')}  epoch {d.get('epoch', '?')}  step {d.get('step', '?')}/"
             f"{d.get('num_steps', '?')}  global batch {d.get('global_batch', '?')}  up {d.get('uptime_s', '?')} s\n"
             f"state: {state}  (pending {_yes(d.get('pending'))}, finished {_yes(d.get('finished'))})")
@@ -268,8 +259,7 @@ _DEGREES = ("dp_replicate", "dp_shard", "pp", "tp")
 
 def format_plan(d: dict[str, Any]) -> str:
     if d.get("plan", True) is None or "members" not in d:
-        detail = d.get("detail") or "waiting for enough ready workers"
-        return f"no plan (epoch {d.get('epoch', 0)}, status {d.get('status') or '-'}): {detail}"
+        return f"no plan (epoch {d.get('epoch', 0)}): {d.get('detail') or '-'}"
     layout = d.get("layout") or {}
     lay = " x ".join(f"{k}={v}" for k, v in layout.items() if k in _DEGREES and v != 1) or "1 member"
     if layout and all(layout.get(k, 1) == 1 for k in _DEGREES[1:]):
@@ -292,10 +282,10 @@ def _ms(x: Any) -> str:
 def format_explain(d: dict[str, Any]) -> str:
     """The `explain` part of `plan --explain`."""
     e = d.get("explain") or {}
-    lines = [f"status {e.get('status')}: {e.get('detail', '')}"]
     members = e.get("members") or []
-    if not members:
-        return "\n".join(lines)
+    if not members:  # no plan: the detail is why nothing trains now (coordinator.phase)
+        return f"no plan: {e.get('detail', '')}"
+    lines = [f"status {e.get('status')}: {e.get('detail', '')}"]
     rows = [[str(m.get("rank")), str(m.get("name")), _num(m.get("samples")), _num(m.get("speed")),
              _ms(m.get("compute_s")), _ms(m.get("overhead_s")), _ms(m.get("wait_s")), _ms(m.get("comm_s")),
              f"{_num(m.get('memory_bytes'))}B / {_num(m.get('memory_limit_bytes'))}B"] for m in members]
@@ -388,7 +378,7 @@ def cmd_simple(client: Client, a: argparse.Namespace) -> int:
         print(format_status(data))
     elif a.command == "plan":
         print(format_plan(data))
-        if a.explain:
+        if a.explain and data.get("members"):  # (without a plan, format_plan said why already)
             print("\n" + format_explain(data))
     elif a.command == "graph":
         print(format_graph(data))
@@ -459,13 +449,9 @@ def _follow(client: Client, start: int, wait_s: float, match: Callable[[dict[str
 
 
 def _newest_index(client: Client) -> int:
-    """The index the next event will get (events after a request come after it)."""
-    start = 0
-    while True:
-        page = client.request("events", str(start))
-        if not page.get("events"):
-            return start
-        start = int(page["next"])
+    """The index the next event will get (events after a request come after it): the coordinator
+    answers an index past the log's end with the end."""
+    return int(client.request("events", str(2**62)).get("next", 0))
 
 
 def _pages(client: Client, since: int) -> Iterator[tuple[list[dict[str, Any]], int]]:

@@ -178,7 +178,8 @@ class Core:
 
     def __init__(self, cfg: CoordinatorConfig, job: JobInfo, workers: TrioSocket, control: TrioSocket,
                  log: EventLog, run_id: str, *, journal: Journal | None = None,
-                 journaled: dict[str, Any] | None = None, endpoints: dict[str, str] | None = None) -> None:
+                 journaled: dict[str, Any] | None = None, endpoints: dict[str, str] | None = None,
+                 metrics: Metrics | None = None) -> None:
         self.cfg, self.job, self.workers, self.control, self.log = cfg, job, workers, control, log
         self.run_id = run_id
         self.config = m.Config(global_batch=job.global_batch, num_steps=job.num_steps, lease_s=cfg.lease_s,
@@ -194,15 +195,24 @@ class Core:
         self._graph_dict: tuple[Graph, dict[str, Any]] | None = None  # the graph as journaled, encoded once
         self._journaled: tuple[Any, ...] | None = None  # the state's journaled fields when last written
         self._journal_said_at = -JOURNAL_SAY_EVERY_S  # when a failed journal write was last said
+        # Metrics summarise the whole job: the daemon seeds them from the log it opened (`serve`).
+        self.metrics = metrics if metrics is not None else Metrics()
         if journaled is not None:
             self.state = recover(journaled, now=time.monotonic())
-            expected = sorted(self.state.recovering)
-            self.log.write("restarted", epoch=self.state.epoch, step=self.state.last_step, expecting=expected,
-                           journal=str(journal.path) if journal else None)
-            self.say(f"restarted from the journal: epoch {self.state.epoch}, step {self.state.last_step}; "
-                     f"waiting for {', '.join(expected) or 'no member'} to register again")
         elif cfg.checkpoint_dir is not None:
             self._find_checkpoints(cfg.checkpoint_dir)
+        self._say_replayed()
+        if journaled is not None or log.replayed.events or log.replayed.bad:
+            # Every start on a state dir that has a history is marked in the log, journal or not.
+            expected = sorted(self.state.recovering)
+            fields = {"epoch": self.state.epoch, "step": self.state.last_step, "expecting": expected,
+                      "journal": str(journal.path) if journal and journaled is not None else None,
+                      "events": log.replayed.events, "skipped_lines": log.replayed.bad}
+            self.log.write("restarted", **fields)
+            self.metrics.observe("restarted", fields)
+            if journaled is not None:
+                self.say(f"restarted from the journal: epoch {self.state.epoch}, step {self.state.last_step}; "
+                         f"waiting for {', '.join(expected) or 'no member'} to register again")
         self.store = RendezvousStore()
         self.refusals = Refusals()
         self.bindings: dict[str, bytes] = {}  # live worker name -> routing id of its connection
@@ -211,7 +221,17 @@ class Core:
         self.done = trio.Event()
         self.finish_reason = ""
         self.started = time.monotonic()
-        self.metrics = Metrics()
+
+    def _say_replayed(self) -> None:
+        """What was read of the log a previous coordinator of this state dir wrote."""
+        r = self.log.replayed
+        if not r.events and not r.bad:
+            return
+        self.say(f"the event log {self.log.path} has {r.events} events of this job; the new ones are appended")
+        for bad in r.first_bad:
+            self.say(f"warning: {self.log.path} line {bad.number}: {bad.why}; skipped", err=True)
+        if r.bad > len(r.first_bad):
+            self.say(f"warning: {self.log.path}: {r.bad - len(r.first_bad)} more bad lines skipped", err=True)
 
     def _find_checkpoints(self, directory: Path) -> None:
         """Checkpoints of this job already on disk (a job started again after everything was lost):
@@ -236,7 +256,7 @@ class Core:
                                    global_batch=self.job.global_batch, uptime_s=time.monotonic() - self.started,
                                    events=self.log.events, refused=self.refusals.snapshot(),
                                    secure=self.cfg.keys is not None, writable=writable_dir,
-                                   checkpoint_dir=str(self.cfg.checkpoint_dir or ""))
+                                   checkpoint_dir=str(self.cfg.checkpoint_dir or ""), min_workers=self.cfg.min_workers)
                 reply, events = answer_control(view, request, now=time.monotonic())
                 if not reply.ok:
                     self.refuse("request", f"control {request.command[:40]!r}: {reply.error}")
@@ -562,7 +582,18 @@ async def _signals(inbox: trio.MemorySendChannel[Inbox], core: Core, grace_s: fl
             return
 
 
-def _open_journal(path: Path, log: EventLog) -> tuple[Journal, dict[str, Any] | None]:
+def open_log(path: Path) -> tuple[EventLog, Metrics]:
+    """The job's event log, and metrics seeded from the events already in it (those of the
+    coordinators before this one on the state dir): a counter covers the whole job, not the time
+    since the latest restart. (Refusals are not events: their counters start at 0.)"""
+    metrics = Metrics()
+    replay = metrics.replay()
+    log = EventLog(path, fold=replay)
+    replay.finish()
+    return log, metrics
+
+
+def _open_journal(path: Path, log: EventLog, metrics: Metrics) -> tuple[Journal, dict[str, Any] | None]:
     """The journal and what it holds (None: a fresh one). A damaged one is moved aside, said in the
     log with what was lost, and a fresh one started: the job goes on from the checkpoints on disk."""
     journal = Journal(path)
@@ -577,8 +608,9 @@ def _open_journal(path: Path, log: EventLog) -> tuple[Journal, dict[str, Any] | 
                 part.rename(Path(f"{aside}{suffix}"))
         print(f"[coordinator] the journal is damaged ({e}); moved to {aside}. Membership and plans are lost: "
               "the job resumes from the newest checkpoint with the workers that join", file=sys.stderr, flush=True)
-        log.write("journal_damaged", path=str(path), moved_to=str(aside), detail=str(e)[:500],
-                  lost="membership, plans and the step counter; the newest checkpoint is resumed")
+        said = log.write("journal_damaged", path=str(path), moved_to=str(aside), detail=str(e)[:500],
+                         lost="membership, plans and the step counter; the newest checkpoint is resumed")
+        metrics.observe("journal_damaged", said)
         journal = Journal(path)
         return journal, journal.load()
 
@@ -602,8 +634,8 @@ def _bind(sock: TrioSocket, endpoint: str) -> str:
 async def serve(cfg: CoordinatorConfig, job: JobInfo, *,
                 task_status: trio.TaskStatus[Endpoints] = trio.TASK_STATUS_IGNORED) -> str:
     """Run the coordinator until the job is over; returns why it ended."""
-    log = EventLog(cfg.state_dir / "events.jsonl")
-    journal, journaled = _open_journal(cfg.state_dir / "journal.sqlite", log)
+    log, metrics = open_log(cfg.state_dir / "events.jsonl")
+    journal, journaled = _open_journal(cfg.state_dir / "journal.sqlite", log, metrics)
     if journaled is not None:
         try:
             check_job(journaled, journal.path, job.ref, job.sha256)
@@ -624,7 +656,8 @@ async def serve(cfg: CoordinatorConfig, job: JobInfo, *,
         endpoints = Endpoints(workers=_bind(workers, _same_port(cfg.bind, before.get("workers"))),
                               control=_bind(control, _same_port(cfg.control, before.get("control"))))
         core = Core(cfg, job, workers, control, log, run_id=f"{int(time.time())}", journal=journal,
-                    journaled=journaled, endpoints={"workers": endpoints.workers, "control": endpoints.control})
+                    journaled=journaled, endpoints={"workers": endpoints.workers, "control": endpoints.control},
+                    metrics=metrics)
         core.apply(m.Tick())  # (journals the fresh state at once)
         if cfg.metrics_port is not None:
             metrics_server = serve_metrics(core.metrics, cfg.metrics_host, cfg.metrics_port)
@@ -639,9 +672,9 @@ async def serve(cfg: CoordinatorConfig, job: JobInfo, *,
             nursery.start_soon(_signals, send, core, cfg.stop_grace_s)
             task_status.started(endpoints)
             security = "keys=curve" if cfg.keys is not None else "keys=none(insecure)"
-            metrics = f" metrics={metrics_server.url}" if metrics_server is not None else ""
+            served = f" metrics={metrics_server.url}" if metrics_server is not None else ""
             print(f"ready workers={endpoints.workers} control={endpoints.control} "
-                  f"state_dir={cfg.state_dir} job={job.ref} {security} protocol={PROTOCOL_VERSION}{metrics}",
+                  f"state_dir={cfg.state_dir} job={job.ref} {security} protocol={PROTOCOL_VERSION}{served}",
                   flush=True)
             if cfg.keys is None:
                 core.say("WARNING: --insecure: no CURVE keys; anyone who can reach these ports can join, "

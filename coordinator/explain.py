@@ -14,16 +14,21 @@ import statistics
 from typing import Any
 
 from coordinator import steps
+from coordinator.phase import Phase, phase
 from coordinator.state import State
 from plan import Alternative, PlanResult
 from plan.layout import describe, placements
 
 
-def explain(state: State) -> dict[str, Any]:
+def explain(state: State, now: Phase | None = None) -> dict[str, Any]:
+    """`now`: the job's phase (coordinator.phase; the default assumes --min-workers 1)."""
     plan, result = state.plan, state.result
-    out: dict[str, Any] = {"status": result.status if result else None, "detail": result.reason if result else ""}
-    if plan is None:
+    now = now or phase(state)
+    out: dict[str, Any] = {"status": result.status if result else None, "state": now.name}
+    if plan is None:  # why nothing trains now (the planner's last answer may be older than the state)
+        out["detail"] = now.reason
         return out
+    out["detail"] = result.reason if result else ""
     devices = state.cluster.devices
     members = []
     for rank, c in enumerate(plan.costs):

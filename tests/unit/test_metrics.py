@@ -154,3 +154,30 @@ def test_replaying_an_events_file(tmp_path: Any) -> None:
         metrics.observe(event.pop("kind"), {k: v for k, v in event.items() if k != "ts"})
     assert metrics.value("adaptrain_steps_committed_total") == 3
     assert metrics.value("adaptrain_epoch") == 4
+
+
+def test_a_replay_ends_where_observing_every_event_does() -> None:
+    """`Metrics.replay` (a restarted coordinator seeding its metrics from the log) counts most steps
+    of a long run without applying them; every value ends as observing each event leaves it."""
+    long_run: list[tuple[str, dict[str, Any]]] = [
+        *RECORDED[:5],
+        *(("step", _step(i, 2, 3.0 - i / 100, 0.2 + (i % 7) / 100, predicted=0.04)) for i in range(1, 40)),
+        ("failed", {"worker": "w2", "detected_by": "disconnect"}),
+        ("step", _step(40, 2, 1.0, 0.3, predicted=None)),
+        *RECORDED[8:],
+        *(("step", _step(i, 4, 1.0 / i, 0.1 + (i % 3) / 100)) for i in range(41, 60)),
+    ]
+    observed, replayed = Metrics(), Metrics()
+    for kind, fields in long_run:
+        observed.observe(kind, fields)
+    replay = replayed.replay()
+    for kind, fields in long_run:
+        replay({"ts": 1.0, "kind": kind, **fields})
+    replay.finish()
+    assert replayed.value("adaptrain_steps_committed_total") == sum(k == "step" for k, _ in long_run) == 60
+
+    def samples(metrics: Metrics) -> dict[tuple[str, str], float]:
+        return {(s.name, json.dumps(s.labels, sort_keys=True)): s.value for family in metrics.registry.collect()
+                for s in family.samples if not s.name.endswith("_created")}  # (when each metric was made)
+
+    assert samples(replayed) == samples(observed) and len(samples(observed)) > 50

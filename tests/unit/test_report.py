@@ -77,3 +77,58 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     report.plot(s, out, title="test")
     data = out.read_bytes()
     assert data.startswith(PNG) and len(data) > 10_000
+
+
+# A job whose every worker was lost at step 7 and resumed from the checkpoint of step 5 (redoing 6
+# and 7), with a coordinator restart in between.
+RESUMED: list[dict[str, Any]] = [
+    _plan(1, "join", ["w1", "w2"]),
+    *(_step(i, 1, 3.0 - i / 10, 0.5) for i in range(1, 6)),
+    {"kind": "checkpoint", "step": 5, "path": "/ck/step-5", "seconds": 0.1, "bytes": 10, "worker": "w1"},
+    _step(6, 1, 2.4, 0.5),
+    _step(7, 1, 2.3, 0.5),
+    {"kind": "restarted", "epoch": 1, "step": 7, "expecting": ["w1", "w2"], "journal": "/s/journal.sqlite",
+     "events": 9, "skipped_lines": 0},
+    {"kind": "failed", "worker": "w1", "detected_by": "recovery"},
+    {"kind": "state_lost", "epoch": 1, "step": 7, "detail": "no worker holds the training state",
+     "resume_from": "/ck/step-5", "redo": 2},
+    _plan(2, "resume", ["w3"]),
+    {"kind": "resumed", "step": 5, "path": "/ck/step-5", "epoch": 2, "redone": 2},
+    {"kind": "joined", "worker": "w4", "host": "h", "device": "cpu"},
+    *(_step(i, 2, 3.0 - i / 10, 0.25) for i in range(6, 10)),
+]
+
+
+def test_segments_break_where_the_steps_go_back() -> None:
+    assert report.segments([]) == []
+    assert report.segments([1, 2, 3]) == [(0, 3)]
+    assert report.segments([1, 2, 3, 2, 3, 4, 1]) == [(0, 3), (3, 6), (6, 7)]
+    assert report.segments([4, 4, 5]) == [(0, 1), (1, 3)], "a step done again is a rewind"
+    assert report.segments([0, 0, 5, 3], repeats=True) == [(0, 3), (3, 4)], "plans made at one step"
+
+
+def test_a_resume_is_marked_and_its_rewind_is_not_joined(tmp_path: Path) -> None:
+    s = report.build_series(RESUMED)
+    assert s.steps == [1, 2, 3, 4, 5, 6, 7, 6, 7, 8, 9]
+    assert [(m.kind, m.step, m.label) for m in s.marks] == [
+        ("plan", 0, "e1"), ("checkpoint", 5, "s5"), ("restarted", 7, "e1"), ("failed", 7, "w1"),
+        ("state_lost", 7, "e1"), ("plan", 7, "e2"), ("resumed", 5, "s5"), ("joined", 5, "w4")]
+    summary = report.summarize(s)
+    assert (summary["steps"], summary["step_events"], summary["redone"], summary["rewinds"]) == (9, 11, 2, 1)
+    assert (summary["first_step"], summary["last_step"]) == (1, 9)
+    text = report.format_summary(summary)
+    assert "9 committed steps (1 to 9); 2 redone after 1 rewind(s) to a checkpoint" in text, text
+    assert "checkpoint 1" in text and "resumed 1" in text and "state_lost 1" in text and "restarted 1" in text
+
+    fig = report.plot(s, tmp_path / "resumed.png")
+    assert (tmp_path / "resumed.png").read_bytes().startswith(PNG)
+    rate_ax, loss_ax, _, marks_ax = fig.axes
+    for ax in (rate_ax, loss_ax):
+        curves = [line for line in ax.get_lines() if len(line.get_xdata()) > 2]  # (not the marks' vertical lines)
+        assert [list(line.get_xdata()) for line in curves] == [[1, 2, 3, 4, 5, 6, 7], [6, 7, 8, 9]]
+    legend = loss_ax.get_legend()
+    assert legend is not None
+    assert {t.get_text() for t in legend.get_texts()} == {"checkpoint", "state lost", "resumed (from checkpoint)",
+                                                          "coordinator restarted"}
+    rows = [t.get_text() for t in marks_ax.get_yticklabels()]
+    assert {"checkpoint", "state lost", "resumed (from checkpoint)", "coordinator restarted"} <= set(rows), rows
