@@ -16,11 +16,17 @@ SEQ = 16
 
 
 class Tokens:
-    """Sample i is (tokens[i : i+SEQ], tokens[i+1 : i+SEQ+1]) of one seeded random sequence."""
+    """Sample i is (tokens[i : i+SEQ], tokens[i+1 : i+SEQ+1]) of one seeded sequence in which each
+    token is (5 * previous + 1) mod VOCAB, or with probability 0.2 a random token."""
 
     def __init__(self, count: int = 2048, seed: int = 7) -> None:
         g = torch.Generator().manual_seed(seed)
-        self.tokens = torch.randint(0, VOCAB, (count + SEQ,), generator=g)
+        noise = torch.randint(0, VOCAB, (count + SEQ,), generator=g)
+        keep = torch.rand(count + SEQ, generator=g) >= 0.2
+        tokens = [0]
+        for t in range(1, count + SEQ):
+            tokens.append((5 * tokens[-1] + 1) % VOCAB if keep[t] else int(noise[t]))
+        self.tokens = torch.tensor(tokens)
         self.offsets = torch.arange(SEQ + 1)
 
     def __len__(self) -> int:
@@ -33,7 +39,8 @@ class Tokens:
 
 def model() -> GPT2LMHeadModel:
     return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=3, n_head=2,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                      bos_token_id=0, eos_token_id=0))
 
 
 def loss(outputs: object, targets: torch.Tensor) -> torch.Tensor:
@@ -44,5 +51,5 @@ def loss(outputs: object, targets: torch.Tensor) -> torch.Tensor:
 
 
 def job() -> Job:
-    return Job(model=model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3), dataset=Tokens(), loss=loss,
+    return Job(model=model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2), dataset=Tokens(), loss=loss,
                global_batch=12, num_steps=12, seed=0, description="Hugging Face GPT2LMHeadModel, 3 layers")

@@ -1,7 +1,7 @@
 # A tiny Hugging Face Llama trained as a user writes it: the plain `LlamaForCausalLM` built from a
 # config, no wrapper module. Its forward returns a `CausalLMOutputWithPast`; the loss reads
 # `.logits`. Attention dropout is 0 (Llama has no other dropout) so training is deterministic; the
-# data is a fixed random token sequence from a seeded generator (no files, no downloads).
+# data is a seeded token sequence that mostly follows a fixed rule (learnable; no files, no downloads).
 
 from __future__ import annotations
 
@@ -16,11 +16,17 @@ SEQ = 16
 
 
 class Tokens:
-    """Sample i is (tokens[i : i+SEQ], tokens[i+1 : i+SEQ+1]) of one seeded random sequence."""
+    """Sample i is (tokens[i : i+SEQ], tokens[i+1 : i+SEQ+1]) of one seeded sequence in which each
+    token is (5 * previous + 1) mod VOCAB, or with probability 0.2 a random token."""
 
     def __init__(self, count: int = 2048, seed: int = 7) -> None:
         g = torch.Generator().manual_seed(seed)
-        self.tokens = torch.randint(0, VOCAB, (count + SEQ,), generator=g)
+        noise = torch.randint(0, VOCAB, (count + SEQ,), generator=g)
+        keep = torch.rand(count + SEQ, generator=g) >= 0.2
+        tokens = [0]
+        for t in range(1, count + SEQ):
+            tokens.append((5 * tokens[-1] + 1) % VOCAB if keep[t] else int(noise[t]))
+        self.tokens = torch.tensor(tokens)
         self.offsets = torch.arange(SEQ + 1)
 
     def __len__(self) -> int:
@@ -45,5 +51,5 @@ def loss(outputs: object, targets: torch.Tensor) -> torch.Tensor:
 
 
 def job() -> Job:
-    return Job(model=model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3), dataset=Tokens(), loss=loss,
+    return Job(model=model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2), dataset=Tokens(), loss=loss,
                global_batch=12, num_steps=12, seed=0, description="Hugging Face LlamaForCausalLM, 3 layers")
