@@ -44,7 +44,7 @@ def single_process(name: str) -> dict[int, float]:
         x, y = job.dataset[sample_ids(job.seed, k, len(job.dataset), job.global_batch)]
         optimizer.zero_grad(set_to_none=True)
         loss = job.loss(model(x), y)
-        (loss / job.global_batch).backward()
+        (loss / job.global_batch).backward()  # type: ignore[no-untyped-call]
         optimizer.step()
         out[k + 1] = loss.item() / job.global_batch
     return out
