@@ -134,12 +134,17 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
 def capture(name: str, job: Any) -> Any:
     """The model's graph (its units, for FSDP2, and what the planner reads), captured before the
     worker says it is ready, so that a join to a sharded job does not pay for it (about 1.3 s for the
-    10M GPT); a capture that fails costs the plan its detail, never the worker its job (None)."""
+    10M GPT). A model that cannot be captured gets the coarse one-unit graph and one warning line;
+    the job's own mistake (`JobError`, e.g. `Job.blocks` naming no module) stops the worker with its
+    message; running out of memory here is reported and left to the trainer (None)."""
     from worker.graph import capture_graph
+    from worker.job import JobError
 
     try:
-        return capture_graph(job)
-    except Exception as e:  # noqa: BLE001 (reported, not fatal)
+        return capture_graph(job, warn=lambda line: print(f"[{name}] {line}", flush=True))
+    except JobError:
+        raise
+    except Exception as e:  # noqa: BLE001 (this machine's memory: reported; the trainer tries again)
         print(f"[{name}] could not capture the model's graph: {type(e).__name__}: {e}", flush=True)
         return None
 

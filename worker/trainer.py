@@ -558,11 +558,15 @@ class Trainer:
         self._graph = graph
 
     def graph(self) -> Graph:
-        """The model's graph: its units (blocks, for FSDP2's wrapping) and optimizer-state size."""
-        if self._graph is None:  # not captured at start (it failed there): try again, let it raise
+        """The model's graph: its units (blocks, for FSDP2's wrapping) and optimizer-state size.
+        Captured here if it was not at start; a model that cannot be captured gets the coarse
+        one-unit graph and one warning line (`worker.graph`), never an error. What still raises is
+        the job's mistake (`JobError`) or this machine running out of memory: this worker cannot
+        then wrap the model as the others do, and leaves with the error."""
+        if self._graph is None:
             from worker.graph import capture_graph
 
-            self._graph = capture_graph(self.job)
+            self._graph = capture_graph(self.job, warn=self.log)
         return self._graph
 
     def units(self) -> list[str]:
