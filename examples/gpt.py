@@ -5,7 +5,7 @@
 # - Model: an nn.Sequential of Embed, Block x N, Head. Each layer maps one tensor to one tensor,
 #   so the planner may cut pipeline stages between any two layers. Attention is written by hand
 #   (q @ k^T, causal mask, softmax, @ v) because torch's FlopCounterMode sees no FLOPs in the CPU
-#   SDPA kernel (worker/graph.py). No dropout: training is deterministic. The lm head is
+#   SDPA kernel (worker/graph_measure.py). No dropout: training is deterministic. The lm head is
 #   not tied to the token embedding, so the first and last stages share no parameter.
 # - Loss: per sample, the mean cross-entropy over its positions; summed over samples.
 #
