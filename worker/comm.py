@@ -9,6 +9,10 @@ that op's timeout): its group, work and buffer stay with the helper thread that 
 are dropped once the op ends on its own. NCCL groups are also aborted (ncclCommAbort frees the GPU
 from a kernel that would spin).
 
+Every group is held by `worker.keeper` from the moment it is formed, so that whichever thread drops
+the trainer's last reference to it, its destructor (which waits for the ops still queued on it, up
+to the group timeout) runs in a thread of its own.
+
 Why not `init_process_group`/`new_group`: they keep one process-wide default group and block in
 `destroy_process_group` on a pending op; a group object per epoch is what makes live re-forming
 possible.
@@ -25,6 +29,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from worker import keeper
 
 class Superseded(Exception):
     """The epoch was abandoned (a failure elsewhere, fencing, or a stop)."""
@@ -44,9 +50,9 @@ def form_group(store: Any, epoch: int, rank: int, world: int, device: torch.devi
             if device.type == "cuda":
                 options = dist.ProcessGroupNCCL.Options()
                 options._timeout = timeout
-                box["pg"] = dist.ProcessGroupNCCL(prefixed, rank, world, options)
+                box["pg"] = keeper.keep(dist.ProcessGroupNCCL(prefixed, rank, world, options))
             else:
-                box["pg"] = dist.ProcessGroupGloo(prefixed, rank, world, timeout)
+                box["pg"] = keeper.keep(dist.ProcessGroupGloo(prefixed, rank, world, timeout))
         except Exception as e:  # noqa: BLE001 (re-raised below, in the trainer's thread)
             box["error"] = e
 

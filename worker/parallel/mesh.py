@@ -20,6 +20,8 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
 
+from worker import keeper
+
 __all__ = ["forget", "mesh_of", "register"]
 
 
@@ -41,7 +43,7 @@ def register(backend: Any, store: Any, rank: int, world: int, epoch: int, device
                                rank_mapping={global_rank: r for r, global_rank in enumerate(members)})
     if not part:
         c10d._update_default_pg(pg)
-    return pg
+    return keeper.keep(pg)  # (destroyed off the trainer's thread, like the backend it wraps)
 
 
 def mesh_of(pg: dist.ProcessGroup, device: torch.device, epoch: int) -> DeviceMesh:
