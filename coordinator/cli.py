@@ -90,6 +90,11 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
                    help="a drained or preempted (SIGTERM) worker must hand its state over within S seconds "
                         "(default 25, under a spot notice's usual 30); past it the coordinator lets it go as "
                         "failed (a drain_deadline event) and its part comes from the copies or replicas")
+    p.add_argument("--ack-timeout", type=float, default=20.0, metavar="S",
+                   help="every member of a new plan must acknowledge it (its group formed, its state in place) "
+                        "within S seconds plus two of the plan's predicted steps (default 20); a member that has "
+                        "not is declared failed (a failed event, detected_by ack_timeout): the others re-plan "
+                        "without it, and it joins again as a newcomer if it is alive. No plan stays pending longer")
     p.add_argument("--recovery-grace", type=float, default=10.0, metavar="S",
                    help="restarted on a state dir whose journal holds a running plan: wait up to S seconds for "
                         "its members to register again (they train on meanwhile; default 10); those not back "
@@ -212,6 +217,8 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
         p.error(f"--join-wait-max bounds the wait of --join-abandons auto; with --join-abandons {a.join_abandons} "
                 "a join " + ("always abandons the step in flight" if a.join_abandons == "always"
                              else "always waits for the step boundary") + ": drop one of the two")
+    if a.ack_timeout <= 0:
+        p.error(f"--ack-timeout must be positive seconds, got {a.ack_timeout}")
     if a.drain_deadline <= 0:
         p.error(f"--drain-deadline must be positive seconds, got {a.drain_deadline}")
     if a.lease <= 0 or a.heartbeat <= 0 or a.heartbeat >= a.lease:
@@ -227,6 +234,7 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
                             max_joining=a.max_joining, min_workers=a.min_workers,
                             max_workers=a.max_workers, lease_s=a.lease, heartbeat_s=a.heartbeat,
                             stop_grace_s=a.stop_grace, drain_deadline_s=a.drain_deadline, quiet=a.quiet,
+                            ack_timeout_s=a.ack_timeout,
                             planner=a.planner,
                             solve_time_limit_s=a.solve_time_limit, horizon_steps=a.horizon, stability=a.stability,
                             layout=layout, checkpoint_dir=a.checkpoint_dir or state_dir / "checkpoints",

@@ -122,6 +122,7 @@ class CoordinatorConfig:
     tick_s: float = 0.05
     stop_grace_s: float = 10.0
     drain_deadline_s: float = 25.0  # --drain-deadline
+    ack_timeout_s: float = 20.0  # --ack-timeout
     checkpoint_dir: Path | None = None  # --checkpoint-dir (None: no durable checkpoints)
     checkpoint_every: int = 0  # --checkpoint-every (0: only on `ctl checkpoint` and SIGTERM)
     checkpoint_keep: int = 3  # --checkpoint-keep
@@ -186,7 +187,7 @@ class Core:
                                min_workers=cfg.min_workers, max_workers=cfg.max_workers, planner=cfg.planner,
                                solve_time_limit_s=cfg.solve_time_limit_s, horizon_steps=cfg.horizon_steps,
                                stability=cfg.stability, layout=cfg.layout,
-                               solver=cfg.solver, drain_deadline_s=cfg.drain_deadline_s,
+                               solver=cfg.solver, drain_deadline_s=cfg.drain_deadline_s, ack_timeout_s=cfg.ack_timeout_s,
                                checkpoint_dir=str(cfg.checkpoint_dir or ""), checkpoint_keep=cfg.checkpoint_keep,
                                recovery_grace_s=cfg.recovery_grace_s, join_abandons=cfg.join_abandons,
                                join_wait_max_s=cfg.join_wait_max_s)

@@ -136,6 +136,10 @@ def apply(state: State, event: Event, config: Config, *, now: float) -> Result:
                     state, more = _lost(state, w.name, "drain_deadline" if late else "lease", config, now)
                     replan_due |= any(isinstance(e, FollowUp) for e in more)
                     effects += [e for e in more if not isinstance(e, FollowUp)]
+            for name in _unacknowledged(state, config, now):  # no plan stays pending past its bound
+                state, more = _lost(state, name, "ack_timeout", config, now)
+                replan_due |= any(isinstance(e, FollowUp) for e in more)
+                effects += [e for e in more if not isinstance(e, FollowUp)]
             if replan_due:  # one re-plan for every worker lost at this tick
                 effects.append(FollowUp(ReplanDue("failure", abort=True)))
             return state, effects
@@ -194,6 +198,24 @@ def apply(state: State, event: Event, config: Config, *, now: float) -> Result:
     raise AssertionError(f"unhandled event {event!r}")
 
 
+def ack_due(state: State, config: Config) -> float:
+    """When every member of the latest plan must have acknowledged it: `ack_timeout_s` after it went
+    out, plus two of its predicted steps (a planned switch waits for the members' step boundary)."""
+    step_s = state.plan.predicted_step_s if state.plan is not None and state.plan.predicted_step_s else 0.0
+    return state.planned_at + config.ack_timeout_s + 2 * step_s
+
+
+def _unacknowledged(state: State, config: Config, now: float) -> list[str]:
+    """Members of the pending plan that did not acknowledge it by its due time (nudged meanwhile, if
+    they heartbeat an older epoch): stuck, so declared failed. A restarted coordinator's plan has its
+    own bound (`recovery_grace_s`)."""
+    if not state.pending or state.plan is None or state.recovering or not state.planned_at:
+        return []
+    if now <= ack_due(state, config):
+        return []
+    return [n for n in state.plan.members if n not in state.acked and n in state.workers]
+
+
 def _nudge(state: State, name: str, epoch: int, config: Config, now: float) -> Result:
     """A member (or a sender) of the pending plan still heartbeats an older epoch a lease after the
     plan went out: it may have lost the delta (a reconnect, a fenced worker re-joining), so send it
@@ -247,9 +269,10 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
         tracker, findings = steps.observe(tracker, r)
         for f in findings:
             match f:
-                case steps.Measured(ranks=ranks, comm_s=comm_s) if state.graph is not None:
+                case steps.Measured(ranks=ranks, comm_s=comm_s, settled=True) if state.graph is not None:
                     # The step's communication as the cost model has it: an all-reduce, or
                     # FSDP's gathers and scatters with the copies (the workers time those too).
+                    # Never an epoch's first steps: a member still entering holds the others there.
                     shards = state.plan.dp_shard if state.plan is not None and tracker.epoch == state.epoch else 1
                     f0, f1 = step_comm_features(state.graph, ranks, shards)
                     cluster = cluster.with_comm(f0, f1, comm_s, cross_host=cluster.spans_hosts(tracker.members))
@@ -338,8 +361,12 @@ def _acked(state: State, ack: Ack, config: Config, now: float) -> Result:
                     reshard_largest_sender=max(state.reshard_largest_sender, ack.reshard_largest_sender))
     if state.pending:
         return state, []
+    # The migration fit learns from planned switches only: a failure's entry also holds the fault's
+    # aftermath (survivors released from abandoned collectives at different times), and a resume
+    # reads a checkpoint; neither is what moving state between live members costs.
+    planned = state.delta is not None and state.delta.reason != "failure" and not state.delta.resume_path
     state = replace(state, running=frozenset(), formed_at=now,
-                    cluster=state.cluster.with_reshard(state.reshard_bytes, state.reshard_s),
+                    cluster=state.cluster.with_reshard(state.reshard_bytes, state.reshard_s) if planned else state.cluster,
                     slices_possible=state.plan is not None and state.plan.dp_shard > 1)  # every member switched
     plan = state.plan
     assert plan is not None  # not pending, and ack.name was a member

@@ -155,7 +155,7 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
     state = replace(state, slices_possible=from_sharded or new.dp_shard > 1)
     state = replace(state, workers=workers, delta=delta, epoch=epoch, plan=new, result=result, tracker=tracker,
                     acked=frozenset(), reshard_bytes=0, reshard_s=0.0, reshard_largest_sender=0, running=frozenset(holders),
-                    changed=(), abandon_if_missed=if_missed,
+                    changed=(), abandon_if_missed=if_missed, planned_at=now,
                     kept=None, calibrating=guessed,
                     replan_wanted=f"{handoff} handed off" if handoff else None)
     return state, [*said, Planned(result, epoch, reason, abandons_step=abandons), *benched,

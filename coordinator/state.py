@@ -38,6 +38,9 @@ class Config:
     stability: str = "calm"  # "calm": contention model, change points, re-plans that pay; "legacy": before (#9)
     layout: LayoutPin | None = None  # degrees pinned by --layout (None: the planner chooses)
     drain_deadline_s: float = 25.0  # a drained or preempted member must have handed its state over by then
+    # A plan's members must acknowledge it within this, plus two of its predicted steps (a planned
+    # switch waits for a step boundary); a member that has not is declared failed ("ack_timeout").
+    ack_timeout_s: float = 20.0
     checkpoint_dir: str = ""  # where the workers write durable checkpoints ("": none)
     checkpoint_keep: int = 3  # the newest this many are kept (0: all)
     recovery_grace_s: float = 10.0  # a restarted coordinator waits this long for the plan's members to come back
@@ -99,6 +102,7 @@ class State:
     last_step: int = 0  # highest step reported (and logged)
     last_step_at: float = 0.0  # when its first report arrived (the members then began the next step)
     formed_at: float = 0.0  # when the last member of the epoch acked it (the members then began its first step)
+    planned_at: float = 0.0  # when the latest plan's delta went out (its acknowledgements are due by `ack_due`)
     last_lr: float | None = None  # learning rate and gradient norm (before clipping) of that step
     last_grad_norm: float | None = None
     last_eval: tuple[int, float, int] | None = None  # (step, loss, samples) of the latest evaluation

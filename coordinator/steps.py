@@ -78,6 +78,7 @@ class Measured:
     step_s: float
     comm_s: float
     ranks: int
+    settled: bool = True  # past the epoch's first SETTLE steps (whose times hold the entry's stragglers)
 
 
 Finding = SpeedChange | Measured
@@ -141,8 +142,9 @@ def observe(t: Tracker, r: StepReport) -> tuple[Tracker, list[Finding]]:
     errors = t.errors
     if t.predicted_step_s is not None and step_s > 0:
         errors = (*errors, relative_error(t.predicted_step_s, step_s))[-ERROR_WINDOW:]
+    settled = len(t.measured) >= SETTLE
     t = replace(t, pending=pending, measured=measured, errors=errors)
-    return t, [*findings, Measured(step=r.step, step_s=step_s, comm_s=comm_s, ranks=len(t.members))]
+    return t, [*findings, Measured(step=r.step, step_s=step_s, comm_s=comm_s, ranks=len(t.members), settled=settled)]
 
 
 def _watch(w: Watch, name: str, samples: int, compute_s: float, t: Tracker) -> tuple[Watch, SpeedChange | None]:

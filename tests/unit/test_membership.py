@@ -900,3 +900,79 @@ def test_join_wait_max_reaches_the_planners_config(tmp_path: Any) -> None:
     core = Core(cfg, info, None, None, log, run_id="1")  # type: ignore[arg-type]  (no socket used)
     assert (core.config.join_abandons, core.config.join_wait_max_s) == ("auto", 0.25)
     log.close()
+
+
+# --- liveness: no plan stays pending ------------------------------------------------------------
+
+
+def test_a_plan_one_member_never_acknowledges_does_not_block_re_planning() -> None:
+    """A member stuck entering an epoch (it heartbeats, so no lease expires) is declared failed once
+    the plan's acknowledgements are overdue; the others get a new plan, and a straggler after it is
+    handled (a plan or a `kept`), as it would be with no stuck epoch before."""
+    sim = graph_sim("a", "b", "c", "d")
+    sim.config = replace(sim.config, min_workers=4, ack_timeout_s=5.0)
+    for name in ("a", "b", "c", "d"):
+        sim(m.MadeReady(name))
+    sim.ack_all()
+    train(sim, 12, {n: 0.01 for n in "abcd"})
+    d = the_delta(sim(m.Lost("d", "disconnect")))
+    assert d.abort and sorted(d.members) == ["a", "b", "c"]
+    sim.ack("a")
+    sim.ack("b")  # c never does: it heartbeats the epoch it left, is sent the delta again, and stays stuck
+    before: list[m.Effect] = []
+    for _ in range(40):
+        sim.now += 0.25
+        effects: list[m.Effect] = []
+        for name, epoch in (("a", d.epoch), ("b", d.epoch), ("c", d.epoch - 1)):
+            effects += sim(m.Seen(name, epoch=epoch, step=12))
+        effects += sim(m.Tick())
+        if logs(effects, "failed"):
+            break
+        before += effects
+    assert [(f["worker"], f["detected_by"]) for f in logs(effects, "failed")] == [("c", "ack_timeout")], effects
+    assert sim.now - 100.0 >= sim.config.ack_timeout_s, "not before its bound"
+    nudged = [e for e in before if isinstance(e, m.Send) and e.to == "c" and isinstance(e.msg, PlanDelta)]
+    assert nudged, "the stuck member was sent the delta again before it was given up"
+    again = the_delta([e for e in effects if not (isinstance(e, m.Send) and e.to == "c")])
+    assert again.epoch == d.epoch + 1 and sorted(again.members) == ["a", "b"] and again.abort
+    sim.ack_all()
+    train(sim, 8, {"a": 0.01, "b": 0.01})
+    effects = train(sim, 8, {"a": 0.01, "b": 0.04})  # b four times slower, lasting
+    assert [f["worker"] for f in logs(effects, "straggler")] == ["b"]
+    assert planned(effects) or logs(effects, "kept"), "a straggler gets a plan or a kept event"
+
+
+def test_a_plan_acknowledged_in_time_is_never_declared_failed() -> None:
+    sim = graph_sim("a", "b", "c")
+    sim.config = replace(sim.config, min_workers=3, ack_timeout_s=5.0)
+    for name in ("a", "b", "c"):
+        sim(m.MadeReady(name))
+    sim.ack_all()
+    train(sim, 6, {n: 0.01 for n in "abc"})
+    sim(m.Lost("c", "disconnect"))
+    sim.ack("a")
+    effects: list[m.Effect] = []
+    for _ in range(16):  # b acknowledges after 4 s of the 5 s bound
+        sim.now += 0.25
+        effects += sim(m.Seen("a", epoch=sim.state.epoch, step=6)) + sim(m.Seen("b", epoch=1, step=6)) + sim(m.Tick())
+    effects += sim.ack("b")
+    for _ in range(40):
+        sim.now += 0.25
+        effects += sim(m.Seen("a", epoch=sim.state.epoch, step=6)) + sim(m.Seen("b", epoch=sim.state.epoch, step=6))
+        effects += sim(m.Tick())
+    assert not logs(effects, "failed") and not sim.state.pending
+
+
+def test_the_migration_fit_never_learns_from_a_failures_entry() -> None:
+    """A failure's epoch entry holds the fault's aftermath (a survivor released late from an abandoned
+    collective took 60 s here): what moving state costs is learned from planned switches only."""
+    sim = graph_sim("a", "b", "c")
+    sim.config = replace(sim.config, min_workers=3)
+    for name in ("a", "b", "c"):
+        sim(m.MadeReady(name))
+    sim.ack_all()
+    before = sim.state.cluster.migration
+    d = the_delta(sim(m.Lost("c", "disconnect")))
+    for name, seconds in (("a", 0.01), ("b", 60.0)):
+        sim(m.Acked(Ack(name=name, epoch=d.epoch, step=0, reshard_bytes=1000, reshard_s=seconds)))
+    assert not sim.state.pending and sim.state.cluster.migration == before

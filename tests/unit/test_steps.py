@@ -24,9 +24,21 @@ def test_a_step_is_measured_once_every_member_reported() -> None:
     t, g = steps.observe(t, report("b", 1, comm_s=0.01, step_s=0.13))
     assert f == g == []
     t, h = steps.observe(t, report("c", 1, comm_s=0.03, step_s=0.12))
-    assert h == [steps.Measured(step=1, step_s=0.13, comm_s=0.01, ranks=3)]
+    assert h == [steps.Measured(step=1, step_s=0.13, comm_s=0.01, ranks=3, settled=False)]
     assert t.errors == ((0.11 - 0.13) / 0.13,) and not t.pending
     assert steps.median_error(t) == t.errors[0]
+
+
+def test_an_epochs_first_steps_are_not_settled_for_the_link_fit() -> None:
+    """The first SETTLE steps of an epoch may hold a member still entering it (a survivor released
+    late from an abandoned collective): the comm fit must not learn from them."""
+    t = tracker()
+    settled = []
+    for step in range(1, steps.SETTLE + 3):
+        for name in ("a", "b", "c"):
+            t, found = steps.observe(t, report(name, step))
+        settled += [f.settled for f in found if isinstance(f, steps.Measured)]
+    assert settled == [False] * steps.SETTLE + [True, True]
 
 
 def test_reports_of_other_epochs_and_strangers_are_ignored() -> None:
