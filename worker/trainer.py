@@ -300,6 +300,7 @@ class Trainer:
         self.agent.epoch = delta.epoch
         self.agent.step = self.step
         seconds = time.perf_counter() - t0
+        self._say_if_stalled(f"epoch {delta.epoch}: its entry", seconds)
         self.agent.send(Ack(name=self.name, epoch=delta.epoch, step=self.step, reshard_bytes=received,
                             reshard_largest_sender=self.largest_sender,
                             reshard_s=seconds))
@@ -631,6 +632,7 @@ class Trainer:
         `switching`: the members agreed in this step to switch to the planned delta (the report says
         so: one that missed the vote may make the coordinator abandon the next step for a join)."""
         job = self.job
+        self._say_if_stalled(f"step {self.step}", step_s)
         self.agent.step = self.step
         self.before_reshard = None  # a step of this epoch is committed: its holdings are complete
         digest = ""
@@ -733,6 +735,14 @@ class Trainer:
             full = p.full_tensor() if hasattr(p, "full_tensor") else p
             h.update(full.detach().cpu().contiguous().numpy().tobytes())
         return h.hexdigest()[:16]
+
+    def _say_if_stalled(self, what: str, seconds: float) -> None:
+        """Say so when something took over half of the group timeout: only a wait for a peer that
+        never came takes that long, and no survivor may sit out a timeout (the liveness checks and
+        the soak benchmark look for this line)."""
+        if seconds > 0.5 * self.config.group_timeout_s:
+            self.log(f"{what} took {seconds:.2f} s, over half of the group timeout "
+                     f"({self.config.group_timeout_s:.0f} s)")
 
     def log(self, text: str) -> None:
         print(f"[{self.name}] {text}", flush=True)
