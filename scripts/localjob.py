@@ -217,6 +217,15 @@ class LocalJob:
         return max((abs(mine[s] - ref) / abs(ref) if s in mine else float("inf") for s, ref in reference.items()),
                    default=0.0)
 
+    def liveness(self) -> list[str]:
+        """The liveness invariants this run broke (scripts/liveness.py), from its events and every
+        worker's log; [] when none."""
+        from liveness import problems
+
+        logs = {n: (self.state_dir / f"{n}.log").read_text(errors="replace") for n in self.workers
+                if (self.state_dir / f"{n}.log").exists()}
+        return problems(self.events(), logs)
+
     def digests(self, name: str) -> dict[int, str]:
         """The parameter digests a worker run with `--digest-every` printed, by step."""
         text = (self.state_dir / f"{name}.log").read_text(errors="replace")

@@ -57,6 +57,7 @@ def test_chaos_keeps_the_loss_curve_and_identical_replicas(tmp_path: Path, undis
         for _ in range(3):
             job.add_worker(next(names), *worker_args)
         done: list[str] = []
+        took: list[tuple[str, str, int]] = []  # (fault, victim, events logged before it): checked at the end
         for step, kind in plan:
             job.wait_step(step, 240)
             at = max(job.steps())
@@ -69,6 +70,7 @@ def test_chaos_keeps_the_loss_curve_and_identical_replicas(tmp_path: Path, undis
             if kind in ("kill", "stop", "drain") and len(running) < 2:
                 kind = "join"  # keep someone training
             victim = rng.choice(running) if running else ""
+            took.append((kind, victim, len(job.events())))
             if kind == "kill":
                 job.workers[victim].send_signal(signal.SIGKILL)
                 job.workers[victim].wait(10)
@@ -77,7 +79,8 @@ def test_chaos_keeps_the_loss_curve_and_identical_replicas(tmp_path: Path, undis
                 time.sleep(LEASE_S * 1.5)  # past its lease: failed, planned out
                 job.workers[victim].send_signal(signal.SIGCONT)  # fenced: it joins again
             elif kind == "drain":
-                job.ctl("drain", victim)
+                answer = job.ctl("drain", victim)
+                assert answer == {"draining": victim}, answer
             elif kind == "join":
                 job.add_worker(next(names), *worker_args)
             else:
@@ -90,9 +93,22 @@ def test_chaos_keeps_the_loss_curve_and_identical_replicas(tmp_path: Path, undis
                 job.add_worker(next(names), *worker_args)
             done.append(f"{at}:{kind}{'(' + victim + ')' if kind in ('kill', 'stop', 'drain') else ''}")
         assert job.wait_coordinator(600) == 0, job.tail("coordinator.out", 40)
+        exits = job.wait_workers(60)
         events = job.events()
+        assert not (broken := job.liveness()), (broken, done)
         kinds = [e["kind"] for e in events]
         assert kinds.count("restarted") == 1 and kinds.count("failed") >= 1, done
+        # Every fault took effect: the log says so for each one, after it was injected.
+        for kind, victim, before in took:
+            after = events[before:]
+            said = {"kill": lambda e: e["kind"] == "failed" and e["worker"] == victim,
+                    "stop": lambda e: e["kind"] == "failed" and e["worker"] == victim,
+                    "drain": lambda e: e["kind"] == "left" and e["worker"] == victim and e["reason"] == "drained",
+                    "join": lambda e: e["kind"] == "joined",
+                    "coordinator": lambda e: e["kind"] == "restarted"}[kind]
+            assert any(said(e) for e in after), f"{kind} of {victim or 'a new worker'} left no trace; {done}"
+        bad = {n: c for n, c in exits.items() if c not in (0, -9)}  # (a killed worker: -9; every other: 0)
+        assert not bad, (bad, job.tails(bad))
         worst = job.loss_gap(undisturbed)
         assert sorted(job.losses()) == list(range(1, NUM_STEPS + 1)), f"a step is missing; faults {done}"
         assert worst <= 1e-4, (worst, done)

@@ -43,7 +43,14 @@ def disturbed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         exits = job.wait_workers(180)
         coordinator_exit = job.wait_coordinator(30)
         return {"job": job, "events": job.events(), "exits": exits, "coordinator_exit": coordinator_exit,
-                "pids": pids, "last_before_kill": last_before_kill, "failure_plan": failure_plan}
+                "pids": pids, "last_before_kill": last_before_kill, "failure_plan": failure_plan,
+                "liveness": job.liveness()}
+
+
+def test_the_kill_and_the_join_are_handled_in_time(disturbed: dict[str, Any]) -> None:
+    """Liveness, beside the loss curve: the survivors train again within the bound, the joiner is
+    planned in, every step is committed once, and nobody sat out a group timeout."""
+    assert disturbed["liveness"] == []
 
 
 def test_kill_survivors_continue_without_restart(disturbed: dict[str, Any]) -> None:
@@ -121,6 +128,7 @@ def test_stopped_worker_is_fenced_and_rejoins(tmp_path: Path, undisturbed: dict[
         finals = {name: job.digests(name)[NUM_STEPS] for name in ("w1", "w2", "w3")}
         assert len(set(finals.values())) == 1, finals
         assert "fenced" in (tmp_path / "w2.log").read_text()
+        assert job.liveness() == []
         worst = job.loss_gap(undisturbed)
         assert worst <= 1e-4, f"largest relative loss difference {worst:.2e}"
         assert not [e for e in job.events() if e["kind"] == "left" and e["reason"].startswith("error")]

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from liveness import problems
 from localjob import LocalJob
 
 from worker.job import Job, load_job, sample_ids
@@ -83,6 +84,7 @@ def _assert_exact(events: list[dict[str, Any]], reference: dict[int, float]) -> 
     gaps = {e["step"]: abs(e["loss"] - reference[e["step"]]) / abs(reference[e["step"]]) for e in steps}
     assert max(gaps.values()) <= 1e-4, gaps
     assert reference[len(reference)] < reference[1], "the job learns"
+    assert not (broken := problems(events)), broken
 
 
 @pytest.mark.parametrize(("name", "blocks", "layout"), [

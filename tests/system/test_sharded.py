@@ -21,13 +21,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from liveness import problems
 from localjob import LocalJob
 from test_recipe import JOB, NUM_STEPS, _check_the_trained_model, _gap, single_process
 
 
 def _assert_exact(events: list[dict[str, Any]], reference: dict[int, dict[str, float]]) -> None:
-    """Every step once, its loss, learning rate and gradient norm within 1e-4 of the single-process run."""
+    """Every step once (or redone after a resume, as its `resumed` event says), its loss, learning
+    rate and gradient norm within 1e-4 of the single-process run; and the run's liveness: every
+    failure recovered within the bound, every join and straggler handled (scripts/liveness.py)."""
+    assert not (broken := problems(events)), broken
     steps = {e["step"]: e for e in events if e["kind"] == "step"}
+    assert sorted(steps) == sorted(reference), "no step lost"
     run = {s: {"loss": e["loss"], "lr": e["lr"], "grad_norm": e["grad_norm"]} for s, e in steps.items()}
     gaps = _gap(run, reference)
     assert max(gaps.values()) <= 1e-4, gaps

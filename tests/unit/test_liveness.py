@@ -64,3 +64,10 @@ def test_a_step_committed_twice_is_flagged_unless_a_resume_redoes_it() -> None:
 def test_a_worker_that_sat_out_a_timeout_is_flagged() -> None:
     log = f"[a] epoch 2: its entry took 59.97 s, {STALL_MARK} (60 s)"
     assert problems(HEALTHY, {"a": log}) == [f"a stalled: {log}"]
+
+
+def test_a_total_loss_is_not_held_to_the_survivors_bound() -> None:
+    run = [*BEFORE, ev("failed", 3.06, worker="a", detected_by="disconnect"),
+           ev("joined", 10.0, worker="c"), ev("state_lost", 20.0, step=10), plan(20.1, 2, ["c"], "join"),
+           ev("resumed", 25.0, step=10, path="ckpt", epoch=2, redone=0), *steps(11, 40, 2, 25.5)]
+    assert problems(run) == []
