@@ -17,7 +17,7 @@ from typing import TextIO
 import trio
 
 from coordinator.daemon import CoordinatorConfig, serve
-from coordinator.jobinfo import JobRefused, inspect_job
+from coordinator.jobinfo import JobRefused, inspect_job, journaled_job
 from coordinator.state import JOIN_WAIT_MAX_S
 from plan.layout import LayoutError, parse_pin
 from transport.security import KEYS_ENV, KeysError, generate_keys, keys_dir, load_server_keys
@@ -308,8 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         return keygen(args[1:])
     cfg, job_ref = parse_args(args)
     faulthandler.enable(all_threads=True)  # a native crash (zmq, the solver) leaves its stacks in the log
-    try:
-        job = inspect_job(job_ref)
+    try:  # (a restart on this job's state dir: the journal knows the job, and listening comes first)
+        job = journaled_job(cfg.state_dir / "journal.sqlite", job_ref) or inspect_job(job_ref)
     except JobRefused as e:
         print(f"coordinator: refusing job {job_ref}: {e}", file=sys.stderr)
         return 2

@@ -49,7 +49,7 @@ from coordinator.journal import Journal, JournalDamaged, check_job, recover, sna
 from coordinator.control import ControlView, answer_control
 from coordinator.events import EventLog
 from coordinator.guard import LEDGER_EVENTS, ConnectionLedger, Refusals, check_agent_message
-from coordinator.jobinfo import JobInfo
+from coordinator.jobinfo import JobInfo, facts
 from coordinator.metrics import Metrics, MetricsServer, serve_metrics
 from coordinator.state import JOIN_WAIT_MAX_S
 from coordinator.store import RendezvousStore
@@ -182,6 +182,7 @@ class Core:
                  journaled: dict[str, Any] | None = None, endpoints: dict[str, str] | None = None,
                  metrics: Metrics | None = None) -> None:
         self.cfg, self.job, self.workers, self.control, self.log = cfg, job, workers, control, log
+        self._job_facts = facts(job)  # (one object: the journal writes it once)
         self.run_id = run_id
         self.config = m.Config(global_batch=job.global_batch, num_steps=job.num_steps, lease_s=cfg.lease_s,
                                min_workers=cfg.min_workers, max_workers=cfg.max_workers, planner=cfg.planner,
@@ -401,7 +402,7 @@ class Core:
             self._graph_dict = (graph, graph.to_dict())
         try:
             self.journal.save(snapshot(self.state, self.endpoints, self._graph_dict[1] if self._graph_dict else None,
-                                       job={"ref": self.job.ref, "sha256": self.job.sha256}))
+                                       job=self._job_facts))
             self._journaled = read  # (a failed write is tried again at the next event)
         except Exception as e:  # noqa: BLE001 (a full disk must not stop training: said, retried next event)
             now = time.monotonic()

@@ -4,16 +4,25 @@ The coordinator never imports torch, so it asks a short-lived `python -m worker.
 subprocess to resolve and load the job (a broken job is refused at start with the reason) and to
 report its global batch, number of steps and seed. The source text it ships to workers is read
 from the resolved path and hashed here.
+
+A coordinator restarted on a state dir whose journal holds the same job (the same reference, and
+the journaled file still has the journaled sha256) takes those facts from the journal instead
+(`journaled_job`): the job was inspected when it first started, and the subprocess (importing torch,
+loading the job) would keep the restarted coordinator from listening for seconds while its workers
+wait to register again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import sqlite3
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 class JobRefused(ValueError):
@@ -54,3 +63,34 @@ def inspect_job(ref: str, *, timeout_s: float = 120.0) -> JobInfo:
                    global_batch=int(info["global_batch"]), num_steps=int(info["num_steps"]),
                    seed=int(info["seed"]), num_params=int(info["num_params"]),
                    description=str(info.get("description", "")))
+
+
+def facts(job: JobInfo) -> dict[str, Any]:
+    """What the journal keeps of the job: everything but its text (read again from `path`)."""
+    return {k: v for k, v in dataclasses.asdict(job).items() if k != "source"}
+
+
+def journaled_job(journal: Path, ref: str) -> JobInfo | None:
+    """The job the journal at `journal` was started with, if it is `ref` and its file is unchanged
+    (the same sha256); None otherwise (no journal, another job, an edited file, an older journal
+    without the facts, one that cannot be read): then the job is inspected as at a first start."""
+    if not journal.exists():
+        return None
+    try:
+        db = sqlite3.connect(f"file:{journal}?mode=ro", uri=True)
+        try:
+            row = db.execute("SELECT value FROM kv WHERE key = 'job'").fetchone()
+        finally:
+            db.close()
+        known = json.loads(row[0]) if row else {}
+        if known.get("ref") != ref:
+            return None
+        source = Path(known["path"]).read_text(encoding="utf-8")
+        if hashlib.sha256(source.encode()).hexdigest() != known["sha256"]:
+            return None
+        return JobInfo(ref=ref, path=known["path"], name=known["name"], source=source, sha256=known["sha256"],
+                       global_batch=int(known["global_batch"]), num_steps=int(known["num_steps"]),
+                       seed=int(known["seed"]), num_params=int(known["num_params"]),
+                       description=str(known.get("description", "")))
+    except (sqlite3.Error, OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        return None

@@ -92,7 +92,7 @@ def check_job(values: dict[str, Any], path: Path, ref: str, sha256: str) -> None
 
 
 def snapshot(state: State, endpoints: dict[str, str], graph: dict[str, Any] | None = None, *,
-             job: dict[str, str] | None = None) -> dict[str, Any]:
+             job: dict[str, Any] | None = None) -> dict[str, Any]:
     """The journaled values of `state` (plain JSON); `graph`: `state.graph.to_dict()` if the caller
     keeps it (the same object each time spares encoding it again)."""
     delta = state.delta

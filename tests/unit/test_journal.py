@@ -4,6 +4,7 @@ journaled plan back once its members register again, or re-plans without those t
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from test_membership import LEASE_S, Sim, _config, _join_msg, deltas, logs, repo
 
 from coordinator import membership as m
 from coordinator.journal import Journal, JournalDamaged, recover, snapshot
+from coordinator.state import State
 from transport import Abort, Checkpointed
 
 
@@ -164,3 +166,25 @@ def test_the_journal_holds_a_change_before_any_event_announces_it(tmp_path: Path
     core.apply(m.CheckpointWritten(Checkpointed(name="b", step=6, path="/ck/step-6", seconds=0.1, bytes=10, error="")))
     log.close()
     assert [c.step for c in core.state.checkpoints] == [5, 6]
+
+
+def test_a_restart_takes_the_job_from_the_journal_only_while_its_file_is_unchanged(tmp_path: Path) -> None:
+    """A restarted coordinator listens first: the journal's facts of the job replace inspecting it (a
+    subprocess that imports torch) as long as the reference and the file's text are the same."""
+    from coordinator.jobinfo import JobInfo, facts, journaled_job
+
+    source = "def job():\n    ...\n"
+    path = tmp_path / "job.py"
+    path.write_text(source)
+    sha = hashlib.sha256(source.encode()).hexdigest()
+    job = JobInfo(ref=f"{path}:job", path=str(path), name="job", source=source, sha256=sha, global_batch=16,
+                  num_steps=40, seed=3, num_params=1234, description="a job")
+    journal = Journal(tmp_path / "journal.sqlite")
+    journal.load()
+    journal.save(snapshot(State(), {}, job=facts(job)))
+    journal.close()
+    assert journaled_job(tmp_path / "journal.sqlite", job.ref) == job
+    assert journaled_job(tmp_path / "journal.sqlite", f"{path}:other") is None, "another reference: inspected"
+    path.write_text(source + "# edited\n")
+    assert journaled_job(tmp_path / "journal.sqlite", job.ref) is None, "an edited file: inspected"
+    assert journaled_job(tmp_path / "none.sqlite", job.ref) is None
