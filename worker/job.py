@@ -298,8 +298,9 @@ def load_job(source: str, name: str, filename: str = "<job>") -> Job:
 
 def small_dataset_warning(job: Job) -> str | None:
     """A sentence when the dataset holds fewer samples than a step draws (`global_batch`), None
-    otherwise (or when `len` fails: the worker reports that where it samples). Such a job is legal,
-    but every step then repeats samples, which a user rarely means; `load_job` prints it."""
+    otherwise, also when `len` raises (`inspect_job` refuses such a job at the coordinator's start).
+    Such a job is legal, but every step then repeats samples, which a user rarely means; `load_job`
+    prints it, so each worker's log says it once."""
     try:
         size = len(job.dataset)
     except Exception:  # noqa: BLE001 (the user's dataset; its own error comes later, with context)
