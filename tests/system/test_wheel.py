@@ -1,6 +1,6 @@
 """The wheel a user installs works on its own: `make test` and CI install the checkout editable, which
-hides a package the wheel leaves out (a wheel without worker/parallel once made every `worker` exit 1
-with "No module named 'worker.parallel'"), so this test builds the wheel, installs it non-editable in
+hides a package the wheel leaves out (a wheel without worker/parallel makes every `worker` exit 1 with
+"No module named 'worker.parallel'"), so this test builds the wheel, installs it non-editable in
 a fresh venv (no site packages, no PYTHONPATH) and runs a two-worker job from a directory outside the
 checkout with nothing but the installed console scripts and a job file written there.
 
