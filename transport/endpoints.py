@@ -59,7 +59,7 @@ def no_answer(endpoint: str, timeout_s: float, *, who: str, connected: bool) -> 
     "ctl") within `timeout_s`; `connected`: whether a TCP connection was ever made there."""
     mine, other = READY_FIELD[who]
     if not connected:
-        return (f"could not connect to {endpoint} in {timeout_s:g} s: is the coordinator running? is this its "
-                f"host and the `{mine}=` port of its ready line? does a firewall block the port?")
-    return (f"connected to {endpoint} but no coordinator answered in {timeout_s:g} s: is this the `{mine}=` "
-            f"address of its ready line (not `{other}=`, nor another program's port)?")
+        return (f"no answer from {endpoint} in {timeout_s:g} s: no connection could be made (is the coordinator "
+                f"running? is this its host and the `{mine}=` port of its ready line? does a firewall block the port?)")
+    return (f"no answer from {endpoint} in {timeout_s:g} s, though a connection was made: is this the `{mine}=` "
+            f"address of the coordinator's ready line (not `{other}=`, nor another program's port)?")
