@@ -16,7 +16,8 @@
 #   and the socket is closed with linger 0, so ctl never hangs on exit.
 # - Exit status: 0 success; 1 the coordinator refused the command (ok=false, or an `Error` reply);
 #   2 usage error or no answer at all. `events --follow` ends with 0 on Ctrl-C, and with 0 plus a
-#   note when a coordinator that had answered stops answering (the job ended).
+#   note when a coordinator that had answered stops answering (the job ended), or closes the next
+#   connection mid-handshake (as one that is shutting down may).
 # - `--json` prints the reply's `data` exactly as the coordinator sent it (for `events --follow`,
 #   one event object a line), so scripts never parse the human tables.
 #
@@ -105,6 +106,10 @@ class Refused(Exception):
     """The coordinator answered, but not with ok=true."""
 
 
+class HandshakeRefused(Refused):
+    """The connection failed at the handshake (keys, or the peer closed it mid-handshake)."""
+
+
 # --- talking to the coordinator ------------------------------------------------------------------
 
 
@@ -160,7 +165,7 @@ class Client:
                     why = no_detail_failure(self.keys)  # ctl never got in: say what is likely wrong
                 if why is not None:
                     self._drop()
-                    raise Refused(why)
+                    raise HandshakeRefused(why)
         self._drop()
         hint = "" if self.keys is not None or not self.connected else \
             f" (if it uses keys, give --keys DIR or set ${KEYS_ENV})"
@@ -507,7 +512,7 @@ def cmd_events(client: Client, a: argparse.Namespace) -> int:
                     answered = True
                     for ev in events:
                         emit(ev)
-            except NoAnswer:
+            except (NoAnswer, HandshakeRefused):  # a coordinator that is going away may close mid-handshake
                 if not answered:
                     raise
                 print(f"ctl: the coordinator at {client.endpoint} stopped answering (the job is over, "

@@ -5,7 +5,9 @@
   to use, not only that their key was refused;
 - a --join / --control host that does not resolve fails at once (exit 2, "cannot resolve HOST");
 - a port where nothing listens, or where something listens that never answers, runs into the
-  timeout, and the message says which it was and what to check.
+  timeout, and the message says which it was and what to check;
+- `ctl events --follow` whose coordinator goes away ends with 0 and a note, also when the next
+  connection is closed mid-handshake (as by a coordinator shutting down), not with "refused".
 """
 
 from __future__ import annotations
@@ -14,10 +16,15 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
+import zmq
 from localjob import LocalJob
+
+from transport import ControlReply, ControlRequest, decode, encode
 
 ROOT = Path(__file__).resolve().parents[2]
 MLP_JOB = f"{ROOT / 'examples' / 'mlp.py'}:job"
@@ -100,3 +107,49 @@ def test_a_timeout_says_whether_anything_answered_and_what_to_check() -> None:
     assert nobody.returncode == 2 and f"no answer from {closed} in 1 s: no connection could be made" in nobody.stderr, nobody.stderr
     assert "`control=` port" in nobody.stderr, nobody.stderr
     assert quiet.returncode == 2 and f"no answer from {mute} in 1 s, though a connection was made" in quiet.stderr, quiet.stderr
+
+
+def test_follow_ends_cleanly_when_the_coordinator_closes_mid_handshake() -> None:
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)  # plays the coordinator for one answer, then goes away
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    follow = subprocess.Popen([sys.executable, "-m", "coordinator.ctl", "--control", f"tcp://127.0.0.1:{port}",
+                               "--timeout", "10", "--json", "events", "--follow"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=_env_without_keys(), start_new_session=True)
+    closer = socket.socket()
+    try:
+        assert router.poll(60_000), "ctl sent no request"
+        identity, frame = router.recv_multipart()
+        assert isinstance(decode(frame), ControlRequest)
+        router.send_multipart([identity, encode(ControlReply(ok=True, data={"events": [{"kind": "joined", "ts": 1.0}],
+                                                                             "next": 1}, error=""))])
+        time.sleep(0.2)  # (the reply is on its way; ctl asks again every 0.2 s)
+        router.close(linger=0)
+        closer.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        for _ in range(100):  # zmq closes its listener in its own thread, soon after close()
+            try:
+                closer.bind(("127.0.0.1", port))  # accepts the next connections and closes them at once
+                break
+            except OSError:
+                time.sleep(0.05)
+        closer.listen()
+
+        def close_all() -> None:
+            while True:
+                try:
+                    conn, _ = closer.accept()
+                except OSError:
+                    return
+                conn.close()
+
+        threading.Thread(target=close_all, daemon=True).start()
+        out, err = follow.communicate(timeout=60)
+    finally:
+        if follow.poll() is None:
+            follow.kill()
+            follow.communicate()
+        closer.close()
+        router.close(linger=0)
+        ctx.term()
+    assert follow.returncode == 0 and "stopped answering" in err, err
+    assert '"joined"' in out
