@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean
+.PHONY: demo test install wheel-check clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,11 @@ test: $(STAMP)
 	$(BIN)/mypy plan transport coordinator worker scripts/localjob.py scripts/bench_planner.py scripts/bench_planner_solve.py scripts/bench_planner_quality.py scripts/bench_planner_latency.py scripts/fuzzer.py scripts/bench_control.py scripts/bench_planner_stability.py scripts/record_steps.py scripts/demo.py scripts/bench_recipe.py scripts/bench_parallel.py scripts/_torchrun_fsdp.py scripts/bench_faults.py scripts/bench_copy_update.py
 	$(BIN)/python -m pytest -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: the suite is broken"; exit 1; fi; exit $$rc
+
+# What `pip install .` gives a user (make test runs it too): build the wheel, install it in a fresh
+# venv, run a two-worker job with the installed console scripts from outside the checkout.
+wheel-check: $(STAMP)
+	$(BIN)/python -m pytest -q tests/system/test_wheel.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache

@@ -16,7 +16,8 @@
 #   and the socket is closed with linger 0, so ctl never hangs on exit.
 # - Exit status: 0 success; 1 the coordinator refused the command (ok=false, or an `Error` reply);
 #   2 usage error or no answer at all. `events --follow` ends with 0 on Ctrl-C, and with 0 plus a
-#   note when a coordinator that had answered stops answering (the job ended).
+#   note when a coordinator that had answered stops answering (the job ended), or closes the next
+#   connection mid-handshake (as one that is shutting down may).
 # - `--json` prints the reply's `data` exactly as the coordinator sent it (for `events --follow`,
 #   one event object a line), so scripts never parse the human tables.
 #
@@ -38,6 +39,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from coordinator import report
 from transport import CodecError, ControlReply, ControlRequest, Error, decode, encode
+from transport.endpoints import EndpointError, check_connect_endpoint, no_answer
 from transport.security import (
     HANDSHAKE_EVENTS,
     KEYS_ENV,
@@ -104,6 +106,10 @@ class Refused(Exception):
     """The coordinator answered, but not with ok=true."""
 
 
+class HandshakeRefused(Refused):
+    """The connection failed at the handshake (keys, or the peer closed it mid-handshake)."""
+
+
 # --- talking to the coordinator ------------------------------------------------------------------
 
 
@@ -118,13 +124,14 @@ class Client:
         self.ctx = zmq.Context()
         self.sock: zmq.Socket[bytes] | None = None
         self.monitor: zmq.Socket[bytes] | None = None
+        self.connected = False  # a TCP connection to the endpoint was made (what a timeout says)
 
     def _connect(self) -> zmq.Socket[bytes]:
         if self.sock is None:
             self.sock = self.ctx.socket(zmq.DEALER)
             self.sock.setsockopt(zmq.LINGER, 0)
             harden_client(self.sock, max_bytes=64 << 20, keys=self.keys)
-            self.monitor = self.sock.get_monitor_socket(HANDSHAKE_EVENTS)
+            self.monitor = self.sock.get_monitor_socket(HANDSHAKE_EVENTS | zmq.EVENT_CONNECTED)
             self.sock.connect(self.endpoint)
         return self.sock
 
@@ -150,16 +157,19 @@ class Client:
             if self.monitor in ready:
                 event = recv_monitor_message(self.monitor)
                 kind = int(event["event"])
-                why = handshake_failure(kind, int(event["value"]), self.keys, who="ctl")
+                if kind == zmq.EVENT_CONNECTED:
+                    self.connected = True
+                    continue
+                why = handshake_failure(kind, int(event["value"]), self.keys, who="ctl", endpoint=self.endpoint)
                 if why is None and kind != zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     why = no_detail_failure(self.keys)  # ctl never got in: say what is likely wrong
                 if why is not None:
                     self._drop()
-                    raise Refused(why)
+                    raise HandshakeRefused(why)
         self._drop()
-        hint = "" if self.keys is not None else f"; if it uses keys, give --keys DIR or set ${KEYS_ENV}"
-        raise NoAnswer(f"no answer from the coordinator at {self.endpoint} within {self.timeout_s:g} s "
-                       f"(is it running? is this the control endpoint from its ready line?{hint})")
+        hint = "" if self.keys is not None or not self.connected else \
+            f" (if it uses keys, give --keys DIR or set ${KEYS_ENV})"
+        raise NoAnswer(no_answer(self.endpoint, self.timeout_s, who="ctl", connected=self.connected) + hint)
 
     def request(self, command: str, *args: str) -> dict[str, Any]:
         sock = self._connect()
@@ -488,7 +498,7 @@ def cmd_events(client: Client, a: argparse.Namespace) -> int:
                     answered = True
                     for ev in events:
                         emit(ev)
-            except NoAnswer:
+            except (NoAnswer, HandshakeRefused):  # a coordinator that is going away may close mid-handshake
                 if not answered:
                     raise
                 print(f"ctl: the coordinator at {client.endpoint} stopped answering (the job is over, "
@@ -618,6 +628,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         a.control = None
     elif not a.control.startswith(("tcp://", "ipc://")):
         p.error(f"--control wants tcp://HOST:PORT, got {a.control!r}")
+    else:
+        try:  # at once, rather than a silent wait for --timeout
+            check_connect_endpoint(a.control)
+        except EndpointError as e:
+            p.error(f"--control: {e}")
     if a.timeout <= 0:
         p.error("--timeout must be positive")
     if getattr(a, "since", 0) < 0:

@@ -17,13 +17,13 @@ import dataclasses
 import functools
 import math
 import os
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from worker.job import Job
+from worker import Job, warmup_cosine
 
 CORPUS_CHARS = 2_000_000
 
@@ -169,20 +169,6 @@ class HeldOut(CharDataset):
 
     def __getitem__(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return super().__getitem__(self._starts[torch.as_tensor(ids)])
-
-
-def warmup_cosine(warmup: int, total: int, floor: float = 0.1) -> Callable[[int], float]:
-    """The usual recipe: the learning rate rises linearly over `warmup` steps, then follows a cosine
-    from the full rate down to `floor` of it at step `total`. A pure function of the step, so every
-    worker (a joiner, a survivor) uses the rate an undisturbed run uses."""
-
-    def multiplier(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return multiplier
 
 
 def _make_job(

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from worker.job import Job
+from worker import Job
 
 NUM_SAMPLES = 4096
 NUM_INPUTS = 32

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from worker.job import Job
+from worker import Job
 
 
 class Paced(nn.Module):

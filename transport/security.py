@@ -41,6 +41,8 @@ import zmq.auth
 import zmq.utils.z85
 from zmq.auth.thread import ThreadAuthenticator
 
+from transport.endpoints import READY_FIELD
+
 KEYS_ENV = "ADAPTRAIN_KEYS"
 ROLE_WORKER = "worker"
 ROLE_CTL = "ctl"
@@ -214,13 +216,26 @@ HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_A
 _MECHANISM_MISMATCH = 0x11000002  # ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
 
 
-def handshake_failure(event: int, value: int, keys: ClientKeys | None, *, who: str) -> str | None:
-    """A sentence for a person when a client's handshake with the coordinator failed for a reason
-    that retrying cannot fix; None for success and for transient failures (counted by the caller)."""
+def handshake_failure(event: int, value: int, keys: ClientKeys | None, *, who: str,
+                      endpoint: str | None = None) -> str | None:
+    """A sentence for a person when a client's handshake with the coordinator at `endpoint` failed for
+    a reason that retrying cannot fix; None for success and for transient failures (counted by the
+    caller). `who` is "worker" or "ctl".
+
+    A refused key has two likely causes that look the same from here: the coordinator's other socket
+    (each admits one role's keys: a worker key at the control endpoint is refused like a forged one),
+    or a key from another `keygen` directory. The sentence names both, the port first: it is the
+    common slip, since the ready line prints two addresses."""
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         where = f" ({keys.path})" if keys is not None else ""
-        return (f"the coordinator refused this {who}'s key{where}: it was not made by the `coordinator keygen` "
-                "the coordinator runs with, or is not a key of this role")
+        at = f" at {endpoint}" if endpoint else ""
+        mine, other = READY_FIELD.get(who, (None, None))
+        keygen = f"the key was not made by the `coordinator keygen` the coordinator runs with (or is not a {who} key)"
+        if mine is None:
+            return f"the coordinator{at} refused this {who}'s key{where}: {keygen}"
+        return (f"the coordinator{at} refused this {who}'s key{where}: either {endpoint or 'this address'} is the "
+                f"coordinator's {other} endpoint, not its {mine} endpoint (use the `{mine}=` address of its ready "
+                f"line), or {keygen}")
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
         if value == _MECHANISM_MISMATCH:
             if keys is None:

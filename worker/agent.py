@@ -18,7 +18,10 @@ new coordinator has logged (the last REPORTS_KEPT are kept), so the event log ha
 The socket is a DEALER with CURVE keys (unless the coordinator runs --insecure). The coordinator
 binds the worker's name to this connection at Join, so the agent keeps one socket for its life.
 The agent watches its socket's handshakes: a coordinator that refuses its key, wants keys it does
-not have, or runs without keys it was given is a `FatalError` with a sentence saying which. An
+not have, or runs without keys it was given is a `FatalError` with a sentence saying which; so is an
+answer from the coordinator's control socket (a ControlReply: --join was given the `control=`
+address). The monitor also reports TCP connections, so a join that times out says whether nothing
+could be reached there or something answered that is not a coordinator's workers socket. An
 `ERR_BUSY` answer to a Join (too many workers joining at once) is retried after JOIN_RETRY_S.
 
 The loop sleeps in one poll of the socket, its handshake monitor and a pipe the trainer's sends
@@ -53,6 +56,7 @@ from transport import (
     Abort,
     CheckpointNow,
     CodecError,
+    ControlReply,
     Error,
     Heartbeat,
     Join,
@@ -68,6 +72,7 @@ from transport import (
     decode,
     encode,
 )
+from transport.endpoints import no_answer
 from transport.security import HANDSHAKE_EVENTS, ClientKeys, handshake_failure, harden_client, no_detail_failure
 from worker.calibrate import Calibration
 
@@ -106,6 +111,7 @@ class Agent:
         self.keys = keys
         self._ignored = 0  # frames from the coordinator that could not be used
         self._handshaken = False  # a handshake with the coordinator succeeded at least once
+        self._connected = False  # a TCP connection to the endpoint was made at least once (what a timeout says)
         self._failing_since: float | None = None  # first failed handshake before any success
         self.name = name
         self.calibration = calibration
@@ -177,7 +183,7 @@ class Agent:
                 self._raise_fatal()
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"no answer from the coordinator at {self.endpoint} in {timeout_s:.0f} s")
+                    raise TimeoutError(no_answer(self.endpoint, timeout_s, who="worker", connected=self._connected))
                 self._cond.wait(min(left, 0.1))
             return self._box.welcome
 
@@ -262,7 +268,7 @@ class Agent:
         sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 1000)
         harden_client(sock, max_bytes=MAX_FRAME_BYTES + 4096, keys=self.keys)
-        monitor = sock.get_monitor_socket(HANDSHAKE_EVENTS)
+        monitor = sock.get_monitor_socket(HANDSHAKE_EVENTS | zmq.EVENT_CONNECTED)
         sock.connect(self.endpoint)
         try:
             self._loop(sock, monitor)
@@ -280,10 +286,13 @@ class Agent:
         while monitor.poll(0):
             event = recv_monitor_message(monitor)
             kind, value = int(event["event"]), int(event["value"])
+            if kind == zmq.EVENT_CONNECTED:
+                self._connected = True
+                continue
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._handshaken, self._failing_since = True, None
                 continue
-            why = why or handshake_failure(kind, value, self.keys, who="worker")
+            why = why or handshake_failure(kind, value, self.keys, who="worker", endpoint=self.endpoint)
             if not self._handshaken and self._failing_since is None:
                 self._failing_since = time.monotonic()
         if why is None and self._failing_since is not None and time.monotonic() - self._failing_since > NO_DETAIL_GRACE_S:
@@ -419,6 +428,9 @@ class Agent:
                 case Error(code=code, message=text) if code == ERR_BUSY and box.welcome is None:
                     self._log(f"the coordinator is busy ({text}); joining again in {JOIN_RETRY_S:g} s")
                     box.retry_join_at = time.monotonic() + JOIN_RETRY_S
+                case ControlReply() if box.welcome is None:  # only the control socket sends these
+                    box.fatal = (f"{self.endpoint} is the coordinator's control endpoint, not its workers endpoint: "
+                                 "use the `workers=` address of its ready line")
                 case Error(code=code, message=text):
                     if box.welcome is None:
                         box.fatal = f"the coordinator refused this worker: {text}"

@@ -20,6 +20,7 @@ from types import FrameType
 from typing import Any
 
 from transport import PROTOCOL_VERSION, GraphUpload, Leave, check_name
+from transport.endpoints import EndpointError, check_connect_endpoint
 from transport.security import KEYS_ENV, ROLE_WORKER, ClientKeys, KeysError, keys_dir, load_client_keys
 
 PAUSE_PHASES = ("forward", "backward", "exchange", "vote", "optimizer", "abandon", "reshard")
@@ -95,10 +96,15 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
     p.add_argument("--group-timeout", type=float, default=60.0, metavar="S",
                    help="torch.distributed timeout of each epoch's group (failures are detected long before)")
     p.add_argument("--connect-timeout", type=float, default=60.0, metavar="S",
-                   help="give up if the coordinator does not answer within S seconds")
+                   help="give up if the coordinator does not answer within S seconds (default 60; a host name "
+                        "that does not resolve fails at once)")
     a = p.parse_args(argv)
     if not a.join.startswith(("tcp://", "ipc://")):
         p.error(f"--join wants tcp://HOST:PORT, got {a.join!r}")
+    try:  # now, not after --connect-timeout: zmq would retry a name that never resolves in silence
+        check_connect_endpoint(a.join)
+    except EndpointError as e:
+        p.error(f"--join: {e}")
     if a.threads < 1:
         p.error("--threads must be at least 1")
     if a.memory_limit is not None and a.memory_limit <= 0:

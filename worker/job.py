@@ -35,6 +35,7 @@ __all__ = [
     "resolve_job_ref",
     "sample_ids",
     "share_slice",
+    "small_dataset_warning",
 ]
 
 
@@ -289,6 +290,9 @@ def load_job(source: str, name: str, filename: str = "<job>") -> Job:
                 f"got {type(job).__module__}.{type(job).__qualname__}"
             )
         loaded = True
+        warning = small_dataset_warning(job)
+        if warning is not None:
+            print(f"warning: job file {filename}: {warning}", file=sys.stderr, flush=True)
         return job
     finally:
         if not loaded:
@@ -303,6 +307,21 @@ def _line_in(exc: BaseException, filename: str) -> str:
             line = tb.tb_lineno
         tb = tb.tb_next
     return f" at line {line}" if line else ""
+
+
+def small_dataset_warning(job: Job) -> str | None:
+    """A sentence when the dataset holds fewer samples than a step draws (`global_batch`), None
+    otherwise, also when `len` raises (`inspect_job` refuses such a job at the coordinator's start).
+    Such a job is legal, but every step then repeats samples, which a user rarely means; `load_job`
+    prints it, so each worker's log says it once."""
+    try:
+        size = len(job.dataset)
+    except Exception:  # noqa: BLE001 (the user's dataset; its own error comes later, with context)
+        return None
+    if not 0 < size < job.global_batch:
+        return None
+    return (f"the dataset has {size} samples, fewer than global_batch {job.global_batch}: each step draws "
+            f"{job.global_batch} sample ids uniformly with replacement, so every step repeats samples")
 
 
 def sample_ids(seed: int, step: int, dataset_len: int, global_batch: int) -> torch.Tensor:
