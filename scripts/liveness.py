@@ -73,8 +73,8 @@ def problems(events: list[dict[str, Any]], logs: Mapping[str, str] | None = None
                            f"{step['ts'] - e['ts']:.2f} s later (bound {RECOVERY_BOUND_S} s + 2 steps)")
         elif e["kind"] == "straggler":
             window = committed_after(i)[:STRAGGLER_STEPS]
-            until = window[-1]["ts"] if len(window) == STRAGGLER_STEPS else float("inf")
-            answered = any(x["kind"] in ("plan", "kept") and x["ts"] <= until for x in later)
+            deadline = float(window[-1]["ts"]) if len(window) == STRAGGLER_STEPS else float("inf")
+            answered = any(x["kind"] in ("plan", "kept") and x["ts"] <= deadline for x in later)
             if not answered and not (finished and len(window) < STRAGGLER_STEPS):
                 out.append(f"{e['worker']} was found a straggler at {e['ts']:.3f} and got neither a plan nor "
                            f"a kept event within {STRAGGLER_STEPS} steps")
