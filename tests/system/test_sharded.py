@@ -79,7 +79,8 @@ def test_a_sharded_job_is_exact_through_a_join_and_a_drain(tmp_path: Path) -> No
         for plan in _plans(job):
             layout = plan["layout"]
             assert (layout["dp_replicate"], layout["dp_shard"]) == (1, len(layout["members"])), layout
-        assert "w1" not in drained["layout"]["members"]  # (under load the planner may bench w2 too)
+        left = [e for e in events if e["kind"] == "left" and e["worker"] == "w1"]
+        assert [e["reason"] for e in left] == ["drained"], left  # planned out, then gone, with no failure
         reshards = {e["epoch"]: e for e in events if e["kind"] == "reshard"}
         assert reshards[joined["epoch"]]["bytes"] > 0, "the newcomer received its slices"
         assert 0 < reshards[joined["epoch"]]["largest_sender_bytes"] <= reshards[joined["epoch"]]["bytes"]
@@ -365,11 +366,13 @@ def test_a_stopped_hsdp_member_releases_its_replica_from_the_all_reduce(tmp_path
         failed = job.wait_event(lambda e: e["kind"] == "failed", 30, "failed")
         assert failed["worker"] == "w4"
         plan = job.wait_event(lambda e: e["kind"] == "plan" and e["reason"] == "failure", 10, "failure plan")
-        first = job.wait_event(lambda e: e["kind"] == "step" and e["epoch"] == plan["epoch"], 40, "a step without w4")
-        assert first["ts"] - failed["ts"] < 20, (first["ts"] - failed["ts"], job.tail("w2"))
+        job.wait_event(lambda e: e["kind"] == "step" and e["epoch"] == plan["epoch"], 40, "a step without w4")
         job.signal("w4", signal.SIGCONT)
         exits = job.wait_workers(300)
         assert exits == {"w1": 0, "w2": 0, "w3": 0, "w4": 0}, job.tails(exits)
+        # The survivors were released from the stopped peer's collectives (no group timeout sat out),
+        # within the liveness bound, and w4 came back: fenced, planned in again.
+        assert job.liveness() == [], job.liveness()
         events = job.events()
         assert not [e for e in events if e["kind"] == "state_lost"]
         _assert_exact(events, reference)

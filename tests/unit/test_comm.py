@@ -76,16 +76,14 @@ def _short_groups(prefix: str, timeout_s: float) -> list[dist.ProcessGroup]:
 def test_ops_given_up_unwaited_do_not_block_whoever_drops_them(left_behind: bool) -> None:
     """A step given up in its compute (a join that abandons it) has gradient buckets out that its
     peer, which gave up earlier, never joins. Dropping the group then blocks until the op's timeout
-    (measured: 5.2 s against a 5 s timeout) unless `outlive` keeps it in the background."""
+    unless `outlive` keeps it in the background."""
     pg0, pg1 = _short_groups(f"outlive-{left_behind}/", 3.0)
     work = pg0.allreduce([torch.ones(1000)])  # rank 1 never joins in
-    t0 = time.perf_counter()
     if left_behind:
         comm.outlive(pg0, [(work, None)])
-    del work, pg0
-    dropped_s = time.perf_counter() - t0
+    del pg0  # (the test keeps the work only to look at it: it does not keep the group alive)
     if left_behind:
-        assert dropped_s < 1.0, f"dropping took {dropped_s:.2f} s"
+        assert not work.is_completed(), "the drop returned at once, the op still pending"
     else:  # (the hazard itself, so that this test shows what it guards against)
-        assert dropped_s > 2.0, f"dropping took {dropped_s:.2f} s"
-    del pg1
+        assert work.is_completed(), "the drop waited for the op to end at its timeout"
+    del work, pg1
