@@ -67,6 +67,8 @@ from plan.prediction import repredict
 from transport import (ERR_NAME_TAKEN, ERR_STALE_EPOCH, PLANNED_EXITS, Abort, Ack, Checkpointed, CheckpointNow, Error,
                        Join, ResumeFailed, SaveModel, Slowdown, StepReport, Stop)
 
+LOADING_LEASE_S = 30.0  # the lease of a worker that joined and is not ready yet (loading the job)
+
 __all__ = ["Acked", "Checkpoint", "CheckpointRequested", "CheckpointWritten", "ResumeFailedReported", "Config", "DrainRequested", "Effect", "Evaluated", "Event", "Finished", "FollowUp",
            "GraphReceived", "Joined", "Left", "Log", "Lost", "MadeReady", "ModelSaved", "Planned", "ReplanDue",
            "Result", "SaveRequested", "Seen", "Send", "SlowdownRequested", "State", "StateLostReported", "StepDone",
@@ -126,8 +128,12 @@ def apply(state: State, event: Event, config: Config, *, now: float) -> Result:
             for w in list(state.workers.values()):
                 late = (w.leaving is not None and now - w.leaving_since > config.drain_deadline_s
                         and state.in_play(w.name))  # (planned out and switched: it is only exiting)
-                if now - w.last_seen > config.lease_s or late:
-                    if late and now - w.last_seen <= config.lease_s:
+                # A worker still loading the job (importing its libraries, building the model) holds
+                # no state and is in no plan: its heartbeats may stall behind a native import, and a
+                # failure then would only make it join again. It gets LOADING_LEASE_S.
+                lease = config.lease_s if w.ready or state.in_play(w.name) else max(config.lease_s, LOADING_LEASE_S)
+                if now - w.last_seen > lease or late:
+                    if late and now - w.last_seen <= lease:
                         # It could not hand its state over in time (a spot notice gives ~30 s): it
                         # is let go as if it had failed, and its part comes from the redundancy.
                         effects += [Log("drain_deadline", {"worker": w.name, "reason": w.leaving,

@@ -976,3 +976,24 @@ def test_the_migration_fit_never_learns_from_a_failures_entry() -> None:
     for name, seconds in (("a", 0.01), ("b", 60.0)):
         sim(m.Acked(Ack(name=name, epoch=d.epoch, step=0, reshard_bytes=1000, reshard_s=seconds)))
     assert not sim.state.pending and sim.state.cluster.migration == before
+
+
+def test_a_worker_still_loading_the_job_is_not_failed_for_a_stalled_heartbeat() -> None:
+    """Joined, not ready yet (importing its libraries): its heartbeats may stall behind a native
+    import for seconds. It holds nothing and is in no plan, so only LOADING_LEASE_S fails it; once
+    ready, the lease is the usual one."""
+    sim = Sim()
+    sim.join("a")
+    sim.ack_all()
+    sim.join("b", ready=False)
+
+    def wait(seconds: float) -> list[m.Effect]:  # a heartbeats, b is silent; the coordinator ticks
+        effects: list[m.Effect] = []
+        for _ in range(int(seconds / 0.25)):
+            sim.now += 0.25
+            effects += sim(m.Seen("a", epoch=sim.state.epoch, step=0)) + sim(m.Tick())
+        return effects
+
+    assert not logs(wait(LEASE_S * 5), "failed") and "b" in sim.state.workers
+    failed = logs(wait(m.LOADING_LEASE_S), "failed")
+    assert [(f["worker"], f["detected_by"]) for f in failed] == [("b", "lease")]
