@@ -9,9 +9,10 @@ schedule can produce:
   join-first  start w4 at a drawn step and SIGKILL w2 as soon as w4's plan appears (the join's
               epoch being entered) or after one or two of its steps;
 
-and slow w3 down 3x a few steps after both (once w4 is planned in). The steps come from a seeded RNG
-(`--seed`): the first fault's step differs from run to run. Per run, from the events and the workers'
-logs:
+and slow w3 down 3x 10-14 steps into the epoch that follows both (w4 planned in, w2's failure
+re-planned), once that epoch's speed baseline is measured, as in the demo. The steps come from a
+seeded RNG (`--seed`): the first fault's step differs from run to run. Per run, from the events and
+the workers' logs:
 
   recovery   SIGKILL -> the first committed step of the failure plan's epoch or later (training
              again); a stall when over 2 s. Also in the JSON: kill -> `failed`, `failed` -> step.
@@ -27,7 +28,7 @@ run that failed to finish (a frozen planner). The exit status is 1 when one is m
     python scripts/soak.py --runs 20                  # 20 runs per layout, 40 in all
     python scripts/soak.py --runs 2 --layout dp=1     # a quick look at the sharded layout
 
-A run takes about a minute on a 2-core machine (150 steps of examples/gpt.py:job_soak, four workers
+A run takes about a minute on a 2-core machine (180 steps of examples/gpt.py:job_soak, four workers
 sharing the cores), plus one reference run per layout. Prints a progress line per run and one table;
 writes every run's details to --out (bench-out/soak.json). Each run's logs and events go to a
 temporary directory, kept (and named) only when the run missed a goal, or all of them with --keep.
@@ -73,11 +74,11 @@ def _planned(events: list[Event], worker: str) -> Event | None:
 def schedule(rng: random.Random, runs: int, num_steps: int) -> list[dict[str, Any]]:
     """Each run's order, first fault's step (distinct while the range lasts), the other's offset and
     the slowdown's delay."""
-    lo, hi = max(3, num_steps // 12), max(4, num_steps // 3)
+    lo, hi = max(3, num_steps // 20), max(4, num_steps // 6)
     firsts = rng.sample(range(lo, hi + 1), hi - lo + 1)
     return [{"order": "kill-first" if k % 2 == 0 else "join-first", "first_at": firsts[k % len(firsts)],
-             "gap": rng.randint(3, max(4, num_steps // 10)) if k % 2 == 0 else rng.randint(0, 2),
-             "slow_after": rng.randint(3, 8)} for k in range(runs)]
+             "gap": rng.randint(3, max(4, num_steps // 12)) if k % 2 == 0 else rng.randint(0, 2),
+             "slow_after": rng.randint(10, 14)} for k in range(runs)]
 
 
 def drive(job: LocalJob, d: dict[str, Any], timeout_s: float) -> dict[str, Any]:
@@ -88,6 +89,7 @@ def drive(job: LocalJob, d: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     at: dict[str, int] = {}  # kill / join / slow -> the last committed step when it was issued
     ts: dict[str, float] = {}
     notes: list[str] = []
+    settled: int | None = None  # the first step of the epoch that followed both faults
     deadline = time.monotonic() + timeout_s
 
     def act(what: str, last: int) -> None:
@@ -125,8 +127,16 @@ def drive(job: LocalJob, d: dict[str, Any], timeout_s: float) -> dict[str, Any]:
                 elif time.time() - ts["join"] > 120:
                     notes.append("w4 not planned 120 s after its start: w2 killed anyway")
                     act("kill", last)
-        if "kill" in at and w4 is not None and "slow" not in at and last >= max(at["kill"], at["join"]) + d["slow_after"]:
-            act("slow", last)
+        if "kill" in at and w4 is not None and "slow" not in at:
+            failed = _find(events, "failed", "w2")
+            replanned = failed is not None and any(e["kind"] == "plan" for e in events[events.index(failed):])
+            if settled is None and replanned:
+                # Both faults planned: count from the newest epoch's first step, so the slowdown lands
+                # after its baseline is measured (coordinator/steps.py), as the demo's does.
+                newest = max(e["epoch"] for e in events if e["kind"] == "plan")
+                settled = next((e["step"] for e in events if e["kind"] == "step" and e["epoch"] >= newest), None)
+            if settled is not None and last >= settled + d["slow_after"]:
+                act("slow", last)
         time.sleep(POLL_S)
     return {"at": at, "ts": ts, "notes": notes, "coordinator_exit": job.wait_coordinator(30),
             "worker_exits": job.wait_workers(60)}
@@ -237,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layout", action="append", metavar="SPEC",
                    help="coordinator --layout of the runs; repeat for several (default: fsdp=1 and dp=1)")
     p.add_argument("--job", default=f"{ROOT / 'examples' / 'gpt.py'}:job_soak",
-                   help="job to train (default examples/gpt.py:job_soak, 150 steps)")
+                   help="job to train (default examples/gpt.py:job_soak, 180 steps)")
     p.add_argument("--seed", type=int, default=0, help="seeds each run's fault steps (default 0)")
     p.add_argument("--run-timeout", type=float, default=600.0, help="give a run up after S s (default 600)")
     p.add_argument("--out", type=Path, default=Path("bench-out/soak.json"), help="JSON results (default %(default)s)")
