@@ -18,6 +18,7 @@ the workers' logs:
              again); a stall when over 2 s. Also in the JSON: kill -> `failed`, `failed` -> step.
   joins      every `joined` worker later planned in, put on standby with a reason, or gone.
   stragglers every `straggler` followed by a `plan` or `kept`; and the slowdown found at all.
+             (Neither is owed in the job's last steps: liveness.py's grace.)
   steps      every step of the job committed exactly once (lost, doubled).
   loss gap   the largest relative difference from the reference run's loss, step by step.
   liveness   scripts/liveness.py's problems(events, logs): any problem counts against the run.
@@ -52,11 +53,12 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from liveness import JOIN_GRACE_STEPS, STRAGGLER_STEPS  # noqa: E402
 from localjob import LocalJob  # noqa: E402
 
 Event = dict[str, Any]
 STALL_S = 2.0
-SLOW_ROOM_STEPS = 40  # steps a slowdown needs before the end: found in ~5, answered within liveness's 30
+SLOW_ROOM_STEPS = STRAGGLER_STEPS + 10  # steps a slowdown needs before the end: found in ~5, then answered
 POLL_S = 0.02  # the join-first kill lands on w4's plan: poll the event log often
 
 
@@ -160,12 +162,16 @@ def analyse(job: LocalJob, run: dict[str, Any], reference: dict[int, float], num
             out["recovery_s"], out["failed_to_step_s"] = step["ts"] - t_kill, step["ts"] - failed["ts"]
         out["w2_was_member"] = "w2" in members
         out["stall"] = "w2" in members and (out["recovery_s"] is None or out["recovery_s"] > STALL_S)
+    def due(e: Event, grace: int) -> bool:  # liveness.py's rule: not owed an answer in the job's last steps
+        return sum(1 for x in events[events.index(e):] if x["kind"] == "step") >= grace
+
     joined = [e for e in events if e["kind"] == "joined"]
-    out["joins_never_planned"] = [e["worker"] for e in joined if not _planned(events[events.index(e) + 1:], e["worker"])]
+    out["joins_never_planned"] = [e["worker"] for e in joined if due(e, JOIN_GRACE_STEPS)
+                                  and not _planned(events[events.index(e) + 1:], e["worker"])]
     stragglers = [e for e in events if e["kind"] == "straggler"]
     out["stragglers"] = [f"{e['worker']}@{e['step']}" for e in stragglers]
-    out["stragglers_never_handled"] = [f"{e['worker']}@{e['step']}" for e in stragglers if not any(
-        x["kind"] in ("plan", "kept") for x in events[events.index(e) + 1:])]
+    out["stragglers_never_handled"] = [f"{e['worker']}@{e['step']}" for e in stragglers if due(e, STRAGGLER_STEPS)
+                                       and not any(x["kind"] in ("plan", "kept") for x in events[events.index(e) + 1:])]
     slow_step = run["at"].get("slow")
     out["slowdown_found"] = slow_step is not None and any(e["worker"] == "w3" and e["step"] > slow_step for e in stragglers)
     if slow_step is not None and not out["slowdown_found"] and num_steps - slow_step >= SLOW_ROOM_STEPS:
