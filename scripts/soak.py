@@ -111,7 +111,9 @@ def drive(job: LocalJob, d: dict[str, Any], timeout_s: float) -> dict[str, Any]:
             raise TimeoutError(f"the job did not end within {timeout_s:.0f} s")
         events = job.events()
         last = max((e["step"] for e in events if e["kind"] == "step"), default=0)
-        w4 = _planned(events, "w4") if "join" in at else None
+        # w4's first plan, or its standby (a joiner that fails its lease while loading joins again)
+        w4 = next((e for e in events if (e["kind"] == "plan" and e.get("layout") and "w4" in e["layout"]["members"])
+                   or (e["kind"] == "standby" and e.get("worker") == "w4")), None) if "join" in at else None
         if d["order"] == "kill-first":
             if "kill" not in at and last >= d["first_at"]:
                 act("kill", last)
@@ -121,16 +123,17 @@ def drive(job: LocalJob, d: dict[str, Any], timeout_s: float) -> dict[str, Any]:
             if "join" not in at and last >= d["first_at"]:
                 act("join", last)
             if "join" in at and "kill" not in at:
-                entered = sum(e["kind"] == "step" and e["epoch"] >= w4["epoch"] for e in events) \
+                entered = sum(1 for e in events if e["kind"] == "step" and e["epoch"] >= w4["epoch"]) \
                     if w4 is not None and w4["kind"] == "plan" else 0
-                if w4 is not None and entered >= d["gap"]:
+                if w4 is not None and (entered >= d["gap"] or w4["kind"] == "standby"):
                     act("kill", last)
-                    notes.append(f"w2 killed after {entered} committed steps of w4's epoch")
+                    notes.append(f"w2 killed after {entered} committed steps of w4's epoch" if w4["kind"] == "plan"
+                                 else "w4 on standby: w2 killed at once")
                 elif time.time() - ts["join"] > 120:
                     notes.append("w4 not planned 120 s after its start: w2 killed anyway")
                     act("kill", last)
         if "kill" in at and w4 is not None and "slow" not in at:
-            failed = _find(events, "failed", "w2")
+            failed = _find(events, "failed", "w2", ts["kill"])
             replanned = failed is not None and any(e["kind"] == "plan" for e in events[events.index(failed):])
             if settled is None and replanned:
                 # Both faults planned: count from the newest epoch's first step, so the slowdown lands
@@ -149,7 +152,7 @@ def analyse(job: LocalJob, run: dict[str, Any], reference: dict[int, float], num
     events = job.events()
     t_kill = run["ts"].get("kill", float("inf"))
     out: dict[str, Any] = {"recovery_s": None, "detect_s": None, "failed_to_step_s": None, "stall": False}
-    failed = _find(events, "failed", "w2", t_kill - 1)
+    failed = _find(events, "failed", "w2", t_kill)
     if "kill" in run["at"]:
         i = events.index(failed) if failed else len(events)
         members = next((set(e["layout"]["members"]) for e in reversed(events[:i])
