@@ -15,9 +15,11 @@ seeded RNG (`--seed`): the first fault's step differs from run to run. Per run, 
 the workers' logs:
 
   recovery   SIGKILL -> the first committed step of the failure plan's epoch or later (training
-             again); a stall when over 2 s. Also in the JSON: kill -> `failed`, `failed` -> step.
+             again); a stall when over 2 s plus one step (the run's median), the bound of the
+             design's liveness invariant. Also in the JSON: kill -> `failed`, `failed` -> step.
   joins      every `joined` worker later planned in, put on standby with a reason, or gone.
-  stragglers every `straggler` followed by a `plan` or `kept`; and the slowdown found at all.
+  stragglers every `straggler` followed by a `plan` or `kept`; and the slowdown found at all (a
+             `straggler` or `contention` event for w3).
              (Neither is owed in the job's last steps: liveness.py's grace.)
   steps      every step of the job committed exactly once (lost, doubled).
   loss gap   the largest relative difference from the reference run's loss, step by step.
@@ -57,7 +59,7 @@ from liveness import JOIN_GRACE_STEPS, STRAGGLER_STEPS  # noqa: E402
 from localjob import LocalJob  # noqa: E402
 
 Event = dict[str, Any]
-STALL_S = 2.0
+STALL_S = 2.0  # plus one step: the first committed step of the new epoch includes that step
 SLOW_ROOM_STEPS = STRAGGLER_STEPS + 10  # steps a slowdown needs before the end: found in ~5, then answered
 POLL_S = 0.02  # the join-first kill lands on w4's plan: poll the event log often
 
@@ -164,7 +166,9 @@ def analyse(job: LocalJob, run: dict[str, Any], reference: dict[int, float], num
         if step and failed:
             out["recovery_s"], out["failed_to_step_s"] = step["ts"] - t_kill, step["ts"] - failed["ts"]
         out["w2_was_member"] = "w2" in members
-        out["stall"] = "w2" in members and (out["recovery_s"] is None or out["recovery_s"] > STALL_S)
+        step_s = statistics.median(e["step_s"] for e in events if e["kind"] == "step")
+        out["stall_bound_s"] = STALL_S + step_s
+        out["stall"] = "w2" in members and (out["recovery_s"] is None or out["recovery_s"] > STALL_S + step_s)
     def due(e: Event, grace: int) -> bool:  # liveness.py's rule: not owed an answer in the job's last steps
         return sum(1 for x in events[events.index(e):] if x["kind"] == "step") >= grace
 
@@ -176,9 +180,11 @@ def analyse(job: LocalJob, run: dict[str, Any], reference: dict[int, float], num
     out["stragglers_never_handled"] = [f"{e['worker']}@{e['step']}" for e in stragglers if due(e, STRAGGLER_STEPS)
                                        and not any(x["kind"] in ("plan", "kept") for x in events[events.index(e) + 1:])]
     slow_step = run["at"].get("slow")
-    out["slowdown_found"] = slow_step is not None and any(e["worker"] == "w3" and e["step"] > slow_step for e in stragglers)
+    # Found: w3 named a straggler, or its whole host found busier (contention), after the slowdown.
+    out["slowdown_found"] = slow_step is not None and any(
+        e["kind"] in ("straggler", "contention") and e["worker"] == "w3" and e["step"] > slow_step for e in events)
     if slow_step is not None and not out["slowdown_found"] and num_steps - slow_step >= SLOW_ROOM_STEPS:
-        out["stragglers_never_handled"].append(f"w3 slowed at step {slow_step} and never found a straggler")
+        out["stragglers_never_handled"].append(f"w3 slowed at step {slow_step}: never found (no straggler or contention event)")
     counts = Counter(e["step"] for e in events if e["kind"] == "step")
     out["lost_steps"] = [s for s in range(1, num_steps + 1) if s not in counts]
     out["doubled_steps"] = sorted(s for s, n in counts.items() if n > 1)
