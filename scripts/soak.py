@@ -19,7 +19,7 @@ the workers' logs:
              design's liveness invariant. Also in the JSON: kill -> `failed`, `failed` -> step.
   joins      every `joined` worker later planned in, put on standby with a reason, or gone.
   stragglers every `straggler` followed by a `plan` or `kept`; and the slowdown found at all (a
-             `straggler` or `contention` event for w3).
+             `straggler` or `contention` event for w3) where w3 was a member when slowed.
              (Neither is owed in the job's last steps: liveness.py's grace.)
   steps      every step of the job committed exactly once (lost, doubled).
   loss gap   the largest relative difference from the reference run's loss, step by step.
@@ -181,9 +181,13 @@ def analyse(job: LocalJob, run: dict[str, Any], reference: dict[int, float], num
                                        and not any(x["kind"] in ("plan", "kept") for x in events[events.index(e) + 1:])]
     slow_step = run["at"].get("slow")
     # Found: w3 named a straggler, or its whole host found busier (contention), after the slowdown.
+    # Owed only where w3 trained then (the planner may have put it on standby before).
+    slowed = next((i for i, e in enumerate(events) if e["kind"] == "slowdown"), None)
+    out["w3_was_member"] = slowed is not None and "w3" in next(
+        (e["layout"]["members"] for e in reversed(events[:slowed]) if e["kind"] == "plan" and e.get("layout")), [])
     out["slowdown_found"] = slow_step is not None and any(
         e["kind"] in ("straggler", "contention") and e["worker"] == "w3" and e["step"] > slow_step for e in events)
-    if slow_step is not None and not out["slowdown_found"] and num_steps - slow_step >= SLOW_ROOM_STEPS:
+    if out["w3_was_member"] and not out["slowdown_found"] and num_steps - slow_step >= SLOW_ROOM_STEPS:
         out["stragglers_never_handled"].append(f"w3 slowed at step {slow_step}: never found (no straggler or contention event)")
     counts = Counter(e["step"] for e in events if e["kind"] == "step")
     out["lost_steps"] = [s for s in range(1, num_steps + 1) if s not in counts]
