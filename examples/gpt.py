@@ -226,6 +226,17 @@ def job_short() -> Job:
     )
 
 
+def job_soak() -> Job:
+    """The demo's GPT and recipe cut to 180 steps: scripts/soak.py repeats the demo's schedule (a kill,
+    a join, a slowdown) dozens of times, and 180 steps still leave room for all three (a joiner takes
+    ~50 steps to import torch and calibrate on a loaded 2-core machine) plus the straggler's handling
+    after the slowdown, while keeping a run near a minute."""
+    return _make_job(
+        n_layer=4, d_model=128, n_head=4, block=64, global_batch=16, num_steps=180, lr=1e-3,
+        description="char GPT, 4 layers x 128, 180 steps (soak)",
+    )
+
+
 def job_10m() -> Job:
     """About 10M parameters: big enough that layout and placement matter."""
     return _make_job(
