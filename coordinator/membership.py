@@ -68,7 +68,6 @@ from transport import (ERR_NAME_TAKEN, ERR_STALE_EPOCH, PLANNED_EXITS, Abort, Ac
                        Join, ResumeFailed, SaveModel, Slowdown, StepReport, Stop)
 
 LOADING_LEASE_S = 30.0  # the lease of a worker that joined and is not ready yet (loading the job)
-FAR_OFF = 2.0  # a measured plan's baseline this many times off its prediction is a speed change, not noise
 
 __all__ = ["Acked", "Checkpoint", "CheckpointRequested", "CheckpointWritten", "ResumeFailedReported", "Config", "DrainRequested", "Effect", "Evaluated", "Event", "Finished", "FollowUp",
            "GraphReceived", "Joined", "Left", "Log", "Lost", "MadeReady", "ModelSaved", "Planned", "ReplanDue",
@@ -283,13 +282,7 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
                     shards = state.plan.dp_shard if state.plan is not None and tracker.epoch == state.epoch else 1
                     f0, f1 = step_comm_features(state.graph, ranks, shards)
                     cluster = cluster.with_comm(f0, f1, comm_s, cross_host=cluster.spans_hosts(tracker.members))
-                case steps.SpeedChange(name=name, kind=kind, speed=speed, expected=expected, recent=recent,
-                                       factor=factor):
-                    if kind == "calibration" and calm and not state.calibrating and not 1 / FAR_OFF < factor < FAR_OFF:
-                        # Every member was measured when this plan was made, yet this baseline is far
-                        # off: the device changed speed as the epoch began (a slowdown, a neighbour),
-                        # and the baseline took the change in. A straggler (or a recovery), not noise.
-                        kind = "straggler" if factor > 1 else "recovered"
+                case steps.SpeedChange(name=name, kind=kind, speed=speed, expected=expected, recent=recent):
                     changes.append(kind)
                     if kind != "calibration":  # (a calibration's measurements are the model already)
                         cluster = cluster.with_speed_change(name, recent, load=load)
