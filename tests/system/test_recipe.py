@@ -106,14 +106,15 @@ def test_schedule_and_clipping_are_exact_under_a_kill_and_a_join_in_warmup(tmp_p
     assert all(g <= 1e-4 for g in gaps.values()), f"churned against undisturbed: {gaps}"
 
 
-# The subprocess builds the GPT from examples/gpt.py with a stand-in for `worker.job` (the file's
-# only adaptrain import, for its Job type), so nothing of adaptrain's worker is imported.
+# The subprocess builds the GPT from examples/gpt.py with a stand-in for `worker` (the file's only
+# adaptrain import, for its Job type and its schedule), so nothing of adaptrain's worker is imported.
 LOAD_AND_EVALUATE = """
 import json, sys, types, importlib.util
 import torch
-sys.modules["worker"] = types.ModuleType("worker")
-sys.modules["worker.job"] = stub = types.ModuleType("worker.job")
+sys.modules["worker"] = stub = types.ModuleType("worker")
+sys.modules["worker.job"] = stub
 stub.Job = object
+stub.warmup_cosine = lambda *args, **kwargs: (lambda step: 1.0)
 spec = importlib.util.spec_from_file_location("gpt_example", sys.argv[1])
 gpt = importlib.util.module_from_spec(spec); spec.loader.exec_module(gpt)
 vocab, tokens = gpt.load_corpus()
