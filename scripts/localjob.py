@@ -138,17 +138,7 @@ class LocalJob:
         procs: list[subprocess.Popen[Any]] = list(self.workers.values())
         if self.coordinator is not None:
             procs.append(self.coordinator)
-        for proc in procs:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for proc in procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
+        kill_and_reap(procs)
         for coordinator in [*self.previous, *([self.coordinator] if self.coordinator else [])]:
             if coordinator.poll() is None:
                 coordinator.kill()
@@ -254,6 +244,22 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             break  # a line being written
     return out
+
+
+def kill_and_reap(procs: Iterable[subprocess.Popen[Any]]) -> None:
+    """SIGKILL each process's whole session (each was started in a session of its own) and reap it."""
+    procs = list(procs)
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for proc in procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def _env() -> dict[str, str]:

@@ -16,7 +16,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from localjob import kill_and_reap
 
 ROOT = Path(__file__).resolve().parents[2]
 NOT_SHIPPED = {"tests", "scripts", "examples"}  # directories of the checkout that are not in the wheel
@@ -218,15 +218,5 @@ def test_the_installed_wheel_runs_a_job_from_outside_the_checkout(tmp_path: Path
         assert {e["kind"] for e in followed} >= {"joined", "plan"}, f"{followed[:5]}\n{logs()}"
         assert followed == events[:len(followed)], f"ctl events --follow differs from events.jsonl\n{logs()}"
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for proc in procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
+        kill_and_reap(procs)
         shutil.rmtree(venv, ignore_errors=True)  # about 1 GB: not kept among pytest's last runs
