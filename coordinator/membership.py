@@ -125,7 +125,8 @@ def apply(state: State, event: Event, config: Config, *, now: float) -> Result:
                 return _recovered(state, config, now)  # whoever is not back by now has failed
             effects: list[Effect] = []
             replan_due = False
-            for w in list(state.workers.values()):
+            gone: dict[str, str] = {}  # worker -> how its failure was detected, in the order found
+            for w in state.workers.values():
                 late = (w.leaving is not None and now - w.leaving_since > config.drain_deadline_s
                         and state.in_play(w.name))  # (planned out and switched: it is only exiting)
                 # A worker still loading the job (importing its libraries, building the model) holds
@@ -139,11 +140,11 @@ def apply(state: State, event: Event, config: Config, *, now: float) -> Result:
                         effects += [Log("drain_deadline", {"worker": w.name, "reason": w.leaving,
                                                            "seconds": round(now - w.leaving_since, 3)}),
                                     Send(w.name, Stop(reason=f"{w.leaving}: the drain deadline passed"))]
-                    state, more = _lost(state, w.name, "drain_deadline" if late else "lease", config, now)
-                    replan_due |= any(isinstance(e, FollowUp) for e in more)
-                    effects += [e for e in more if not isinstance(e, FollowUp)]
+                    gone[w.name] = "drain_deadline" if late else "lease"
             for name in _unacknowledged(state, config, now):  # no plan stays pending past its bound
-                state, more = _lost(state, name, "ack_timeout", config, now)
+                gone.setdefault(name, "ack_timeout")
+            for name, detected_by in gone.items():
+                state, more = _lost(state, name, detected_by, config, now)
                 replan_due |= any(isinstance(e, FollowUp) for e in more)
                 effects += [e for e in more if not isinstance(e, FollowUp)]
             if replan_due:  # one re-plan for every worker lost at this tick

@@ -203,12 +203,13 @@ def sharded(t: Trainer, g: Group, sharded: Sharded) -> PlanDelta | None:
                        torch.tensor(1.0 if pending is not None else 0.0, dtype=torch.float64),
                        torch.tensor(1.0 if t.agent.save_waiting() else 0.0, dtype=torch.float64),
                        torch.tensor(1.0 if t.agent.checkpoint_waiting() else 0.0, dtype=torch.float64)]).to(t.device)
+    votes = len(buf)
     if buffers:  # (the members' updates of the model's buffers this step, weighted by their shares)
         buf = torch.cat([buf, buffers.deltas(len(ids), G)])
     t_comm = time.perf_counter()
     t.wait(g, g.pg.allreduce([buf]), buf)
     if buffers:
-        buffers.apply(buf[5:])
+        buffers.apply(buf[votes:])
     comm_s = time.perf_counter() - t_comm + collectives_s
     grad_norm = float(buf[1].sqrt())
     _pause(t, g, "optimizer")
