@@ -150,8 +150,9 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
     hosts = {n: state.cluster.devices[n].host for n in new.members if n in state.cluster.devices}
     loads = {h: state.cluster.load(h, new.members) for h in set(hosts.values())}
     guessed = any(state.cluster.is_guess(n) for n in new.members)
+    measured = frozenset(n for n in new.members if n in state.cluster.devices and state.cluster.devices[n].samples_per_s)
     tracker = steps.start(epoch, new.members, new.predicted_step_s, {c.name: c.compute_s for c in new.costs}, hosts,
-                          loads=loads, legacy=not calm)
+                          loads=loads, measured=measured, legacy=not calm)
     state = replace(state, slices_possible=from_sharded or new.dp_shard > 1)
     state = replace(state, workers=workers, delta=delta, epoch=epoch, plan=new, result=result, tracker=tracker,
                     acked=frozenset(), reshard_bytes=0, reshard_s=0.0, reshard_largest_sender=0, running=frozenset(holders),

@@ -15,7 +15,10 @@ Pure, like membership: `observe(tracker, report) -> (tracker, findings)`, no clo
   when that is wider (capped at `MAX_BAND`), so workers whose steps jitter by ±40% (three GPT
   workers sharing two cores) are not flagged for their jitter, while a 3× slowdown still is. If
   that baseline is `THRESHOLD` off what the plan predicted for its share, the cost model was wrong (`SpeedChange(kind="calibration")`: the measurements already correct it; the
-  planner decides whether a new plan pays). After that, a change is a *lasting* shift against the
+  planner decides whether a new plan pays) — unless the member's prediction rested on its own
+  measured steps (`measured`) and the baseline is `FAR_OFF` times slower or faster: the model was
+  right a moment ago, so the device changed as the epoch began (a slowdown landing on a switch), a
+  `straggler` or `recovered` like any other. After that, a change is a *lasting* shift against the
   baseline, a change point over a window: at least `VOTES` of the last `WINDOW` steps beyond the
   band, slower (or faster) than the baseline. One slow step, or a burst of up to
   `VOTES - 1` noisy ones, moves nothing; a lasting 3× slowdown is found `VOTES` steps after
@@ -44,6 +47,7 @@ MAX_BAND = 0.5  # ... capped here (a 3x slowdown is always off)
 WINDOW = 6  # a change is decided over this many recent steps ...
 VOTES = 5  # ... when at least this many of them are THRESHOLD off the baseline, the same way
 SETTLE = 2  # steps of a new epoch not measured against anything
+FAR_OFF = 2.0  # a measured member's baseline this many times off its prediction changed speed
 ERROR_WINDOW = 256  # measured steps kept per epoch for the prediction error
 PENDING_STEPS = 4  # a step still missing reports this far behind the newest is dropped
 
@@ -98,6 +102,7 @@ class Tracker:
     baseline: int = BASELINE  # steps of a baseline (legacy: STREAK)
     noise_k: float = NOISE_K  # band = max(THRESHOLD, noise_k × spread) (legacy: 0, the band is THRESHOLD)
     watches: dict[str, Watch] = field(default_factory=dict)
+    measured_members: frozenset[str] = frozenset()  # predicted from their own measured steps
     pending: dict[int, dict[str, StepReport]] = field(default_factory=dict)
     measured: tuple[float, ...] = ()  # step_s of measured steps, oldest first
     errors: tuple[float, ...] = ()  # (predicted − measured) / measured per measured step
@@ -105,16 +110,18 @@ class Tracker:
 
 def start(epoch: int, members: tuple[str, ...], predicted_step_s: float | None,
           compute: dict[str, float], hosts: dict[str, str] | None = None, *,
-          loads: dict[str, float] | None = None, legacy: bool = False) -> Tracker:
+          loads: dict[str, float] | None = None, measured: frozenset[str] = frozenset(),
+          legacy: bool = False) -> Tracker:
     """A tracker for a new epoch; `compute` maps a member to its predicted compute seconds, `hosts`
     a member to its host, `loads` a host to its load in this epoch (what its members' measurements
-    are taken under). `legacy`: the detector before #9 (STREAK slow steps in a row, no
+    are taken under), `measured` the members whose prediction rests on their own measured steps. `legacy`: the detector before #9 (STREAK slow steps in a row, no
     contention), kept as a baseline for benchmarks."""
     watches = {n: Watch(expected_s=c) for n, c in compute.items() if c > 0}
     window, votes, baseline, noise_k = (STREAK, STREAK, STREAK, 0.0) if legacy else (WINDOW, VOTES, BASELINE, NOISE_K)
     return Tracker(epoch=epoch, members=members, predicted_step_s=predicted_step_s, watches=watches,
                    hosts={} if legacy else dict(hosts or {}), loads={} if legacy else dict(loads or {}),
-                   window=window, votes=votes, baseline=baseline, noise_k=noise_k)
+                   window=window, votes=votes, baseline=baseline, noise_k=noise_k,
+                   measured_members=frozenset() if legacy else measured)
 
 
 def observe(t: Tracker, r: StepReport) -> tuple[Tracker, list[Finding]]:
@@ -154,8 +161,13 @@ def _watch(w: Watch, name: str, samples: int, compute_s: float, t: Tracker) -> t
         recent = (*w.recent, (samples, compute_s))[-t.baseline:]
         if len(recent) < t.baseline:
             return replace(w, recent=recent), None
-        change = _change(w, name, "calibration", recent) if _off(_median(recent), w.expected_s) else None
-        return _baseline(recent, t), change
+        mid = _median(recent)
+        if not _off(mid, w.expected_s):
+            return _baseline(recent, t), None
+        kind = "calibration"
+        if name in t.measured_members and not 1 / FAR_OFF < mid / w.expected_s < FAR_OFF:
+            kind = "straggler" if mid > w.expected_s else "recovered"
+        return _baseline(recent, t), _change(w, name, kind, recent)
     recent = (*w.recent, (samples, compute_s))[-t.window:]
     vote = 1 if _slower(compute_s, w.expected_s, w.band) else -1 if _faster(compute_s, w.expected_s, w.band) else 0
     w = replace(w, recent=recent, votes=(*w.votes, vote)[-t.window:])

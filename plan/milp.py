@@ -29,6 +29,10 @@ within MIP_GAP in integer shares; "time-limited" when the search's work budget (
 `time_limit_s`, no clock is read) or the MILP's time limit ran out with a feasible plan; "fallback"
 when the MILP found none (the previous counts, else the usable devices, with balanced shares);
 "infeasible" when no plan fits in memory (within max_devices).
+
+The numeric backends (numpy for the search, PuLP and HiGHS for the MILP: a quarter of a second to
+import) are loaded by the first solve, not with this module: a restarted coordinator must listen
+within a second, and it plans only once its members are back.
 """
 
 from __future__ import annotations
@@ -36,14 +40,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
-
-from plan._dp_search import Floats, Ints, candidate_pairs, continuous_makespans, search
-from plan._milp_model import solve_milp
 from plan.cost import Link, allreduce_s, samples_that_fit, static_bytes
 from plan.graph import Graph
 from plan.shares import round_to_total
+
+if TYPE_CHECKING:
+    from plan._dp_search import Floats, Ints
 
 # "optimal" means proved within this relative gap of the best bound: a tenth of a percent of
 # step time is below what the cost model can predict.
@@ -158,6 +162,10 @@ def solve_dp(
             objective_s=None, status="infeasible",
             reason=_infeasible_reason(classes, caps, costs, B, capacity, max_devices),
         )
+    import numpy as np  # (loaded by the first solve: see the module's comment)
+
+    from plan._dp_search import candidate_pairs, search
+
     prev = dict(previous_counts or {})
     mig = migration_s_per_device / horizon_steps if previous_counts is not None else 0.0
     speeds = np.array([c.samples_per_s for c in usable])
@@ -196,6 +204,11 @@ def _solve_by_milp(
 ) -> tuple[dict[str, int], str, str, float]:
     """The MILP over ring sizes pruned by their lower bounds (the least of which it returns too);
     the fastest-first plan bounds it."""
+    import numpy as np
+
+    from plan._dp_search import continuous_makespans
+    from plan._milp_model import solve_milp
+
     zero = {c.name: 0 for c in classes}
     greedy = _finish(classes, zero | _greedy_bound(usable, cap, B, comm, prev, mig, limit), cap, costs, B,
                      prev, mig, "", "")

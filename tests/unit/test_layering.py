@@ -38,3 +38,12 @@ def test_ctl_script_does_not_load_torch(how: str) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "usage:" in out.stdout
     assert out.stderr.strip().splitlines()[-1] == "none"
+
+
+def test_the_daemon_loads_no_solver_before_it_listens() -> None:
+    """A restarted coordinator listens within a second: the daemon's imports leave the planner's
+    numeric backends (numpy, PuLP and HiGHS, a quarter of a second) to the first solve."""
+    code = ("import sys, coordinator.cli, coordinator.daemon; "
+            "print(','.join(m for m in ('numpy', 'pulp', 'highspy', 'torch') if m in sys.modules) or 'none')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "none"

@@ -107,3 +107,21 @@ def test_a_wrong_prediction_is_a_calibration_not_a_straggler() -> None:
         kinds += [f.kind for f in fs if isinstance(f, steps.SpeedChange)]
     assert kinds == ["calibration"]
     assert t.watches["a"].expected_s == 0.2 and t.watches["a"].baselined
+
+
+def test_a_measured_member_far_off_its_prediction_changed_speed_as_the_epoch_began() -> None:
+    """A slowdown that lands as an epoch begins is in the member's baseline: against its own earlier
+    measurement (what the prediction rests on) it is a straggler, not the model's noise."""
+    for measured, expected in ((frozenset({"a"}), ["straggler"]), (frozenset(), ["calibration"])):
+        t = steps.start(1, ("a",), 0.1, {"a": 0.1}, measured=measured)
+        kinds = []
+        for step in range(1, 10):
+            t, fs = steps.observe(t, report("a", step, compute_s=0.3))
+            kinds += [f.kind for f in fs if isinstance(f, steps.SpeedChange)]
+        assert kinds == expected, measured
+    t = steps.start(1, ("a",), 0.1, {"a": 0.1}, measured=frozenset({"a"}))
+    kinds = []
+    for step in range(1, 10):  # 1.5x off: within what a re-plan's model may miss, still a calibration
+        t, fs = steps.observe(t, report("a", step, compute_s=0.15))
+        kinds += [f.kind for f in fs if isinstance(f, steps.SpeedChange)]
+    assert kinds == ["calibration"]
