@@ -10,6 +10,8 @@ contiguous slice `share_slice(shares, r)` of it with the batch split as evenly a
 averages gradients over ranks, so each rank backpropagates `loss_sum * world / global_batch`: the
 gradient is exactly the full global batch's, as in adaptrain; the job's recipe (gradient clipping,
 learning-rate schedule) is applied as a torchrun user would (`apply_recipe`), so both train alike.
+The job's evaluation runs as often as in adaptrain (`eval_every`, and after the last step): each rank
+sums the loss over its contiguous part of the held-out set, the sums are all-reduced (`evaluate`).
 
 With --ckpt, rank 0 saves model + optimizer + step after every step (write to a temporary file,
 fsync-free `os.replace`: atomic on one file system) and every process resumes from that file when it
@@ -45,6 +47,29 @@ def apply_recipe(job: Any, params: list[Any], optimizer: Any, base_lrs: list[flo
     multiplier = job.lr_multiplier(step)
     for group, base in zip(optimizer.param_groups, base_lrs):
         group["lr"] = base * multiplier
+
+
+def evaluate(job: Any, model: Any, rank: int, world: int) -> float:
+    """The mean held-out loss, as a torchrun user computes it: each rank its contiguous part of the
+    set, in chunks of EVAL_CHUNK, the (loss sum, count) pairs all-reduced."""
+    import torch
+    import torch.distributed as dist
+
+    from worker.evaluate import EVAL_CHUNK
+    from worker.job import share_slice
+
+    total = len(job.eval_dataset)
+    part = share_slice([total // world + (1 if r < total % world else 0) for r in range(world)], rank)
+    sums = torch.zeros(2, dtype=torch.float64)
+    model.eval()
+    with torch.no_grad():
+        for start in range(part.start, part.stop, EVAL_CHUNK):
+            inputs, targets = job.eval_dataset[torch.arange(start, min(start + EVAL_CHUNK, part.stop))]
+            sums[0] += job.loss(model(inputs), targets).double()
+            sums[1] += len(inputs)
+    model.train()
+    dist.all_reduce(sums)
+    return float(sums[0] / sums[1])
 
 
 def main() -> None:
@@ -106,6 +131,10 @@ def main() -> None:
                             "optimizer": optimizer.state_dict()}, tmp)
                 os.replace(tmp, a.ckpt)
             log("step", step=step, loss=float(loss.detach()) / max(1, len(ids)), world=world)
+        if job.eval_every and job.eval_dataset is not None and (step % job.eval_every == 0 or step == job.num_steps):
+            held_out = evaluate(job, model, rank, world)
+            if rank == 0:
+                log("eval", step=step, loss=held_out)
     dist.destroy_process_group()
 
 
