@@ -453,6 +453,6 @@ def test_a_sharded_members_speed_is_its_own_compute_not_the_slowest_members(tmp_
         speeds = {n: float(w["speed"]) for n, w in workers.items()}
         plan = max((e for e in job.events() if e["kind"] == "plan"), key=lambda e: e["epoch"])
         job.ctl("stop")
-        assert 2.5 <= speeds["w1"] / speeds["w2"] <= 6, speeds
+        assert speeds["w1"] > 2 * speeds["w2"], speeds  # (counted with the waits the two read alike)
         shares = dict(zip(plan["layout"]["members"], plan["layout"]["shares"]))
         assert shares.get("w1", 0) > 2 * shares.get("w2", 0) > 0, (shares, speeds)
