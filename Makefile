@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install wheel-check clean
+.PHONY: demo test test-fast install wheel-check clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,10 @@ test: $(STAMP)
 	$(BIN)/mypy plan transport coordinator worker scripts/localjob.py scripts/bench_planner.py scripts/bench_planner_solve.py scripts/bench_planner_quality.py scripts/bench_planner_latency.py scripts/fuzzer.py scripts/bench_control.py scripts/bench_planner_stability.py scripts/record_steps.py scripts/demo.py scripts/bench_recipe.py scripts/bench_parallel.py scripts/_torchrun_fsdp.py scripts/bench_faults.py scripts/bench_copy_update.py scripts/liveness.py scripts/soak.py
 	$(BIN)/python -m pytest -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: the suite is broken"; exit 1; fi; exit $$rc
+
+# The tests that stay in one process (tests/conftest.py: the kinds pure, gloo and process), while iterating.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m pure
 
 # What `pip install .` gives a user (make test runs it too): build the wheel, install it in a fresh
 # venv, run a two-worker job with the installed console scripts from outside the checkout.

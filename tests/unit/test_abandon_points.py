@@ -77,6 +77,7 @@ def test_a_superseded_epoch_gives_the_forward_up_at_the_next_unit() -> None:
     assert ran[units[0]] == 2 and ran[units[1]] == 1, f"given up at the start of the next unit: {ran}"
 
 
+@pytest.mark.gloo
 def test_a_superseded_epoch_gives_the_backward_up_at_the_next_gradient(group: object) -> None:
     t = _trainer()
     buckets = GradBuckets(t.params, bucket_bytes=1)  # a bucket per parameter: one launch per gradient

@@ -13,6 +13,8 @@ import torch.distributed as dist
 
 from worker import comm
 
+pytestmark = pytest.mark.gloo
+
 
 def groups(world: int, prefix: str) -> list[dist.ProcessGroup]:
     store = dist.HashStore()

@@ -226,6 +226,7 @@ def test_relative_links_resolve(path: Path) -> None:
     assert broken_links(path) == []
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("path", FLAG_DOCS, ids=lambda p: p.name)
 def test_flags_exist_in_the_programs_help(path: Path) -> None:
     assert unknown_flags(path) == []
@@ -255,6 +256,7 @@ def test_protocol_version_shown_is_the_code_s() -> None:
 
 # --- the checks themselves catch what they are for ------------------------------------------
 
+@pytest.mark.process
 def test_checks_catch_a_broken_link_an_unknown_flag_and_history(tmp_path: Path) -> None:
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.md").write_text("# Title\n\n## What \"exact\" means\n")

@@ -23,7 +23,10 @@ from plan.reshard import TensorShape, copy_ring, holdings, plan_reshard
 from worker.parallel.slices import (ALIGN, PARAM, Incoming, LocalState, Outgoing, Piece, Pool, execute, expect,
                                     pack_sends, pack_whole)
 
+pytestmark = pytest.mark.gloo
+
 CPU = torch.device("cpu")
+
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 

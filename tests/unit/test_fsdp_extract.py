@@ -24,6 +24,8 @@ from worker.parallel import mesh as meshes
 from worker.parallel.fsdp import apply_fsdp, extract
 from worker.parallel.slices import from_module
 
+pytestmark = pytest.mark.gloo
+
 CPU = torch.device("cpu")
 
 

@@ -268,6 +268,7 @@ def _inspect(ref: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.process
 def test_inspect_job_prints_one_ok_json_line() -> None:
     proc = _inspect("examples/mlp.py:job")
     assert proc.returncode == 0, proc.stderr
@@ -281,6 +282,7 @@ def test_inspect_job_prints_one_ok_json_line() -> None:
     assert len(info["sha256"]) == 64 and isinstance(info["description"], str)
 
 
+@pytest.mark.process
 def test_inspect_job_refuses_a_missing_file_without_a_traceback() -> None:
     proc = _inspect("examples/does_not_exist.py:job")
     assert proc.returncode == 1
@@ -325,6 +327,7 @@ def test_the_multiplier_is_the_schedule_at_that_step_and_1_without_one() -> None
     assert _recipe_job(grad_clip=2).grad_clip == 2
 
 
+@pytest.mark.process
 def test_the_coordinator_refuses_a_job_whose_schedule_fails_with_the_step_and_reason(tmp_path: Path) -> None:
     from coordinator.jobinfo import JobRefused, inspect_job
 

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.process
+
 FORBIDDEN = {
     "plan": ("torch", "trio", "zmq", "msgpack"),
     "transport": ("torch",),

@@ -72,6 +72,7 @@ def test_a_pin_parses_and_refuses_what_cannot_run() -> None:
             parse_pin(bad)
 
 
+@pytest.mark.process
 def test_the_coordinator_refuses_a_pin_of_both_degrees_beyond_max_workers_and_says_the_members_it_waits_for() -> None:
     """`--layout dp=R,fsdp=S` implies R x S members (pp and tp stay 1): found while trying it, such a
     pin was taken as "members unknown", so --max-workers was not checked against it and

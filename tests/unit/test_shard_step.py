@@ -9,6 +9,7 @@ from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -17,6 +18,8 @@ from plan.layout import Layout
 from worker.parallel import mesh as meshes
 from worker.parallel.fsdp import Sharded, apply_fsdp, extract
 from worker.parallel.slices import from_module
+
+pytestmark = pytest.mark.gloo
 
 CPU = torch.device("cpu")
 
