@@ -107,21 +107,32 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
         if result.plan.micro:  # the members' micro-batches stay; the one handing off has no samples
             new = replace(new, micro=(*result.plan.micro, 0))
         result = replace(result, plan=new, reason=f"{result.reason}; {handoff} stays one epoch to hand off")
+    # (Standby events only for a plan that is taken: a candidate that the current plan outlives
+    # benches nobody.)
     benched = _standby_logs(state, result)
-    state = replace(state, standby=frozenset(result.standby))
     if not abort and new.same_assignment(state.plan) and state.resume is None:
         # Same assignment, no new epoch; keep the refreshed prediction (new speeds, fitted constants).
+        # A speed change answered so is still answered: the `kept` event says that the best plan
+        # for the new speeds is the one running.
         tracker = state.tracker
         if tracker is not None and tracker.epoch == state.epoch:
             tracker = replace(tracker, predicted_step_s=new.predicted_step_s)
-        return replace(state, replan_wanted=None, result=result, plan=new, tracker=tracker), [*said, *benched]
+        told: list[Effect] = []
+        kept = state.kept
+        if reason in GAIN_REASONS:
+            predicted = f"{new.predicted_step_s * 1e3:.1f} ms/step" if new.predicted_step_s else "no prediction"
+            changed = f"; changed: {'; '.join(state.changed)}" if state.changed else ""
+            kept = f"the best plan for the measured speeds is the one running (same members and shares, {predicted}){changed}"
+            told = [Log("kept", {"reason": reason, "detail": kept})]
+        return replace(state, replan_wanted=None, result=result, plan=new, tracker=tracker, kept=kept,
+                       standby=frozenset(result.standby)), [*said, *told, *benched]
     if calm and not abort and reason in GAIN_REASONS and state.plan is not None:
         verdict = _worth_it(state, new, result, horizon)
-        if not verdict.switch:  # the current plan stays
-            kept = _keep(state, verdict.detail)
-            told: list[Effect] = [Log("kept", {"reason": reason, "detail": kept.kept})] if verdict.detail else []
-            return kept, [*said, *told, *benched]
+        if not verdict.switch:  # the current plan stays, and so does its standby
+            kept_state = _keep(state, verdict.detail)
+            return kept_state, [*said, Log("kept", {"reason": reason, "detail": kept_state.kept})]
         result = replace(result, reason=f"{result.reason}; {verdict.detail}")
+    state = replace(state, standby=frozenset(result.standby))
     abandons, if_missed = False, ""
     if not abort and reason == "join" and config.join_abandons != "never":
         # The step in flight began at the last step's report, or, when it is the first of its epoch,
@@ -218,7 +229,7 @@ def _abandon_for_join(state: State, new: Plan, always: bool, elapsed: float, wai
 
 class Verdict(NamedTuple):
     switch: bool
-    detail: str  # what the switch gains, or why it is not worth one ("": the new plan is no better)
+    detail: str  # what the switch gains, or why it is not worth one
 
 
 def _worth_it(state: State, new: Plan, result: PlanResult, horizon: int) -> Verdict:
@@ -232,7 +243,8 @@ def _worth_it(state: State, new: Plan, result: PlanResult, horizon: int) -> Verd
         return Verdict(True, "no prediction for the current plan")
     gain = now_s - new.predicted_step_s
     if gain <= 0:
-        return Verdict(False, "")  # nothing better than what runs: nothing to say
+        return Verdict(False, f"the running plan is still the best: predicted {now_s * 1e3:.1f} ms/step, the best "
+                              f"other {new.predicted_step_s * 1e3:.1f} ms/step")
     if horizon < steps.SETTLE + steps.BASELINE:
         return Verdict(False, f"not worth a switch: {horizon} steps left, fewer than a new epoch needs to "
                               f"settle and be measured ({steps.SETTLE + steps.BASELINE})")

@@ -9,6 +9,7 @@ fault test, the demo and the soak benchmark apply the same rules (docs/architect
 - every failure of a member is followed by a plan and a committed step of that plan's epoch or a
   later one, and where members survive, they train again within RECOVERY_BOUND_S plus two steps;
 - every straggler is followed by a plan or a `kept` event within STRAGGLER_STEPS committed steps;
+- no member of the plan in force is put on standby (a standby event names a worker the plan leaves out);
 - every step is committed once (a step redone after a resume from a checkpoint is the exception the
   `resumed` event announces);
 - no worker sat out a group timeout (it logs STALL_MARK when an epoch entry or a step took over half
@@ -71,6 +72,8 @@ def problems(events: list[dict[str, Any]], logs: Mapping[str, str] | None = None
             elif not total and step["ts"] - e["ts"] > RECOVERY_BOUND_S + 2 * step_s:
                 out.append(f"{e['worker']} failed at {e['ts']:.3f}; the survivors trained again only "
                            f"{step['ts'] - e['ts']:.2f} s later (bound {RECOVERY_BOUND_S} s + 2 steps)")
+        elif e["kind"] == "standby" and e.get("worker") in members:
+            out.append(f"{e['worker']} was put on standby at {e['ts']:.3f} while a member of the running plan")
         elif e["kind"] == "straggler":
             window = committed_after(i)[:STRAGGLER_STEPS]
             deadline = float(window[-1]["ts"]) if len(window) == STRAGGLER_STEPS else float("inf")

@@ -71,3 +71,11 @@ def test_a_total_loss_is_not_held_to_the_survivors_bound() -> None:
            ev("joined", 10.0, worker="c"), ev("state_lost", 20.0, step=10), plan(20.1, 2, ["c"], "join"),
            ev("resumed", 25.0, step=10, path="ckpt", epoch=2, redone=0), *steps(11, 40, 2, 25.5)]
     assert problems(run) == []
+
+
+def test_a_member_of_the_running_plan_put_on_standby_is_flagged() -> None:
+    benched = [*HEALTHY, ev("standby", 7.0, worker="a", why="too slow to pay for its part of the communication")]
+    [p] = problems(benched)
+    assert "a was put on standby" in p
+    left_out = [*HEALTHY, ev("joined", 7.0, worker="c"), ev("standby", 7.1, worker="c", why="too slow")]
+    assert problems(left_out) == []

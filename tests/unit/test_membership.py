@@ -997,3 +997,23 @@ def test_a_worker_still_loading_the_job_is_not_failed_for_a_stalled_heartbeat() 
     assert not logs(wait(LEASE_S * 5), "failed") and "b" in sim.state.workers
     failed = logs(wait(m.LOADING_LEASE_S), "failed")
     assert [(f["worker"], f["detected_by"]) for f in failed] == [("b", "lease")]
+
+
+def test_a_straggler_whose_best_plan_is_the_running_one_gets_a_kept_event() -> None:
+    """A re-plan for a speed change that finds the same members and shares makes no epoch, and still
+    answers the change: a `kept` event says the running plan is the best for the measured speeds.
+    (Two samples a step between two workers: a 1.5x slower one still takes its one sample.)"""
+    sim = graph_sim("a", "b")
+    sim.config = replace(sim.config, min_workers=2, global_batch=2)
+    sim(m.MadeReady("a"))
+    sim(m.MadeReady("b"))
+    sim.ack_all()
+    assert sim.state.plan is not None and list(sim.state.plan.shares) == [1, 1]
+    train(sim, 12, {"a": 0.01, "b": 0.01})
+    epoch = sim.state.epoch
+    effects = train(sim, 8, {"a": 0.01, "b": 0.015})
+    assert [f["worker"] for f in logs(effects, "straggler")] == ["b"]
+    assert not deltas(effects) and sim.state.epoch == epoch
+    [kept] = logs(effects, "kept")
+    assert kept["reason"] == "straggler" and "the one running" in kept["detail"], kept
+    assert not logs(effects, "standby"), "a member of the running plan is never put on standby"
