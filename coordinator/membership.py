@@ -268,8 +268,10 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
     calm = config.stability == "calm"
     host = state.workers[r.name].host
     load = tracker.loads.get(host, 0.0) if calm and tracker is not None and tracker.epoch == r.epoch else 0.0
-    cluster = state.cluster.with_measurement(r.name, r.samples, r.compute_s,
-                                             overhead_s=max(0.0, r.step_s - r.compute_s - r.comm_s), load=load)
+    cluster = state.cluster
+    if not steps.settling(tracker, r):  # (an epoch's entry stretches its first steps: never fitted)
+        cluster = cluster.with_measurement(r.name, r.samples, r.compute_s,
+                                           overhead_s=max(0.0, r.step_s - r.compute_s - r.comm_s), load=load)
     effects: list[Effect] = []
     changes: list[str] = []
     if tracker is not None:

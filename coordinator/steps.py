@@ -154,6 +154,16 @@ def observe(t: Tracker, r: StepReport) -> tuple[Tracker, list[Finding]]:
     return t, [*findings, Measured(step=r.step, step_s=step_s, comm_s=comm_s, ranks=len(t.members), settled=settled)]
 
 
+def settling(t: Tracker | None, r: StepReport) -> bool:
+    """Whether `r` is one of its member's first SETTLE steps of the tracker's epoch: times that hold
+    the epoch's entry (a survivor released from an abandoned step, a reshard, a peer still
+    loading), which no fit of speed, overhead or contention may learn from."""
+    if t is None or r.epoch != t.epoch:
+        return False
+    w = t.watches.get(r.name)
+    return w is not None and w.settled < SETTLE
+
+
 def _watch(w: Watch, name: str, samples: int, compute_s: float, t: Tracker) -> tuple[Watch, SpeedChange | None]:
     if w.settled < SETTLE:
         return replace(w, settled=w.settled + 1), None

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from coordinator import membership as m
+from coordinator import steps
 from coordinator.cli import parse_args
 from coordinator.state import JOIN_WAIT_MAX_S
 from plan import Graph
@@ -1017,3 +1018,24 @@ def test_a_straggler_whose_best_plan_is_the_running_one_gets_a_kept_event() -> N
     [kept] = logs(effects, "kept")
     assert kept["reason"] == "straggler" and "the one running" in kept["detail"], kept
     assert not logs(effects, "standby"), "a member of the running plan is never put on standby"
+
+
+def test_an_epochs_entry_steps_teach_no_fit() -> None:
+    """The first SETTLE steps of an epoch hold its entry (a survivor released from the abandoned step,
+    the reshard): a step stretched so changes neither a member's speed nor its per-step overhead."""
+    sim = graph_sim("a", "b")
+    sim.config = replace(sim.config, min_workers=2)
+    sim(m.MadeReady("a"))
+    sim(m.MadeReady("b"))
+    sim.ack_all()
+    train(sim, 12, {"a": 0.01, "b": 0.01})
+    before = sim.state.cluster.devices["a"]
+    sim(m.Lost("b", "disconnect"))  # a new epoch of one
+    sim.ack_all()
+    step = sim.state.last_step + 1
+    for k in range(steps.SETTLE):
+        sim(m.StepDone(StepReport(name="a", epoch=sim.state.epoch, step=step + k, loss=1.0, samples=GLOBAL_BATCH,
+                                  global_batch=GLOBAL_BATCH, compute_s=5.0, comm_s=0.0, step_s=60.0, digest="")))
+    after = sim.state.cluster.devices["a"]
+    assert (after.samples_per_s, after.overhead_s, after.compute_window) == \
+        (before.samples_per_s, before.overhead_s, before.compute_window)
