@@ -7,7 +7,9 @@ A `Layout` has four degrees, validated in the manner of torchtitan's `ParallelDi
 * `dp_shard`: members that split every tensor of a unit along its first dimension (FSDP2's
   `Shard(0)`), gather it for compute and reduce-scatter its gradients. Each also trains on its own
   slice of the batch.
-* `pp`, `tp`: pipeline stages and tensor-parallel ranks (1 until a later issue; validated now).
+* `pp`: pipeline stages. `stages` names the graph units of each stage, in pipeline order (empty
+  when pp = 1); a rank of stage s holds only those units' tensors (`plan.placement`).
+* `tp`: tensor-parallel ranks (1 until a later issue; validated now).
 
 Every degree is >= 1 and their product is the number of members. Members are in rank order, and a
 rank's coordinates on the mesh `(pp, dp_replicate, dp_shard, tp)` are row-major (tp fastest), as in
@@ -18,7 +20,8 @@ The global batch is the sum of one share per data-parallel coordinate.
 A tensor of `numel` elements with a first dimension of `rows` lies on the shard axis the way FSDP2
 puts it there (`torch.chunk` on dim 0): shard i of n holds rows [i·c, (i+1)·c) clipped to `rows`,
 c = ceil(rows / n), so the last shards may be short or empty. `slice_of` gives that as an element
-range of the flattened tensor, which is all `plan.reshard` needs.
+range of the flattened tensor; `plan.placement` gives every rank's part of every tensor as a box,
+stages included, which is what `plan.reshard` moves.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from plan.graph import Graph, Partial, Placement, Replicate, Shard, TensorSpec
+from plan.placement import Box
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # mesh order, outermost first
 PIN_KEYS = {"dp": "dp_replicate", "fsdp": "dp_shard", "pp": "pp", "tp": "tp"}  # --layout names
@@ -46,6 +50,7 @@ class Layout:
     dp_shard: int = 1
     pp: int = 1
     tp: int = 1
+    stages: tuple[tuple[str, ...], ...] = ()  # graph units per pipeline stage, in order (() when pp = 1)
 
     def __post_init__(self) -> None:
         degrees = self.degrees
@@ -56,6 +61,15 @@ class Layout:
             product = " x ".join(f"{dim}={n}" for dim, n in zip(DIMS, degrees) if n > 1) or "1"
             raise LayoutError(f"layout degrees {product} make {math.prod(degrees)} ranks, "
                               f"but the plan has {len(self.members)} members")
+        if self.pp == 1 and self.stages:
+            raise LayoutError(f"layout: stages {[list(s) for s in self.stages]} without a pipeline (pp=1)")
+        if self.pp > 1:
+            if len(self.stages) != self.pp or not all(self.stages):
+                raise LayoutError(f"layout: pp={self.pp} needs {self.pp} stages of at least one unit each, got "
+                                  f"{[list(s) for s in self.stages]}")
+            units = [u for stage in self.stages for u in stage]
+            if len(set(units)) != len(units):
+                raise LayoutError(f"layout: a unit is in two stages: {[list(s) for s in self.stages]}")
         if len(set(self.members)) != len(self.members):
             raise LayoutError(f"layout members must be unique, got {list(self.members)}")
         if len(self.shares) != len(self.members):
@@ -146,10 +160,9 @@ class Layout:
         if not self.sharded or rows == 0:
             return 0, numel
         _, _, shard, _ = self.coords(rank)
-        per_row = numel // rows
-        chunk = -(-rows // self.dp_shard)
-        lo, hi = min(shard * chunk, rows), min((shard + 1) * chunk, rows)
-        return lo * per_row, hi * per_row
+        box = Box.whole((rows, numel // rows)).chunk(0, shard, self.dp_shard)
+        lo = box.offsets[0] * (numel // rows)
+        return lo, lo + box.numel
 
     # --- the wire -----------------------------------------------------------------------------------
 
@@ -160,14 +173,15 @@ class Layout:
 
     def to_dict(self) -> dict[str, Any]:
         return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "pp": self.pp, "tp": self.tp,
-                "members": list(self.members), "shares": list(self.shares)}
+                "members": list(self.members), "shares": list(self.shares),
+                "stages": [list(stage) for stage in self.stages]}
 
     @staticmethod
     def from_dict(data: Any) -> Layout:
         """Rebuild a layout from `to_dict`'s form; LayoutError names what is wrong."""
         if not isinstance(data, dict):
             raise LayoutError(f"layout: expected an object, got {type(data).__name__}")
-        unknown = set(data) - {*DIMS, "members", "shares"}
+        unknown = set(data) - {*DIMS, "members", "shares", "stages"}
         if unknown:
             raise LayoutError(f"layout: unknown fields {sorted(unknown)}")
         members, shares = data.get("members"), data.get("shares")
@@ -175,7 +189,11 @@ class Layout:
             raise LayoutError("layout: 'members' must be a list of names")
         if not isinstance(shares, list):
             raise LayoutError("layout: 'shares' must be a list of integers")
-        return Layout(members=tuple(members), shares=tuple(shares),
+        stages = data.get("stages") or []
+        if not isinstance(stages, list) or not all(isinstance(s, list) and all(isinstance(u, str) for u in s)
+                                                   for s in stages):
+            raise LayoutError("layout: 'stages' must be a list of lists of unit names")
+        return Layout(members=tuple(members), shares=tuple(shares), stages=tuple(tuple(s) for s in stages),
                       **{dim: data.get(dim, 1) for dim in DIMS})
 
 

@@ -31,19 +31,12 @@ from dataclasses import dataclass, field
 from itertools import permutations
 
 from plan.layout import Layout
+from plan.placement import TensorShape as TensorShape  # (where the reshard's callers have always found it)
+from plan.placement import ranges_of
 
 Range = tuple[int, int]
 Holdings = dict[str, dict[str, list[Range]]]  # member -> tensor -> ranges (sorted, disjoint)
 SPLIT_MIN = 1 << 16  # elements: a piece at least twice this long is split between its holders
-
-
-@dataclass(frozen=True, slots=True)
-class TensorShape:
-    """What the reshard needs of a tensor: its name, its rows (dim 0; 0 for a scalar) and elements."""
-
-    name: str
-    rows: int
-    numel: int
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -89,35 +82,28 @@ class ReshardPlan:
 
 
 def copy_ring(layout: Layout, hosts: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Redundancy for a sharded layout: keeper -> the member whose slices it also keeps.
+    """Redundancy for a layout whose members hold unlike state: keeper -> the member whose slices
+    (and stage) it also keeps.
 
-    Where every slice already lives on two members (dp_replicate >= 2, or nothing is sharded) there
-    is no ring. Otherwise each shard group is a ring in which every member keeps a copy of the
-    previous member's slices, ordered so that a neighbour is on another host where there is one
-    (members taken round-robin across hosts). A group of one member has nobody to keep its copy."""
-    if not layout.sharded or layout.dp_replicate > 1:
+    Where every slice already lives on two members (dp_replicate >= 2, or one whole replica per
+    member: nothing sharded, no pipeline) there is no ring. Otherwise no two members hold the same
+    thing, and the members form one ring in which each keeps a copy of the previous member's part,
+    ordered so that a neighbour is on another host where there is one (members taken round-robin
+    across hosts): a pipeline stage's state is kept by a member of another stage. One member alone
+    has nobody to keep its copy."""
+    if layout.dp_replicate > 1 or (not layout.sharded and layout.pp == 1) or layout.world < 2:
         return {}
     hosts = hosts or {}
-    keepers: dict[str, str] = {}
-    seen: set[int] = set()
-    for rank in range(layout.world):
-        group = layout.shard_group(rank)
-        if group[0] in seen or len(group) < 2:
-            continue
-        seen.add(group[0])
-        names = [layout.members[r] for r in group]
-        by_host: dict[str, list[str]] = defaultdict(list)
-        for n in names:
-            by_host[hosts.get(n, n)].append(n)
-        order: list[str] = []
-        queues = sorted(by_host.values(), key=len, reverse=True)
-        while any(queues):
-            for q in queues:
-                if q:
-                    order.append(q.pop(0))
-        for i, n in enumerate(order):
-            keepers[order[(i + 1) % len(order)]] = n
-    return keepers
+    by_host: dict[str, list[str]] = defaultdict(list)
+    for n in layout.members:
+        by_host[hosts.get(n, n)].append(n)
+    order: list[str] = []
+    queues = sorted(by_host.values(), key=len, reverse=True)
+    while any(queues):
+        for q in queues:
+            if q:
+                order.append(q.pop(0))
+    return {order[(i + 1) % len(order)]: n for i, n in enumerate(order)}
 
 
 def holdings(layout: Layout, tensors: Sequence[TensorShape], copies: Mapping[str, str] | None = None) -> Holdings:
@@ -125,7 +111,7 @@ def holdings(layout: Layout, tensors: Sequence[TensorShape], copies: Mapping[str
     keeps a copy of (`copies`: keeper -> source)."""
     out: Holdings = {}
     for rank, name in enumerate(layout.members):
-        out[name] = {t.name: [r] for t in tensors if (r := layout.slice_of(rank, t.rows, t.numel))[1] > r[0]}
+        out[name] = {t.name: ranges for t in tensors if (ranges := ranges_of(layout, rank, t))}
     own = {name: dict(held) for name, held in out.items()}  # copies are of a member's own slices only
     for keeper, source in (copies or {}).items():
         mine = out.setdefault(keeper, {})

@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-PROTOCOL_VERSION = 11  # 11: Leave.error, Leave.where; 10: StepReport.switching (and PlanDelta.previous, TensorInfo.state); 9: Join.epoch/step, Welcome.last_step, ERR_REJOIN, Checkpointed, ResumeFailed, CheckpointNow, Welcome.checkpoint_*, PlanDelta.resume_*; 8: PlanDelta.layout (MeshLayout), PlanDelta.senders, StateLost; 2: StepReport.comm_s, Slowdown; 3: Join.cores; 4: StepReport.lr, grad_norm; 5: Saved, Welcome.final_dir; 6: SaveModel, Saved.final; 7: EvalReport
+PROTOCOL_VERSION = 12  # 12: MeshLayout.stages; 11: Leave.error, Leave.where; 10: StepReport.switching (and PlanDelta.previous, TensorInfo.state); 9: Join.epoch/step, Welcome.last_step, ERR_REJOIN, Checkpointed, ResumeFailed, CheckpointNow, Welcome.checkpoint_*, PlanDelta.resume_*; 8: PlanDelta.layout (MeshLayout), PlanDelta.senders, StateLost; 2: StepReport.comm_s, Slowdown; 3: Join.cores; 4: StepReport.lr, grad_norm; 5: Saved, Welcome.final_dir; 6: SaveModel, Saved.final; 7: EvalReport
 
 # Error codes carried by `Error.code`.
 ERR_DECODE = "decode"  # the frame could not be decoded or failed validation
@@ -321,7 +321,8 @@ class Welcome:
 class MeshLayout:
     """A plan's layout on the wire (`plan.layout.Layout` checks it: degrees >= 1 whose product is
     the number of members, equal shares within a data-parallel slot): the degrees, the members in
-    rank order, and each member's samples of every global batch."""
+    rank order, each member's samples of every global batch, and the graph units of each pipeline
+    stage."""
 
     dp_replicate: int
     dp_shard: int
@@ -329,6 +330,7 @@ class MeshLayout:
     tp: int
     members: list[str]
     shares: list[int]
+    stages: list[list[str]] = field(default_factory=list)  # graph units per pipeline stage ([] when pp = 1)
 
     def __post_init__(self) -> None:
         if len(self.members) != len(self.shares):

@@ -179,7 +179,8 @@ def test_int_is_accepted_for_float() -> None:
 
 
 def test_nested_list_items_are_checked() -> None:
-    layout = {"dp_replicate": 2, "dp_shard": 1, "pp": 1, "tp": 1, "members": ["a", "b"], "shares": [1, 2]}
+    layout = {"dp_replicate": 2, "dp_shard": 1, "pp": 1, "tp": 1, "members": ["a", "b"], "shares": [1, 2],
+              "stages": []}
     good = {"v": t.PROTOCOL_VERSION, "kind": "PlanDelta", "epoch": 1, "reason": "", "layout": layout,
             "global_batch": 3, "abort": False, "senders": [], "micro_batch": [], "resume_path": "", "resume_step": 0, "from_sharded": False,
             "previous": None}
@@ -265,7 +266,7 @@ def test_a_nested_layout_must_be_a_map_with_exactly_its_fields() -> None:
                        global_batch=8, abort=False)
     frame = msgpack.unpackb(encode(good))
     assert frame["layout"] == {"dp_replicate": 1, "dp_shard": 2, "pp": 1, "tp": 1, "members": ["a", "b"],
-                               "shares": [4, 4]}
+                               "shares": [4, 4], "stages": []}
     assert decode(encode(good)) == good and good.members == ["a", "b"]
     for layout, why in [({**frame["layout"], "cp": 1}, "unknown cp"), ({"members": ["a"]}, "missing dp_replicate"),
                         ([1, 2], "expected a MeshLayout map"), ({**frame["layout"], "dp_shard": "2"}, "expected int"),

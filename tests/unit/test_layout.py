@@ -23,7 +23,8 @@ def test_degrees_must_multiply_to_the_members_and_be_at_least_one() -> None:
 
 
 def test_coordinates_are_row_major_pp_replicate_shard_tp() -> None:
-    layout = Layout(members=tuple("abcdefgh"), shares=(1,) * 8, pp=2, dp_replicate=2, dp_shard=2)
+    layout = Layout(members=tuple("abcdefgh"), shares=(1,) * 8, pp=2, dp_replicate=2, dp_shard=2,
+                    stages=(("0", "1"), ("2",)))
     assert [layout.coords(r) for r in (0, 1, 2, 3, 4, 7)] == [
         (0, 0, 0, 0), (0, 0, 1, 0), (0, 1, 0, 0), (0, 1, 1, 0), (1, 0, 0, 0), (1, 1, 1, 0)]
     assert all(layout.rank_of(*layout.coords(r)) == r for r in range(8))
@@ -52,7 +53,7 @@ def test_the_wire_form_round_trips_and_names_what_is_wrong() -> None:
     layout = Layout(members=("a", "b", "c", "d"), shares=(2, 2, 3, 1), dp_replicate=2, dp_shard=2)
     assert Layout.from_dict(layout.to_dict()) == layout
     assert layout.to_dict() == {"dp_replicate": 2, "dp_shard": 2, "pp": 1, "tp": 1,
-                                "members": ["a", "b", "c", "d"], "shares": [2, 2, 3, 1]}
+                                "members": ["a", "b", "c", "d"], "shares": [2, 2, 3, 1], "stages": []}
     with pytest.raises(LayoutError, match="unknown fields"):
         Layout.from_dict({**layout.to_dict(), "cp": 1})
     with pytest.raises(LayoutError, match="make 4 ranks"):
