@@ -24,11 +24,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from plan.graph import ROOT_UNIT
+
 if TYPE_CHECKING:
     from plan.layout import Layout
 
 Range = tuple[int, int]
-ROOT_UNIT = ""  # the unit of a tensor outside every named unit (the model's own parameters)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +40,7 @@ class TensorShape:
     name: str
     rows: int
     numel: int
-    unit: str = ROOT_UNIT
+    unit: str = ROOT_UNIT  # (the graph's: `plan.graph.TensorInfo.unit`)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -103,12 +104,13 @@ def _indices(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[tuple[int
 
 def unit_of(name: str, units: Sequence[str]) -> str:
     """The graph unit a parameter named `name` belongs to: the longest unit that prefixes it at a
-    dot ("blocks.1" holds "blocks.1.fc.weight", not "blocks.10.fc.weight"), else ROOT_UNIT."""
-    best = ROOT_UNIT
+    dot ("blocks.1" holds "blocks.1.fc.weight", not "blocks.10.fc.weight"), else the root unit
+    (what graph capture records as `TensorInfo.unit`)."""
+    best: str | None = None
     for u in units:
-        if (name == u or name.startswith(u + ".")) and len(u) > len(best):
+        if (name == u or name.startswith(u + ".")) and (best is None or len(u) > len(best)):
             best = u
-    return best
+    return ROOT_UNIT if best is None else best
 
 
 def stage_of(layout: Layout, unit: str) -> int:
