@@ -1,0 +1,241 @@
+"""The pipeline axis, as the planner sees it: where to cut the model's units into stages for a given
+row of (possibly unlike) devices, how many micro-batches, and what such a step costs. Pure.
+
+A stage is a contiguous run of the graph's units (`Graph.layers`, in forward order). A device's
+measured speed is for the whole model (samples/s of forward + backward); a stage's share of it is
+its units' share of the model's FLOPs, so stage s on a device of speed v computes a micro-batch of b
+samples in b · F_s / (F · v), plus the device's fixed cost per micro-batch (kernel launches, Python:
+what makes small-model pipelines overhead-bound). Boundaries send the boundary tensor forward and
+its gradient back, point to point.
+
+**The step.** With m micro-batches and stage times t_s (compute plus the sends on its boundaries),
+a 1F1B (or GPipe) step takes the first micro-batch's way through every stage and then the slowest
+stage's pace for the rest:
+
+    step = Σ_s t_s + (m − 1) · max_s t_s
+
+For equal stages that is (m + p − 1) · t, the familiar bubble (p − 1) / (m + p − 1). Micro-batches
+of two sizes (the batch need not divide): the smaller ones pass at the pace of their own stage times.
+
+**The cuts** (`cut_stages`). For a fixed order of devices, the cuts that minimise the slowest stage
+are found exactly by dynamic programming over (stages used, units placed): O(p · n²) for n units,
+ties broken by the smaller sum; a stage whose units' state and in-flight activations do not fit its
+device's memory is never formed (1F1B keeps up to p − s micro-batches' activations on stage s).
+Uneven cuts fall out of it: a slow or small device gets fewer units. `best_pipeline` tries every
+distinct order of the devices' classes (a slow device first or last changes which units it gets)
+and every micro-batch count, and keeps the fastest prediction.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from plan.cost import Link, p2p_s, static_bytes
+from plan.graph import Graph
+
+MAX_ORDERS = 24  # distinct device orders tried (4 unlike devices: all of them)
+MICRO_PER_STAGE = 8  # micro-batch counts tried reach this many per stage (past it the bubble is small)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageDevice:
+    """One device that may hold a stage: its measured whole-model speed, its memory and its fixed
+    compute cost per micro-batch."""
+
+    name: str
+    samples_per_s: float
+    memory_bytes: float = math.inf
+    fixed_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.samples_per_s <= 0:
+            raise ValueError(f"stage device {self.name}: samples_per_s must be positive, got {self.samples_per_s}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PipelinePlan:
+    """Stages (unit names per stage, in order) on `devices` (one per stage, in order), `micro` samples
+    in each micro-batch, and the predicted step."""
+
+    devices: tuple[str, ...]
+    stages: tuple[tuple[str, ...], ...]
+    micro: tuple[int, ...]  # samples per micro-batch, contiguous slices of the batch (sizes differ by <= 1)
+    stage_s: tuple[float, ...]  # per micro-batch of the largest size: compute + the sends on its boundaries
+    step_s: float
+
+    @property
+    def bubble(self) -> float:
+        """The share of the step the devices idle on average."""
+        busy = sum(self.stage_s) * len(self.micro) / len(self.stages)
+        return max(0.0, 1.0 - busy / self.step_s) if self.step_s > 0 else 0.0
+
+
+def micro_batches(samples: int, count: int) -> tuple[int, ...]:
+    """`samples` split into `count` contiguous micro-batches, sizes differing by at most one (larger
+    first): the batch needs no divisibility."""
+    if samples < 1 or not 1 <= count <= samples:
+        raise ValueError(f"cannot split {samples} samples into {count} micro-batches")
+    base, extra = divmod(samples, count)
+    return tuple(base + 1 if i < extra else base for i in range(count))
+
+
+@dataclass(frozen=True, slots=True)
+class _Sums:
+    """Prefix sums over the units: a stage's FLOPs, parameters and activations in O(1)."""
+
+    flops: tuple[float, ...]
+    params: tuple[float, ...]
+    acts: tuple[float, ...]
+    boundary: tuple[float, ...]  # per unit: the bytes per sample its output sends to the next
+    optimizer_state_factor: float
+
+    @staticmethod
+    def of(graph: Graph) -> _Sums:
+        layers = graph.layers
+        return _Sums(flops=tuple(itertools.accumulate((x.train_flops for x in layers), initial=0.0)),
+                     params=tuple(itertools.accumulate((float(x.param_bytes) for x in layers), initial=0.0)),
+                     acts=tuple(itertools.accumulate((float(x.activation_bytes) for x in layers), initial=0.0)),
+                     boundary=tuple(float(x.boundary_bytes) for x in layers),
+                     optimizer_state_factor=graph.optimizer_state_factor)
+
+    def memory(self, lo: int, hi: int, in_flight: int, micro: int) -> float:
+        """Bytes of units [lo, hi) as one stage: parameters, gradients and optimizer state, and the
+        activations of `in_flight` micro-batches of `micro` samples."""
+        params = self.params[hi] - self.params[lo]
+        return static_bytes(params, self.optimizer_state_factor) + (self.acts[hi] - self.acts[lo]) * micro * in_flight
+
+    def stage_s(self, lo: int, hi: int, device: StageDevice, micro: int, link: Link | None) -> float:
+        """Seconds for one micro-batch of `micro` samples through units [lo, hi) on `device`, forward
+        and backward, with its boundary sends (the forward output out, the gradient back in)."""
+        total = self.flops[-1] or 1.0
+        compute = micro * (self.flops[hi] - self.flops[lo]) / (total * device.samples_per_s) + device.fixed_s
+        sends = 0.0
+        if link is not None:
+            if hi < len(self.boundary):
+                sends += p2p_s(self.boundary[hi - 1] * micro, link)  # activations out
+            if lo > 0:
+                sends += p2p_s(self.boundary[lo - 1] * micro, link)  # their gradient back
+        return compute + sends
+
+
+def step_s(stage_s: Sequence[float], micro_count: int) -> float:
+    """A pipeline step of `micro_count` micro-batches over stages of these times (module comment)."""
+    if not stage_s or micro_count < 1:
+        raise ValueError(f"a pipeline step needs stages and micro-batches, got {len(stage_s)}, {micro_count}")
+    return sum(stage_s) + (micro_count - 1) * max(stage_s)
+
+
+def cut_stages(graph: Graph, devices: Sequence[StageDevice], micro: int, *,
+               link: Link | None = None) -> tuple[tuple[int, ...], tuple[float, ...]] | None:
+    """The unit index where each stage begins (the first is 0) and each stage's time per micro-batch,
+    for `devices` in this order, one stage each, minimising the slowest stage (ties: the smaller
+    sum); None when no cut fits every stage in its device's memory.
+
+    Dynamic programming over (stages used, units placed), exact. (A greedy fill under a bound, the
+    textbook check for equal devices, is not: a fast device that takes one unit more can leave a
+    heavy unit to a slow one, since every stage must hold at least one unit.)"""
+    n, p = len(graph.layers), len(devices)
+    if p < 1 or p > n:
+        return None
+    sums = _Sums.of(graph)
+    inf = (math.inf, math.inf)
+    # best[s][j]: (slowest, sum) over stages 0..s-1 holding units [0, j); back[s][j]: where stage s-1 began
+    best = [[inf] * (n + 1) for _ in range(p + 1)]
+    back = [[0] * (n + 1) for _ in range(p + 1)]
+    best[0][0] = (0.0, 0.0)
+    for s in range(1, p + 1):
+        device, in_flight = devices[s - 1], p - s + 1  # (1F1B: stage s-1 holds up to p-s+1 micro-batches)
+        row, prev_row = best[s], best[s - 1]
+        for j in range(s, n - (p - s) + 1):  # leave at least one unit to every later stage
+            for i in range(s - 1, j):
+                prev = prev_row[i]
+                if prev[0] == math.inf or sums.memory(i, j, in_flight, micro) > device.memory_bytes:
+                    continue
+                t = sums.stage_s(i, j, device, micro, link)
+                cand = (prev[0] if prev[0] > t else t, prev[1] + t)
+                if cand < row[j]:
+                    row[j], back[s][j] = cand, i
+    if best[p][n][0] == math.inf:
+        return None
+    starts, j = [], n
+    for s in range(p, 0, -1):
+        j = back[s][j]
+        starts.append(j)
+    starts.reverse()
+    bounds = [*starts, n]
+    times = tuple(sums.stage_s(a, b, d, micro, link) for a, b, d in zip(bounds, bounds[1:], devices))
+    return tuple(starts), times
+
+
+def best_pipeline(graph: Graph, devices: Sequence[StageDevice], samples: int, *,
+                  link: Link | None = None, max_micro: int | None = None) -> PipelinePlan | None:
+    """The fastest pipeline of `samples` per step over `devices` (one stage each, in the best order
+    of their classes), the number of micro-batches chosen with it; None when none fits in memory."""
+    found: PipelinePlan | None = None
+    sums = _Sums.of(graph)
+    for order in _orders(devices):
+        for count in _counts(samples, min(samples, max_micro or MICRO_PER_STAGE * len(devices))):
+            sizes = micro_batches(samples, count)
+            cut = cut_stages(graph, order, sizes[0], link=link)
+            if cut is None:
+                continue
+            starts, times = cut
+            total = step_s(times, count)
+            if sizes[-1] != sizes[0]:  # the smaller micro-batches pass quicker: each stage time is affine in the size
+                bounds = [*starts, len(graph.layers)]
+                small = [sums.stage_s(a, b, d, sizes[-1], link) for a, b, d in zip(bounds, bounds[1:], order)]
+                total = sum(times) + sum(max(times if n == sizes[0] else small) for n in sizes[1:])
+            if found is None or total < found.step_s:
+                bounds = [*starts, len(graph.layers)]
+                stages = tuple(tuple(layer.name for layer in graph.layers[a:b]) for a, b in zip(bounds, bounds[1:]))
+                found = PipelinePlan(devices=tuple(d.name for d in order), stages=stages, micro=sizes,
+                                     stage_s=times, step_s=total)
+    return found
+
+
+def _counts(samples: int, most: int) -> list[int]:
+    """Micro-batch counts worth trying up to `most`: every count to 8, then about 25% apart (the
+    predicted step is flat there: the bubble shrinks slowly, the fixed costs grow slowly), and every
+    count that splits `samples` evenly."""
+    out, c = set(), 1
+    while c <= most:
+        out.add(c)
+        c = c + 1 if c < 8 else max(c + 1, round(c * 1.25))
+    out |= {d for d in range(1, most + 1) if samples % d == 0}
+    return sorted(out | {most})
+
+
+def _orders(devices: Sequence[StageDevice]) -> list[tuple[StageDevice, ...]]:
+    """Distinct orders of the devices up to swapping identical ones (same speed, memory and fixed
+    cost), at most MAX_ORDERS, the given order first: the permutations of a multiset of classes."""
+    classes: dict[tuple[float, float, float], list[StageDevice]] = {}
+    for d in devices:
+        classes.setdefault((d.samples_per_s, d.memory_bytes, d.fixed_s), []).append(d)
+    keys = list(classes)
+    first = [keys.index((d.samples_per_s, d.memory_bytes, d.fixed_s)) for d in devices]
+    out: list[tuple[StageDevice, ...]] = []
+
+    def extend(prefix: list[int], left: list[int]) -> None:
+        if len(out) == MAX_ORDERS:
+            return
+        if len(prefix) == len(devices):
+            taken = [0] * len(keys)
+            order = []
+            for k in prefix:
+                order.append(classes[keys[k]][taken[k]])
+                taken[k] += 1
+            out.append(tuple(order))
+            return
+        # the given order's class first at each position, then the others
+        want = first[len(prefix)]
+        for k in [want, *(k for k in range(len(keys)) if k != want)]:
+            if left[k]:
+                left[k] -= 1
+                extend([*prefix, k], left)
+                left[k] += 1
+
+    extend([], [len(classes[k]) for k in keys])
+    return out
