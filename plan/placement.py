@@ -46,7 +46,7 @@ class TensorShape:
     def shape(self) -> tuple[int, ...]:
         """Two dimensions are all a placement needs: rows, and the elements of a row."""
         if self.rows == 0:
-            return ()
+            return () if self.numel == 1 else (0,)  # a scalar, or a tensor with no elements
         return (self.rows, self.numel // self.rows)
 
 

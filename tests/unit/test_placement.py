@@ -57,6 +57,7 @@ def test_a_pipeline_rank_holds_its_stage_and_nothing_else() -> None:
     assert [box_of(layout, r, w) is None for r in range(4)] == [True, True, False, False]
     assert ranges_of(layout, 2, w) == [(0, 9)] and ranges_of(layout, 3, w) == [(9, 15)], "FSDP's chunks in the stage"
     assert ranges_of(layout, 0, root) == [(0, 1)] and ranges_of(layout, 2, root) == []
+    assert ranges_of(layout, 0, TensorShape("empty", rows=0, numel=0)) == [], "nothing to hold of no elements"
     with pytest.raises(ValueError, match="in no stage"):
         box_of(layout, 0, TensorShape("9.w", rows=1, numel=1, unit="9"))
 
