@@ -1,0 +1,149 @@
+"""One pipeline stage's part of a step: its micro-batches' forwards and backwards, the activations and
+their gradients passed to and from the neighbouring stages point to point, in 1F1B order.
+
+Why not `torch.distributed.pipelining`'s schedules: measured on torch 2.13 (gloo, CPU), GPipe and
+1F1B over `PipelineStage` give exact gradients, but micro-batches of unequal sizes fail (the stage
+pre-allocates its receive buffers from the first micro-batch's shape, and the schedule splits inputs
+and targets differently: pytorch#126600 was closed by refusing them), and their sends and receives
+wait inside torch with no way to walk away from a dead peer. Here a micro-batch may have any size
+(the batch need not divide: the planner's micro-batches are contiguous slices of the step's share),
+every wait goes through the caller's `wait` (the trainer's abortable one), and the mathematics is
+the single process's: the last stage backpropagates each micro-batch's summed loss divided by the
+global batch, so the gradients, summed over micro-batches, are the full batch's.
+
+Every boundary tensor is preceded by a small header (its dimensions), so a stage needs to know
+nothing of its neighbours' shapes; tags keep a micro-batch's activation and gradient apart. Sends
+are waited for only at the end of the step (their tensors kept until then): a send can complete
+only once its receiver has posted the matching receive, and in 1F1B two neighbours send to each
+other at once (an activation forward, a gradient back).
+
+1F1B on stage s of p with m micro-batches: min(p − s − 1, m) forwards first (the warm-up), then one
+forward and one backward in turn, then the remaining backwards; at most p − s micro-batches' activations
+are held at once (what `plan.pipeline` budgets memory for).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["StageStep", "one_f_one_b", "stage_of_sequence"]
+
+MAX_DIMS = 8  # dimensions a boundary tensor may have (the header's size)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32)
+
+
+def stage_of_sequence(model: nn.Module, units: Sequence[str]) -> nn.Sequential:
+    """The stage of a model whose units form a sequence (each unit's output is the next one's input,
+    as an `nn.Sequential`'s children): its `units`, in order, as one module sharing their parameters."""
+    return nn.Sequential(*[model.get_submodule(u) for u in units])
+
+
+@dataclass(slots=True)
+class StageStep:
+    """What one step of a stage needs. `send(t, dst, tag)` / `recv(t, src, tag)` start a
+    point-to-point op on the stage's group and return its work; `wait(work, buf)` waits for it (or
+    raises, abandoning it, once the step is given up). `inputs` (first stage) and `targets` (last
+    stage) hold every micro-batch, in order; `sizes` the samples of each."""
+
+    module: nn.Module
+    stage: int
+    stages: int
+    prev_rank: int | None
+    next_rank: int | None
+    send: Callable[[torch.Tensor, int, int], Any]
+    recv: Callable[[torch.Tensor, int, int], Any]
+    wait: Callable[[Any, torch.Tensor | None], None]
+    sizes: Sequence[int]
+    device: torch.device
+    inputs: Sequence[torch.Tensor] = ()
+    targets: Sequence[torch.Tensor] = ()
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # summed over samples
+    global_batch: int = 1
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+
+def one_f_one_b(s: StageStep) -> torch.Tensor:
+    """Run this stage's part of one step; returns the sum of the micro-batches' losses on the last
+    stage (0 elsewhere), on the device. Gradients accumulate into the module's parameters."""
+    m = len(s.sizes)
+    warmup = min(s.stages - s.stage - 1, m)
+    held: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}  # micro-batch -> (its input, output or loss)
+    loss_sum = torch.zeros((), dtype=torch.float32, device=s.device)
+    sent: list[tuple[Any, torch.Tensor]] = []  # sends in flight, with their tensors
+    forwards = backwards = 0
+    for _ in range(warmup):
+        held[forwards] = _forward(s, forwards, sent)
+        forwards += 1
+    while backwards < m:
+        if forwards < m:
+            held[forwards] = _forward(s, forwards, sent)
+            forwards += 1
+        inp, out = held.pop(backwards)
+        if s.last:
+            loss_sum = loss_sum + out.detach().float() * s.global_batch
+        _backward(s, backwards, inp, out, sent)
+        backwards += 1
+    for work, tensor in sent:
+        s.wait(work, tensor)
+    return loss_sum
+
+
+def _forward(s: StageStep, k: int, sent: list[tuple[Any, torch.Tensor]]) -> tuple[torch.Tensor | None, torch.Tensor]:
+    if s.first:
+        inp: torch.Tensor | None = None
+        out = s.module(s.inputs[k].to(s.device))
+    else:
+        assert s.prev_rank is not None
+        inp = _recv(s, s.prev_rank, tag=2 * k).requires_grad_()
+        out = s.module(inp)
+    if s.last:
+        assert s.loss is not None
+        return inp, s.loss(out, s.targets[k].to(s.device)) / s.global_batch
+    assert s.next_rank is not None
+    _send(s, out.detach(), s.next_rank, 2 * k, sent)
+    return inp, out
+
+
+def _backward(s: StageStep, k: int, inp: torch.Tensor | None, out: torch.Tensor,
+              sent: list[tuple[Any, torch.Tensor]]) -> None:
+    if s.last:
+        out.backward()  # type: ignore[no-untyped-call]
+    else:
+        assert s.next_rank is not None
+        grad = _recv(s, s.next_rank, tag=2 * k + 1)
+        out.backward(grad)  # type: ignore[no-untyped-call]
+    if not s.first:
+        assert s.prev_rank is not None and inp is not None and inp.grad is not None
+        _send(s, inp.grad, s.prev_rank, 2 * k + 1, sent)
+
+
+def _send(s: StageStep, t: torch.Tensor, dst: int, tag: int, sent: list[tuple[Any, torch.Tensor]]) -> None:
+    t = t.contiguous()
+    header = torch.zeros(MAX_DIMS + 2, dtype=torch.int64)
+    header[0], header[1] = t.dim(), DTYPES.index(t.dtype)
+    header[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    header = header.to(s.device)
+    sent.append((s.send(header, dst, tag), header))
+    sent.append((s.send(t, dst, tag), t))
+
+
+def _recv(s: StageStep, src: int, tag: int) -> torch.Tensor:
+    header = torch.zeros(MAX_DIMS + 2, dtype=torch.int64, device=s.device)
+    s.wait(s.recv(header, src, tag), header)
+    header = header.cpu()
+    ndim, dtype = int(header[0]), DTYPES[int(header[1])]
+    t = torch.empty([int(x) for x in header[2:2 + ndim]], dtype=dtype, device=s.device)
+    s.wait(s.recv(t, src, tag), t)
+    return t
