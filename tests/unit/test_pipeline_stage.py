@@ -4,6 +4,9 @@ every stage's gradients and the loss equal one process's on the whole batch."""
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -12,6 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from worker.abortable import AbortableGroup
+from worker.comm import Superseded
 from worker.job import Job, load_job
 from worker.parallel.pipeline import StageStep, one_f_one_b, stage_of_sequence
 
@@ -26,11 +31,13 @@ def _job() -> Job:
     return load_job(path.read_text(), "job_short", filename=str(path))
 
 
-def _stage(rank: int, cuts: list[list[str]], sizes: list[int], store_path: str, out: str) -> None:
+def _stage(rank: int, cuts: list[list[str]], sizes: list[int], store_path: str, out: str,
+           abortable: bool = False) -> None:
     torch.set_num_threads(1)
     stages = len(cuts)
     store = dist.FileStore(store_path, stages)
-    pg = dist.ProcessGroupGloo(store, rank, stages, timedelta(seconds=60))
+    backend = dist.ProcessGroupGloo(store, rank, stages, timedelta(seconds=60))
+    pg = AbortableGroup(backend) if abortable else backend
     job = _job()
     torch.manual_seed(job.seed)
     model = job.model()
@@ -49,16 +56,17 @@ def _stage(rank: int, cuts: list[list[str]], sizes: list[int], store_path: str, 
     torch.save({"grads": grads, "loss_sum": float(loss_sum)}, f"{out}.{rank}")
 
 
-@pytest.mark.parametrize("cuts, sizes", [
-    ([["0", "1", "2"], ["3", "4", "5"]], [4, 4, 4, 4]),
-    ([["0"], ["1", "2", "3"], ["4", "5"]], [6, 5, 5]),  # uneven cuts, micro-batches of two sizes
-    ([["0", "1"], ["2", "3", "4"], ["5"]], [16]),  # one micro-batch
-    ([["0", "1"], ["2"], ["3", "4", "5"]], [3, 3, 3, 3, 2, 2]),  # more micro-batches than stages
+@pytest.mark.parametrize("cuts, sizes, abortable", [
+    ([["0", "1", "2"], ["3", "4", "5"]], [4, 4, 4, 4], False),
+    ([["0", "1", "2"], ["3", "4", "5"]], [4, 4, 4, 4], True),  # over the abortable group's point-to-point ops
+    ([["0"], ["1", "2", "3"], ["4", "5"]], [6, 5, 5], True),  # uneven cuts, micro-batches of two sizes
+    ([["0", "1"], ["2", "3", "4"], ["5"]], [16], False),  # one micro-batch
+    ([["0", "1"], ["2"], ["3", "4", "5"]], [3, 3, 3, 3, 2, 2], True),  # more micro-batches than stages
 ])
 def test_a_pipelined_step_has_the_whole_batchs_gradients_and_loss(tmp_path: Path, cuts: list[list[str]],
-                                                                   sizes: list[int]) -> None:
+                                                                   sizes: list[int], abortable: bool) -> None:
     out = str(tmp_path / "stage")
-    mp.start_processes(_stage, args=(cuts, sizes, str(tmp_path / "store"), out), nprocs=len(cuts),
+    mp.start_processes(_stage, args=(cuts, sizes, str(tmp_path / "store"), out, abortable), nprocs=len(cuts),
                        join=True, start_method="spawn")
     job = _job()
     torch.manual_seed(job.seed)
@@ -84,3 +92,36 @@ def test_a_model_whose_units_form_a_sequence_is_cut_into_modules_that_share_its_
     stage = stage_of_sequence(model, ["1", "2"])
     assert stage[0] is model.get_submodule("1") and len(list(stage.parameters())) == \
         len(list(model.get_submodule("1").parameters())) + len(list(model.get_submodule("2").parameters()))
+
+
+def _stalled(rank: int, tmp: str) -> None:
+    """Stage 1 of 2 stops after the warm-up: stage 0 waits for a gradient that never comes, until its
+    group is aborted."""
+    torch.set_num_threads(1)
+    store = dist.FileStore(f"{tmp}/store", 2)
+    group = AbortableGroup(dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=120)))
+    released = Path(f"{tmp}/released")
+    if rank == 1:
+        while not released.exists():
+            time.sleep(0.05)
+        return
+    job = _job()
+    torch.manual_seed(job.seed)
+    inputs, _ = job.dataset[torch.arange(8)]
+    step = StageStep(module=stage_of_sequence(job.model(), ["0", "1", "2"]), stage=0, stages=2, prev_rank=None,
+                     next_rank=1, send=lambda t, dst, tag: group.send([t], dst, tag),
+                     recv=lambda t, src, tag: group.recv([t], src, tag), wait=lambda work, buf: work.wait(),
+                     sizes=[4, 4], device=torch.device("cpu"), inputs=[inputs[:4], inputs[4:]], global_batch=8)
+    threading.Timer(0.3, group.abort, args=("stage 1 failed",)).start()
+    try:
+        one_f_one_b(step)
+        outcome = "completed"
+    except Superseded as e:
+        outcome = f"superseded: {e}"
+    released.write_text(outcome)
+    os._exit(0)  # (as a worker ends: an abandoned op's thread must not be joined at interpreter exit)
+
+
+def test_a_stage_waiting_on_a_stopped_neighbour_is_released_by_the_abort(tmp_path: Path) -> None:
+    mp.start_processes(_stalled, args=(str(tmp_path),), nprocs=2, join=True, start_method="spawn")
+    assert (tmp_path / "released").read_text() == "superseded: stage 1 failed"

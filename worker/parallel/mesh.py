@@ -26,13 +26,14 @@ __all__ = ["forget", "mesh_of", "register"]
 
 
 def register(backend: Any, store: Any, rank: int, world: int, epoch: int, device: torch.device, *,
-             part: str = "", ranks: list[int] | None = None) -> dist.ProcessGroup:
+             part: str = "", ranks: list[int] | None = None, pg: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
     """Wrap a raw backend of the epoch as a registered ProcessGroup. The epoch's whole group (no
     `part`) becomes the default group; a sub-group (`part` names it, `ranks` its members' ranks in
-    the whole group, in its own rank order) is only registered, as `new_group` would."""
+    the whole group, in its own rank order) is only registered, as `new_group` would. `pg`: the
+    ProcessGroup to register (an `AbortableGroup` around `backend`); by default a plain one."""
     nccl = device.type == "cuda"
     kind = dist.ProcessGroup.BackendType.NCCL if nccl else dist.ProcessGroup.BackendType.GLOO
-    pg = dist.ProcessGroup(store, rank, world)
+    pg = pg if pg is not None else dist.ProcessGroup(store, rank, world)
     pg._set_default_backend(kind)
     pg._register_backend(torch.device(device.type), kind, backend)
     name = c10d.GroupName(f"adaptrain-epoch{epoch}{'-' + part if part else ''}")
