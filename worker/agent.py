@@ -113,6 +113,7 @@ class Agent:
         self._handshaken = False  # a handshake with the coordinator succeeded at least once
         self._connected = False  # a TCP connection to the endpoint was made at least once (what a timeout says)
         self._failing_since: float | None = None  # first failed handshake before any success
+        self._gone_since: float | None = None  # the connection to the coordinator dropped (monotonic), until back
         self.name = name
         self.calibration = calibration
         self.slowdown = slowdown  # the test knob: compute is stretched by this factor (`Slowdown`)
@@ -219,6 +220,11 @@ class Agent:
                     return None
                 self._cond.wait(min(left, 0.1))
 
+    def coordinator_gone_for(self) -> float:
+        """Seconds since the connection to the coordinator dropped and was not made again (0: connected)."""
+        since = self._gone_since
+        return 0.0 if since is None else time.monotonic() - since
+
     def save_waiting(self) -> bool:
         """Whether a `ctl save` waits for a step boundary (not taken)."""
         return bool(self._box.saves)
@@ -268,7 +274,7 @@ class Agent:
         sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 1000)
         harden_client(sock, max_bytes=MAX_FRAME_BYTES + 4096, keys=self.keys)
-        monitor = sock.get_monitor_socket(HANDSHAKE_EVENTS | zmq.EVENT_CONNECTED)
+        monitor = sock.get_monitor_socket(HANDSHAKE_EVENTS | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sock.connect(self.endpoint)
         try:
             self._loop(sock, monitor)
@@ -287,10 +293,13 @@ class Agent:
             event = recv_monitor_message(monitor)
             kind, value = int(event["event"]), int(event["value"])
             if kind == zmq.EVENT_CONNECTED:
-                self._connected = True
+                self._connected, self._gone_since = True, None
+                continue
+            if kind == zmq.EVENT_DISCONNECTED:
+                self._gone_since = self._gone_since or time.monotonic()
                 continue
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._handshaken, self._failing_since = True, None
+                self._handshaken, self._failing_since, self._gone_since = True, None, None
                 continue
             why = why or handshake_failure(kind, value, self.keys, who="worker", endpoint=self.endpoint)
             if not self._handshaken and self._failing_since is None:

@@ -52,6 +52,7 @@ class WorkerConfig:
     log_every: int
     group_timeout_s: float
     connect_timeout_s: float
+    coordinator_timeout_s: float
     slowdown: float
     keys: ClientKeys | None
     trace_steps: str | None
@@ -98,6 +99,9 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
     p.add_argument("--connect-timeout", type=float, default=60.0, metavar="S",
                    help="give up if the coordinator does not answer within S seconds (default 60; a host name "
                         "that does not resolve fails at once)")
+    p.add_argument("--coordinator-timeout", type=float, default=600.0, metavar="S",
+                   help="give up (exit 2) once the coordinator has been unreachable for S seconds while this worker "
+                        "needs it, waiting for a plan (default 600); a plan in place trains on without it")
     a = p.parse_args(argv)
     if not a.join.startswith(("tcp://", "ipc://")):
         p.error(f"--join wants tcp://HOST:PORT, got {a.join!r}")
@@ -134,6 +138,7 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
     return WorkerConfig(keys=keys, trace_steps=a.trace_steps, pause_at=pause_at, join=a.join, name=name, device=a.device, threads=a.threads,
                         memory_limit_gib=a.memory_limit, digest_every=a.digest_every, log_every=a.log_every,
                         group_timeout_s=a.group_timeout, connect_timeout_s=a.connect_timeout,
+                        coordinator_timeout_s=a.coordinator_timeout,
                         slowdown=a.slowdown)
 
 
@@ -218,6 +223,7 @@ def _main(argv: list[str] | None) -> int:
             raise JobError("the job source arrived damaged (sha256 mismatch)")
         job = load_job(welcome.job_source, welcome.job_name, filename=welcome.job_ref.rpartition(":")[0] or welcome.job_ref)
         trainer = Trainer(job, agent, cfg.join, TrainerConfig(group_timeout_s=cfg.group_timeout_s,
+                                                              delta_timeout_s=cfg.coordinator_timeout_s,
                                                               digest_every=cfg.digest_every,
                                                               log_every=cfg.log_every, device=cfg.device,
                                                               keys=cfg.keys, trace_path=cfg.trace_steps,

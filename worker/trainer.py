@@ -45,7 +45,7 @@ from transport.security import ClientKeys
 from worker import checkpoint, comm, epoch
 from worker import group as groups
 from worker import step as steps
-from worker.agent import Agent
+from worker.agent import Agent, FatalError
 from worker.comm import Superseded
 from worker.evaluate import evaluate
 from worker.group import Group
@@ -66,6 +66,7 @@ from worker.store import CoordinatorStore
 T = TypeVar("T")
 
 RETRY_S = 0.5  # pause before forming an epoch's group again after a failed rendezvous
+GONE_CHECK_S = 1.0  # while waiting for a plan, how often to ask whether the coordinator is still reachable
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -73,7 +74,7 @@ class TrainerConfig:
     group_timeout_s: float = 60.0
     digest_every: int = 0  # 0: never hash parameters
     log_every: int = 10
-    delta_timeout_s: float = 600.0  # how long to wait for a plan before giving up
+    delta_timeout_s: float = 600.0  # how long a plan is waited for with the coordinator unreachable before giving up
     device: str = "cpu"
     keys: ClientKeys | None = None  # CURVE keys for the store's sockets (None: --insecure coordinator)
     trace_path: str | None = None  # append every step report here as a JSON line (--trace-steps)
@@ -172,7 +173,7 @@ class Trainer:
                 self.agent.say_goodbye(Leave(name=self.name, reason=reason))
                 return reason if reason == "drained" else f"stopped: {stop}"
             if group is None or self.agent.superseded(group.epoch):
-                delta = self.agent.next_delta(self.epoch_tried, self.config.delta_timeout_s)
+                delta = self.agent.next_delta(self.epoch_tried, GONE_CHECK_S)
             else:
                 try:
                     delta = self._train_step(group)  # a planned delta all ranks agreed to switch to
@@ -181,6 +182,12 @@ class Trainer:
                     group = None
                     continue
             if delta is None:
+                gone = self.agent.coordinator_gone_for()
+                if gone >= self.config.delta_timeout_s:
+                    raise FatalError(f"the coordinator at {self.endpoint} has been unreachable for {gone:.0f} s while this "
+                                     f"worker waited for a plan (--coordinator-timeout {self.config.delta_timeout_s:g}): "
+                                     f"giving up at step {self.step}; start the coordinator again with its --state-dir "
+                                     "and then the workers")
                 continue
             self.epoch_tried = delta.epoch
             if self.name in delta.members:
