@@ -70,7 +70,6 @@ from transport import (  # noqa: E402
     ControlRequest,
     Error,
     GraphUpload,
-    Heartbeat,
     Join,
     Message,
     PlanDelta,
@@ -81,6 +80,7 @@ from transport import (  # noqa: E402
     decode,
     encode,
 )
+from transport.worker_side import WorkerSide  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB_REF = f"{ROOT / 'examples' / 'mlp.py'}:job"
@@ -155,7 +155,9 @@ class Hub:
 
 
 class SimDevice(threading.Thread):
-    """One simulated worker: its socket lives and dies in this thread."""
+    """One simulated worker: its socket lives and dies in this thread. It speaks the protocol through
+    the worker's own side of it (`WorkerSide`: joins, heartbeats, fencing, re-registering), and does
+    what a worker does on top at once: Ready after the welcome, an Ack for every plan it is in."""
 
     def __init__(self, hub: Hub, endpoint: str, name: str, host: str, flops: float) -> None:
         super().__init__(name=f"sim-{name}", daemon=True)
@@ -165,8 +167,8 @@ class SimDevice(threading.Thread):
         self.t_close: float | None = None  # monotonic, just before the socket was closed
         self.t_close_wall: float | None = None
         self.uploaded_graph = False
-        self.acked_epoch = 0
-        self.step = 0  # steps "applied": the warm-up's step reports
+        self.side = WorkerSide(join_template=Join(name=name, host=host, pid=os.getpid(), device="cpu", flops=flops,
+                                                  memory_bytes=MEMORY_BYTES, threads=1), endpoint=endpoint)
         self.outbox: queue.SimpleQueue[Message] = queue.SimpleQueue()  # sent by the thread, in order
         self.failure: str | None = None
         self._kill_flag = threading.Event()
@@ -210,9 +212,16 @@ class SimDevice(threading.Thread):
             with self.hub.cond:
                 self.hub.cond.notify_all()
 
+    @property
+    def acked_epoch(self) -> int:
+        return self.side.epoch
+
+    @property
+    def step(self) -> int:  # steps "applied": the warm-up's step reports
+        return self.side.step
+
     def _loop(self, sock: zmq.Socket[bytes]) -> None:
-        sock.send(encode(Join(name=self.dev_name, host=self.host, pid=os.getpid(), device="cpu",
-                              flops=self.flops, memory_bytes=MEMORY_BYTES, threads=1)))
+        sock.send(encode(self.side.join(time.monotonic())))
         heartbeat_s: float | None = None
         next_beat = 0.0
         while not self._stop_flag.is_set():
@@ -227,11 +236,12 @@ class SimDevice(threading.Thread):
                 except queue.Empty:
                     break
                 if isinstance(msg, StepReport):
-                    self.step = max(self.step, msg.step)
+                    self.side.step = max(self.side.step, msg.step)
+                self.side.sent(msg)
                 sock.send(encode(msg))
             now = time.monotonic()
             if heartbeat_s is not None and now >= next_beat:
-                sock.send(encode(Heartbeat(name=self.dev_name, epoch=self.acked_epoch, step=self.step)))
+                sock.send(encode(self.side.heartbeat()))
                 next_beat = now + heartbeat_s
             wait_s = MAX_POLL_S if heartbeat_s is None else min(MAX_POLL_S, max(0.0, next_beat - now))
             if not sock.poll(int(wait_s * 1000) + 1):
@@ -253,6 +263,8 @@ class SimDevice(threading.Thread):
             self._note(Received(t, "undecodable", reason=str(e)))
             return None
         heartbeat_s = None
+        for reply in self.side.receive(msg, t):  # (a re-join when fenced, reports for a restarted coordinator)
+            sock.send(encode(reply))
         match msg:
             case Welcome():
                 if msg.want_graph:
@@ -266,7 +278,7 @@ class SimDevice(threading.Thread):
                 if self.dev_name in msg.members:  # answer first: the coordinator waits on it
                     sock.send(encode(Ack(name=self.dev_name, epoch=msg.epoch, step=self.step, reshard_bytes=0,
                                          reshard_s=0.0)))
-                    self.acked_epoch = msg.epoch
+                    self.side.epoch = msg.epoch
                 self._note(Received(t, "PlanDelta", msg.epoch, msg.abort, tuple(msg.members), msg.reason,
                                     tuple(msg.shares), msg.global_batch))
             case Abort():

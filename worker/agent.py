@@ -2,18 +2,11 @@
 
 It keeps heartbeating while the training thread computes (torch releases the GIL in its kernels),
 sends what the trainer queues (step reports, acks, leaves), and keeps what the coordinator says in
-a small thread-safe mailbox that the trainer reads between (and during) collectives:
-
-* plan deltas, newest last; a planned one waits for the step boundary, an aborting one
-  supersedes every older epoch at once;
-* the highest epoch the coordinator aborted (`Abort`);
-* `Stop`, and fencing (`ERR_STALE_EPOCH`: the coordinator no longer counts this worker as a member;
-  the agent joins again and the trainer drops its state).
-
-A coordinator that restarts from its journal answers the heartbeats of its plan's members with
-`ERR_REJOIN`: the agent registers again (Join with its epoch and step, Ready) while the trainer
-trains on undisturbed, and, once welcomed, sends again every step report after the `last_step` the
-new coordinator has logged (the last REPORTS_KEPT are kept), so the event log has no gap.
+the protocol's worker side (`transport.worker_side.WorkerSide`, under a lock) that the trainer
+reads between (and during) collectives: plan deltas, aborted epochs, `Stop`, fencing (the trainer
+drops its state), save and checkpoint requests. The conversation's rules (re-joining when fenced,
+registering again with a restarted coordinator and sending it the step reports it has not logged,
+retrying a busy join) are the worker side's; this module is its I/O.
 
 The socket is a DEALER with CURVE keys (unless the coordinator runs --insecure). The coordinator
 binds the worker's name to this connection at Join, so the agent keeps one socket for its life.
@@ -22,7 +15,7 @@ not have, or runs without keys it was given is a `FatalError` with a sentence sa
 answer from the coordinator's control socket (a ControlReply: --join was given the `control=`
 address). The monitor also reports TCP connections, so a join that times out says whether nothing
 could be reached there or something answered that is not a coordinator's workers socket. An
-`ERR_BUSY` answer to a Join (too many workers joining at once) is retried after JOIN_RETRY_S.
+`ERR_BUSY` answer to a Join (too many workers joining at once) is retried a moment later.
 
 The loop sleeps in one poll of the socket, its handshake monitor and a pipe the trainer's sends
 write to, until one of them has something or a heartbeat is due (never a fixed short tick).
@@ -42,66 +35,24 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from transport import (
-    ERR_BUSY,
-    ERR_REJOIN,
-    ERR_STALE_EPOCH,
-    MAX_FRAME_BYTES,
-    PLANNED_EXITS,
-    Abort,
-    CheckpointNow,
-    CodecError,
-    ControlReply,
-    Error,
-    Heartbeat,
-    Join,
-    Leave,
-    Message,
-    PlanDelta,
-    Ready,
-    SaveModel,
-    Slowdown,
-    StepReport,
-    Stop,
-    Welcome,
-    decode,
-    encode,
-)
+from transport import MAX_FRAME_BYTES, Join, Leave, Message, PlanDelta, Ready, Welcome, encode
 from transport.endpoints import no_answer
 from transport.security import HANDSHAKE_EVENTS, ClientKeys, handshake_failure, harden_client, no_detail_failure
+from transport.worker_side import WorkerSide
 from worker.calibrate import Calibration
 
 POLL_S = 0.01  # while zmq cannot take what is unsent (a full pipe, a closing flush): look again this often
 IDLE_S = 0.25  # otherwise the loop wakes on a frame, a handshake event, the trainer's send, or a heartbeat due
-JOIN_RETRY_S = 1.0
 NO_DETAIL_GRACE_S = 3.0  # handshakes failing without detail (and none succeeding) for this long: give up
-REJOIN_GRACE_S = 1.0  # stale-epoch answers this soon after a Join are echoes of older heartbeats
 GOODBYE_S = 2.0  # how long a leaving worker waits for the coordinator to answer its Leave
-REPORTS_KEPT = 10_000  # step reports kept for a coordinator that restarts (it logs those it has not seen)
 
 
 class FatalError(RuntimeError):
     """The coordinator refused this worker for good (name taken, protocol mismatch)."""
-
-
-@dataclass(slots=True)
-class _Mailbox:
-    welcome: Welcome | None = None
-    deltas: list[PlanDelta] = field(default_factory=list)
-    aborted_epoch: int = 0  # every epoch <= this one is abandoned
-    stop: str | None = None
-    goodbye_answered: bool = False  # a Stop came after the final Leave was sent
-    fenced: bool = False
-    fatal: str | None = None
-    joined_at: float = 0.0  # monotonic time of the last Join sent
-    retry_join_at: float | None = None  # the coordinator was busy: send the Join again then
-    saves: list[str] = field(default_factory=list)  # `ctl save` paths to write at the next step boundary
-    checkpoints: int = 0  # `ctl checkpoint` requests (or the coordinator's SIGTERM) not taken yet
 
 
 class Agent:
@@ -109,26 +60,22 @@ class Agent:
                  keys: ClientKeys | None = None) -> None:
         self.endpoint = endpoint
         self.keys = keys
-        self._ignored = 0  # frames from the coordinator that could not be used
         self._handshaken = False  # a handshake with the coordinator succeeded at least once
         self._connected = False  # a TCP connection to the endpoint was made at least once (what a timeout says)
         self._failing_since: float | None = None  # first failed handshake before any success
         self._gone_since: float | None = None  # the connection to the coordinator dropped (monotonic), until back
         self.name = name
         self.calibration = calibration
-        self.slowdown = slowdown  # the test knob: compute is stretched by this factor (`Slowdown`)
-        self.epoch = 0  # set by the trainer: what heartbeats report
-        self.step = 0
-        self._ready = False  # the trainer is built: (re)joins announce Ready at once
-        self._gone = False  # the final Leave was sent
+        c = calibration
+        # What the coordinator said, and the rules of the conversation (under `_cond`).
+        self._side = WorkerSide(join_template=Join(name=name, host=c.host, pid=os.getpid(), device=c.device,
+                                                   flops=c.flops, memory_bytes=c.memory_bytes, threads=c.threads,
+                                                   cores=c.cores),
+                                endpoint=endpoint, slowdown=slowdown)
         self.on_interrupt: Callable[[], None] | None = None  # called when work may be superseded
-        self._box = _Mailbox()
         self._cond = threading.Condition()
         self._outbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._unsent: deque[bytes] = deque()  # encoded, in order: zmq could not take them yet (agent thread only)
-        self._reports: deque[StepReport] = deque(maxlen=REPORTS_KEPT)  # sent, for a restarted coordinator
-        self._rejoining = False  # registering again with a restarted coordinator (agent thread only)
-        self._rejoined_at = 0.0
         self._closing = threading.Event()
         self._close_by = 0.0  # monotonic: stop trying to flush the unsent after this (set by close)
         # The trainer's sends wake the loop through this pipe, so the loop sleeps until something
@@ -140,6 +87,27 @@ class Agent:
         self._thread = threading.Thread(target=self._run, name="adaptrain-agent", daemon=True)
 
     # --- trainer-facing API (thread-safe) ----------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        return self._side.epoch
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:  # (set by the trainer: what heartbeats and joins report)
+        self._side.epoch = value
+
+    @property
+    def step(self) -> int:
+        return self._side.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._side.step = value
+
+    @property
+    def slowdown(self) -> float:
+        """The test knob: compute is stretched by this factor (`Slowdown`)."""
+        return self._side.slowdown
 
     def start(self) -> None:
         self._thread.start()
@@ -161,11 +129,12 @@ class Agent:
         the coordinator's socket monitor may report the closed connection before its reader has
         taken the Leave, and a worker that finished or was told to stop would be logged as failed.
         A Stop that came before the Leave is not that answer. False: no answer in time."""
-        self._gone = True
+        with self._cond:
+            self._side.leaving()
         self.send(msg)
         deadline = time.monotonic() + wait_s
         with self._cond:
-            while not self._box.goodbye_answered:
+            while not self._side.goodbye_answered:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -174,37 +143,28 @@ class Agent:
 
     def mark_ready(self) -> None:
         """The job is loaded and the model built: the coordinator may plan with this worker."""
-        self._ready = True
+        self._side.ready = True
         self.send(Ready(name=self.name))
 
     def wait_welcome(self, timeout_s: float) -> Welcome:
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while self._box.welcome is None:
+            while self._side.welcome is None:
                 self._raise_fatal()
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(no_answer(self.endpoint, timeout_s, who="worker", connected=self._connected))
                 self._cond.wait(min(left, 0.1))
-            return self._box.welcome
+            return self._side.welcome
 
     def superseded(self, epoch: int) -> bool:
-        """Whether work of `epoch` must be abandoned now (a failure, fencing, or a stop). A stop that
-        lets a planned-out worker go (PLANNED_EXITS) comes once every member has switched at the
-        agreed step boundary: the step this worker may still be finishing is that boundary's,
-        already done by its peers, so it is finished, not abandoned."""
-        box = self._box
-        if box.fenced or box.aborted_epoch >= epoch or box.fatal is not None:
-            return True
-        if box.stop is not None and box.stop not in PLANNED_EXITS:
-            return True
-        return any(d.abort and d.epoch > epoch for d in box.deltas)
+        """Whether work of `epoch` must be abandoned now (`WorkerSide.superseded`)."""
+        return self._side.superseded(epoch)
 
     def pending_planned(self, epoch: int) -> PlanDelta | None:
         """The planned delta waiting for the step boundary, if one newer than `epoch` arrived."""
         with self._cond:
-            later = [d for d in self._box.deltas if d.epoch > epoch]
-            return later[-1] if later and not later[-1].abort else None
+            return self._side.pending_planned(epoch)
 
     def next_delta(self, epoch: int, timeout_s: float) -> PlanDelta | None:
         """Block until a delta newer than `epoch` (the newest one), a stop or fencing."""
@@ -212,11 +172,11 @@ class Agent:
         with self._cond:
             while True:
                 self._raise_fatal()
-                later = [d for d in self._box.deltas if d.epoch > epoch]
-                if later:
-                    return later[-1]
+                newest = self._side.newest_after(epoch)
+                if newest is not None:
+                    return newest
                 left = deadline - time.monotonic()
-                if self._box.stop is not None or self._box.fenced or left <= 0:
+                if self._side.stop is not None or self._side.fenced or left <= 0:
                     return None
                 self._cond.wait(min(left, 0.1))
 
@@ -227,29 +187,29 @@ class Agent:
 
     def save_waiting(self) -> bool:
         """Whether a `ctl save` waits for a step boundary (not taken)."""
-        return bool(self._box.saves)
+        return bool(self._side.saves)
 
     def checkpoint_waiting(self) -> bool:
         """Whether a checkpoint was asked for and waits for a step boundary (not taken)."""
-        return self._box.checkpoints > 0
+        return self._side.checkpoints > 0
 
     def take_checkpoint(self) -> None:
         """Every checkpoint asked for so far is written at this step boundary."""
         with self._cond:
-            self._box.checkpoints = 0
+            self._side.checkpoints = 0
 
     def take_save(self) -> str | None:
         """The oldest `ctl save` path waiting for a step boundary, if any (taken)."""
         with self._cond:
-            return self._box.saves.pop(0) if self._box.saves else None
+            return self._side.saves.pop(0) if self._side.saves else None
 
     def stop_reason(self) -> str | None:
-        return self._box.stop
+        return self._side.stop
 
     def take_fenced(self) -> bool:
         """True once after the coordinator fenced this worker out (the agent is joining again)."""
         with self._cond:
-            fenced, self._box.fenced = self._box.fenced, False
+            fenced, self._side.fenced = self._side.fenced, False
             return fenced
 
     def close(self, linger_s: float = 1.0) -> None:
@@ -262,13 +222,8 @@ class Agent:
     # --- the thread ----------------------------------------------------------------------------
 
     def _raise_fatal(self) -> None:
-        if self._box.fatal is not None:
-            raise FatalError(self._box.fatal)
-
-    def _join_message(self) -> Join:
-        c = self.calibration
-        return Join(name=self.name, host=c.host, pid=os.getpid(), device=c.device, flops=c.flops,
-                    memory_bytes=c.memory_bytes, threads=c.threads, cores=c.cores, epoch=self.epoch, step=self.step)
+        if self._side.fatal is not None:
+            raise FatalError(self._side.fatal)
 
     def _run(self) -> None:
         sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
@@ -308,7 +263,7 @@ class Agent:
             why = no_detail_failure(self.keys)
         if why is not None:
             with self._cond:
-                self._box.fatal = why
+                self._side.fatal = why
                 self._cond.notify_all()
 
     def _send(self, sock: zmq.Socket[bytes], msg: Message) -> None:
@@ -327,8 +282,9 @@ class Agent:
         return True
 
     def _loop(self, sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:
-        self._box.joined_at = time.monotonic()
-        self._send(sock, self._join_message())
+        with self._cond:
+            join = self._side.join(time.monotonic())
+        self._send(sock, join)
         next_beat = time.monotonic()
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
@@ -337,21 +293,21 @@ class Agent:
         while True:
             self._drain_wakes()
             self._watch_handshakes(monitor)
-            if self._box.fatal is not None and self._box.welcome is None:
+            side = self._side
+            if side.fatal is not None and side.welcome is None:
                 return  # refused at the door: nothing to flush
-            retry = self._box.retry_join_at
-            if retry is not None and time.monotonic() >= retry:
-                self._box.retry_join_at = None
-                self._box.joined_at = time.monotonic()
-                self._send(sock, self._join_message())
+            with self._cond:
+                again = side.join_due(time.monotonic())
+            if again is not None:
+                self._send(sock, again)
             closing = self._closing.is_set()
             while True:
                 try:
                     queued = self._outbox.get_nowait()
                 except queue.Empty:
                     break
-                if isinstance(queued, StepReport):
-                    self._reports.append(queued)
+                with self._cond:
+                    side.sent(queued)
                 self._unsent.append(encode(queued))
             flushed = self._flush(sock)
             if closing:
@@ -359,18 +315,18 @@ class Agent:
                     return
                 sock.poll(int(POLL_S * 1000), zmq.POLLOUT)  # a final Leave still waits for zmq
                 continue
-            welcome = self._box.welcome
-            if welcome is not None and not self._gone and flushed and time.monotonic() >= next_beat:
+            welcome = side.welcome
+            if welcome is not None and not side.gone and flushed and time.monotonic() >= next_beat:
                 # No heartbeat queues behind a backlog: a stale one says nothing the next will not.
-                self._send(sock, Heartbeat(name=self.name, epoch=self.epoch, step=self.step))
+                self._send(sock, side.heartbeat())
                 next_beat = time.monotonic() + welcome.heartbeat_s
             # Sleep until a frame, a handshake event or a send from the trainer, or until the next
             # heartbeat or join retry is due; briefly while zmq holds back what is unsent.
             wake_at = [time.monotonic() + (IDLE_S if flushed and not self._unsent else POLL_S)]
-            if welcome is not None and not self._gone:
+            if welcome is not None and not side.gone:
                 wake_at.append(next_beat)
-            if self._box.retry_join_at is not None:
-                wake_at.append(self._box.retry_join_at)
+            if side.retry_join_at is not None:
+                wake_at.append(side.retry_join_at)
             timeout_ms = max(0, int((min(wake_at) - time.monotonic()) * 1000) + 1)
             poller.poll(timeout_ms)
             while int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # drain after every wake: the FD is edge-triggered
@@ -384,79 +340,16 @@ class Agent:
             pass
 
     def _handle(self, sock: zmq.Socket[bytes], frame: bytes) -> None:
-        try:
-            msg = decode(frame)
-        except CodecError as e:
-            self._ignore(f"an undecodable frame from the coordinator: {e}")
-            return
         with self._cond:
-            box = self._box
-            match msg:
-                case Welcome():
-                    if self._rejoining:  # a restarted coordinator took us back: what it has not logged
-                        self._rejoining = False
-                        again = [r for r in self._reports if r.step > msg.last_step]
-                        for report in again:
-                            self._send(sock, report)
-                        self._log(f"registered again with the restarted coordinator; re-sent {len(again)} "
-                                  f"step report(s) after step {msg.last_step}")
-                    box.welcome = msg
-                case PlanDelta():
-                    box.deltas = [d for d in box.deltas if d.epoch < msg.epoch] + [msg]
-                case Abort(epoch=epoch):
-                    box.aborted_epoch = max(box.aborted_epoch, epoch)
-                case Slowdown(factor=factor):
-                    self._log(f"slowdown {factor:g} (compute stretched from the next step)")
-                    self.slowdown = factor
-                case Stop(reason=reason):
-                    box.stop = reason
-                    box.goodbye_answered |= self._gone
-                case SaveModel(path=path):
-                    box.saves.append(path)
-                case CheckpointNow():
-                    box.checkpoints += 1
-                case Error(code=code, message=text) if code == ERR_STALE_EPOCH:
-                    # Answers to heartbeats sent before our new Join landed are not news.
-                    if self._gone:
-                        pass  # we left: the coordinator forgetting us is the point
-                    elif not box.fenced and time.monotonic() - box.joined_at > REJOIN_GRACE_S:
-                        self._log(f"fenced out by the coordinator ({text}); joining again")
-                        box.fenced = True
-                        box.deltas = []  # plans for the old membership; new ones follow the re-join
-                        box.joined_at = time.monotonic()
-                        self._send(sock, self._join_message())
-                        if self._ready:
-                            self._send(sock, Ready(name=self.name))
-                case Error(code=code, message=text) if code == ERR_REJOIN:
-                    if not self._gone and time.monotonic() - self._rejoined_at > REJOIN_GRACE_S:
-                        self._log(f"{text}: registering again at epoch {self.epoch}, step {self.step}")
-                        self._rejoining, self._rejoined_at = True, time.monotonic()
-                        self._send(sock, self._join_message())
-                        if self._ready:
-                            self._send(sock, Ready(name=self.name))
-                case Error(code=code, message=text) if code == ERR_BUSY and box.welcome is None:
-                    self._log(f"the coordinator is busy ({text}); joining again in {JOIN_RETRY_S:g} s")
-                    box.retry_join_at = time.monotonic() + JOIN_RETRY_S
-                case ControlReply() if box.welcome is None:  # only the control socket sends these
-                    box.fatal = (f"{self.endpoint} is the coordinator's control endpoint, not its workers endpoint: "
-                                 "use the `workers=` address of its ready line")
-                case Error(code=code, message=text):
-                    if box.welcome is None:
-                        box.fatal = f"the coordinator refused this worker: {text}"
-                    else:
-                        self._log(f"coordinator error {code}: {text}")
-                case _:
-                    self._ignore(f"an unexpected {type(msg).__name__} from the coordinator")
+            replies = self._side.receive_frame(frame, time.monotonic())
+            logs = self._side.take_logs()
             self._cond.notify_all()
-        if self.on_interrupt is not None and isinstance(msg, (PlanDelta, Abort, Stop, Error)):
+        for msg in replies:
+            self._send(sock, msg)
+        for line in logs:
+            self._log(line)
+        if self.on_interrupt is not None:  # (work may be superseded now: the trainer's wait looks again)
             self.on_interrupt()
-
-    def _ignore(self, what: str) -> None:
-        """Drop an unusable frame, logging the first few and then one in a thousand (a flood must
-        not flood the log)."""
-        self._ignored += 1
-        if self._ignored <= 5 or self._ignored % 1000 == 0:
-            self._log(f"ignoring {what} ({self._ignored} so far)")
 
     def _log(self, text: str) -> None:
         print(f"[{self.name}] {text}", flush=True)
