@@ -104,7 +104,7 @@ class AbortableGroup(dist.ProcessGroup):
         self._lock = threading.Lock()
         self._pending: list[_Work] = []
         self._aborted: str | None = None
-        self._jobs: queue.SimpleQueue[_Work] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
         threading.Thread(target=self._serve, daemon=True, name="abortable-group").start()
 
     # --- the state ---------------------------------------------------------------------------
@@ -144,8 +144,13 @@ class AbortableGroup(dist.ProcessGroup):
         return work
 
     def _serve(self) -> None:
-        while True:
-            self._complete(self._jobs.get())
+        while (work := self._jobs.get()) is not None:
+            self._complete(work)
+
+    def close(self) -> None:
+        """Let the helper thread go once it has waited for what was issued (the group is done with:
+        an epoch over). Aborting first releases every waiter; a helper stuck in an op ends with it."""
+        self._jobs.put(None)
 
     def _complete(self, work: _Work) -> None:
         work._run()

@@ -85,3 +85,8 @@ def test_an_aborted_group_refuses_new_work_and_says_why() -> None:
     with pytest.raises(Superseded, match="superseded"):
         group.allreduce([t]).wait()
     assert group.errored() == "the epoch was superseded"
+    helpers = [t for t in threading.enumerate() if t.name == "abortable-group"]
+    group.close()
+    for t in helpers:
+        t.join(timeout=5)
+    assert not any(t.is_alive() for t in helpers), "a closed group's helper thread ends"
