@@ -4,7 +4,6 @@ that stopped is released by `abort()` (Superseded), not by the peer's death or a
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from datetime import timedelta
@@ -17,6 +16,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
+from released import run_until_aborted
 from worker.abortable import AbortableGroup
 from worker.comm import Superseded
 from worker.parallel import mesh as meshes
@@ -54,14 +54,7 @@ def _member(rank: int, tmp: str, wrapped: bool) -> None:
             time.sleep(0.05)
         return
     assert group is not None
-    threading.Timer(0.3, group.abort, args=("a member failed",)).start()
-    try:
-        model(x).pow(2).sum().backward()
-        outcome = "completed"
-    except Superseded as e:
-        outcome = f"superseded: {e}"
-    released.write_text(outcome)
-    os._exit(0)  # (as a worker ends: an abandoned op's thread must not be joined at interpreter exit)
+    run_until_aborted(lambda: model(x).pow(2).sum().backward(), group.abort, "a member failed", released)
 
 
 def test_fsdp2_over_the_abortable_group_is_exact_and_an_abort_releases_its_forward(tmp_path: Path) -> None:

@@ -514,6 +514,16 @@ def graph_sim(*names: str, memory: dict[str, int] | None = None) -> Sim:
     return sim
 
 
+def planned_sim(*names: str, **config: Any) -> Sim:
+    """`graph_sim` with every one of `names` ready and the first plan (of all of them) acknowledged."""
+    sim = graph_sim(*names)
+    sim.config = replace(sim.config, min_workers=len(names), **config)
+    for name in names:
+        sim(m.MadeReady(name))
+    sim.ack_all()
+    return sim
+
+
 def train(sim: Sim, steps: int, compute: dict[str, float]) -> list[m.Effect]:
     """`steps` steps of the current plan, each member taking compute[name] s per sample."""
     effects: list[m.Effect] = []
@@ -552,11 +562,7 @@ def test_straggler_is_found_from_step_times_and_its_share_drops() -> None:
 
 
 def test_a_slow_joiner_is_left_on_standby_without_a_new_epoch() -> None:
-    sim = graph_sim("a", "b")
-    sim.config = replace(sim.config, min_workers=2)
-    sim(m.MadeReady("a"))
-    sim(m.MadeReady("b"))
-    sim.ack_all()
+    sim = planned_sim("a", "b")
     train(sim, 6, {"a": 0.001, "b": 0.001})
     epoch = sim.state.epoch
     sim(m.Joined(_join_msg("snail", flops=1e3)))  # calibrated a million times slower
@@ -1004,11 +1010,7 @@ def test_a_straggler_whose_best_plan_is_the_running_one_gets_a_kept_event() -> N
     """A re-plan for a speed change that finds the same members and shares makes no epoch, and still
     answers the change: a `kept` event says the running plan is the best for the measured speeds.
     (Two samples a step between two workers: a 1.5x slower one still takes its one sample.)"""
-    sim = graph_sim("a", "b")
-    sim.config = replace(sim.config, min_workers=2, global_batch=2)
-    sim(m.MadeReady("a"))
-    sim(m.MadeReady("b"))
-    sim.ack_all()
+    sim = planned_sim("a", "b", global_batch=2)
     assert sim.state.plan is not None and list(sim.state.plan.shares) == [1, 1]
     train(sim, 12, {"a": 0.01, "b": 0.01})
     epoch = sim.state.epoch
@@ -1023,11 +1025,7 @@ def test_a_straggler_whose_best_plan_is_the_running_one_gets_a_kept_event() -> N
 def test_an_epochs_entry_steps_teach_no_fit() -> None:
     """The first SETTLE steps of an epoch hold its entry (a survivor released from the abandoned step,
     the reshard): a step stretched so changes neither a member's speed nor its per-step overhead."""
-    sim = graph_sim("a", "b")
-    sim.config = replace(sim.config, min_workers=2)
-    sim(m.MadeReady("a"))
-    sim(m.MadeReady("b"))
-    sim.ack_all()
+    sim = planned_sim("a", "b")
     train(sim, 12, {"a": 0.01, "b": 0.01})
     before = sim.state.cluster.devices["a"]
     sim(m.Lost("b", "disconnect"))  # a new epoch of one

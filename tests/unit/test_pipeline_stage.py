@@ -4,8 +4,6 @@ every stage's gradients and the loss equal one process's on the whole batch."""
 
 from __future__ import annotations
 
-import os
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -15,8 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from released import run_until_aborted
 from worker.abortable import AbortableGroup
-from worker.comm import Superseded
 from worker.job import Job, load_job
 from worker.parallel.pipeline import StageStep, one_f_one_b, stage_of_sequence
 
@@ -112,14 +110,7 @@ def _stalled(rank: int, tmp: str) -> None:
                      next_rank=1, send=lambda t, dst, tag: group.send([t], dst, tag),
                      recv=lambda t, src, tag: group.recv([t], src, tag), wait=lambda work, buf: work.wait(),
                      sizes=[4, 4], device=torch.device("cpu"), inputs=[inputs[:4], inputs[4:]], global_batch=8)
-    threading.Timer(0.3, group.abort, args=("stage 1 failed",)).start()
-    try:
-        one_f_one_b(step)
-        outcome = "completed"
-    except Superseded as e:
-        outcome = f"superseded: {e}"
-    released.write_text(outcome)
-    os._exit(0)  # (as a worker ends: an abandoned op's thread must not be joined at interpreter exit)
+    run_until_aborted(lambda: one_f_one_b(step), group.abort, "stage 1 failed", released)
 
 
 def test_a_stage_waiting_on_a_stopped_neighbour_is_released_by_the_abort(tmp_path: Path) -> None:
