@@ -121,8 +121,8 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
         kept = state.kept
         if reason in GAIN_REASONS:
             predicted = f"{new.predicted_step_s * 1e3:.1f} ms/step" if new.predicted_step_s else "no prediction"
-            changed = f"; changed: {'; '.join(state.changed)}" if state.changed else ""
-            kept = f"the best plan for the measured speeds is the one running (same members and shares, {predicted}){changed}"
+            kept = (f"the best plan for the measured speeds is the one running (same members and shares, "
+                    f"{predicted}){_changes(state)}")
             told = [Log("kept", {"reason": reason, "detail": kept})]
         return replace(state, replan_wanted=None, result=result, plan=new, tracker=tracker, kept=kept,
                        standby=frozenset(result.standby)), [*said, *told, *benched]
@@ -146,7 +146,7 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
         else:  # should the delta miss their vote, the join waits for the whole next step: weighed at its start
             if_missed = _abandon_for_join(state, new, config.join_abandons == "always", 0.0, config.join_wait_max_s)
     if state.changed:
-        result = replace(result, reason=f"{result.reason}; changed: {'; '.join(state.changed)}")
+        result = replace(result, reason=f"{result.reason}{_changes(state)}")
     epoch = state.epoch + 1
     resume = state.resume
     delta = PlanDelta(epoch=epoch, reason=reason, layout=MeshLayout(**new.layout.to_dict()),
@@ -287,8 +287,12 @@ def _keep(state: State, why: str) -> State:
     tracker = state.tracker
     if tracker is not None and tracker.epoch == state.epoch:
         tracker = replace(tracker, predicted_step_s=fresh.predicted_step_s)
-    changed = f"; changed: {'; '.join(state.changed)}" if state.changed else ""
-    return replace(state, replan_wanted=None, kept=f"{why}{changed}", tracker=tracker, plan=fresh)
+    return replace(state, replan_wanted=None, kept=f"{why}{_changes(state)}", tracker=tracker, plan=fresh)
+
+
+def _changes(state: State) -> str:
+    """The suffix naming the speed changes behind a re-plan, "; changed: ..." ("" when none)."""
+    return f"; changed: {'; '.join(state.changed)}" if state.changed else ""
 
 
 def _standby_logs(state: State, result: PlanResult) -> list[Effect]:

@@ -66,12 +66,6 @@ class PipelinePlan:
     stage_s: tuple[float, ...]  # per micro-batch of the largest size: compute + the sends on its boundaries
     step_s: float
 
-    @property
-    def bubble(self) -> float:
-        """The share of the step the devices idle on average."""
-        busy = sum(self.stage_s) * len(self.micro) / len(self.stages)
-        return max(0.0, 1.0 - busy / self.step_s) if self.step_s > 0 else 0.0
-
 
 def micro_batches(samples: int, count: int) -> tuple[int, ...]:
     """`samples` split into `count` contiguous micro-batches, sizes differing by at most one (larger
