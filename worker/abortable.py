@@ -47,26 +47,31 @@ class _Work(dist.Work):
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._future: torch.futures.Future[Any] = torch.futures.Future()
+        self._finishing = threading.Lock()  # the op's end and an abort may race to finish it
 
     def _run(self) -> None:  # (the group's helper thread)
         try:
             for work in self._works:
                 work.wait()
         except Exception as e:  # noqa: BLE001 (a peer died under it: given up in wait())
-            self._error = e
+            with self._finishing:
+                if not self._done.is_set():  # (an abort's reason stands)
+                    self._error = e
         self._finish()
 
     def _finish(self) -> None:
-        self._done.set()
-        if not self._future.done():
-            if self._error is not None:
-                self._future.set_exception(self._error)
-            else:
-                self._future.set_result(self._result)
+        with self._finishing:  # (a future completed twice raises in the second finisher's thread)
+            self._done.set()
+            if not self._future.done():
+                if self._error is not None:
+                    self._future.set_exception(self._error)
+                else:
+                    self._future.set_result(self._result)
 
     def _abort(self, why: str) -> None:
-        if self._error is None and not self._done.is_set():
-            self._error = Superseded(why)
+        with self._finishing:
+            if self._error is None and not self._done.is_set():
+                self._error = Superseded(why)
         self._finish()
 
     def wait(self, timeout: Any = None) -> bool:

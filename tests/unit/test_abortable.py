@@ -83,3 +83,19 @@ def test_an_aborted_group_refuses_new_work_and_says_why() -> None:
     for t in helpers:
         t.join(timeout=5)
     assert not any(t.is_alive() for t in helpers), "a closed group's helper thread ends"
+
+
+def test_an_abort_racing_an_ops_end_finishes_it_once() -> None:
+    # The op's end (helper thread) and an abort (this thread) both finish a work; finishing its
+    # future twice raised in the helper thread. Many rounds make the race likely on any machine.
+    store = dist.HashStore()
+    for _ in range(300):
+        group = AbortableGroup(dist.ProcessGroupGloo(store, 0, 1, timedelta(seconds=30)))
+        work = group.allreduce([torch.ones(3)])
+        group.abort("the epoch was superseded")
+        try:
+            work.wait()
+        except Superseded:
+            pass
+        assert work.get_future().done()
+        group.close()
