@@ -169,7 +169,10 @@ class LocalJob:
             if self.coordinator is not None and self.coordinator.poll() is not None:
                 break
             time.sleep(poll_s)
-        raise TimeoutError(f"no {what} within {timeout_s} s; coordinator: {self.tail('coordinator.out')}")
+        decisions = [e for e in self.events() if e["kind"] not in ("step", "heartbeat")][-12:]
+        said = "\n".join(json.dumps(e)[:400] for e in decisions)
+        raise TimeoutError(f"no {what} within {timeout_s} s; the last decisions:\n{said}\n"
+                           f"coordinator: {self.tail('coordinator.out')}")
 
     def wait_event(self, match: Callable[[dict[str, Any]], bool], timeout_s: float,
                    what: str = "event", poll_s: float = 0.02) -> dict[str, Any]:
