@@ -152,6 +152,7 @@ def enter(layout: Layout, tensors: Sequence[TensorShape], me: str, ranks: Sequen
         packed = slices.pack_whole(local)
         described = [describe(tensors, local, packed).tolist()] * len(ranks)
     best = max(d[0] for d in described)
+    ahead = [r for r, d in enumerate(described) if d[0] == best]
     behind = [r for r, d in enumerate(described) if d[0] == best - 1 and d[1]]
     # The lowest-ranked member at the newest step: it sends the whole-state part to those without
     # state (its skeleton is current; one rolled forward below described the step before).
@@ -175,7 +176,24 @@ def enter(layout: Layout, tensors: Sequence[TensorShape], me: str, ranks: Sequen
                                    holders, pg, wait, device, whole=skeleton(described[root]), sender=ranks[root],
                                    pool=pool, packed_whole=packed if rank == root else None, outgoing=outgoing,
                                    incoming=incoming)
+    _complete_scalars(new, mine, [described[r] for r in ahead])
     return new, received, plan
+
+
+def _complete_scalars(new: LocalState, mine: LocalState | None, ahead: list[list[int]]) -> None:
+    """Every held tensor's optimizer scalars (Adam's step count), which `execute` takes from the
+    root's whole-state part: where the root holds only some of the tensors (a pipeline stage and
+    its copy), the others come from this member's own state, else from a member at the newest step
+    that holds them (its description's skeleton carries them inline: `worker.state`)."""
+    known: dict[str, dict[str, Any]] = dict(mine.scalars) if mine is not None else {}
+    for data in ahead:
+        scalars = state.read_meta(torch.frombuffer(bytearray(skeleton(data)), dtype=torch.uint8))["skeleton"]["scalars"]
+        for fqn, values in scalars.items():
+            if values and not any(isinstance(v, state.TensorRef) for v in values.values()):
+                known.setdefault(fqn, values)
+    for fqn in new.pieces:
+        if not new.scalars.get(fqn) and known.get(fqn):
+            new.scalars[fqn] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in known[fqn].items()}
 
 
 def reconcile(pg: Any, rank: int, world: int, step: int, whole: Callable[[], dict[str, Any]], wait: Wait,

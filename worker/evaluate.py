@@ -19,6 +19,7 @@ from transport import EvalReport
 from worker.comm import Superseded
 from worker.group import Group
 from worker.job import share_slice
+from worker.parallel.staged import Stage, evaluate_stage
 
 if TYPE_CHECKING:
     from worker.trainer import Trainer
@@ -31,6 +32,14 @@ def evaluate(t: Trainer, g: Group) -> None:
     batch, by the epoch's shares), the sums are all-reduced, and rank 0 reports the mean. A
     failure in between abandons it: every member that saw it says it was skipped."""
     job = t.job
+    if t.staged is not None:
+        try:
+            sums = _through_the_pipeline(t, g, t.staged)
+        except Superseded:
+            _skipped(t, g)
+            raise
+        _report(t, g, sums)
+        return
     total = len(job.eval_dataset)
     busy = [r for r, s in enumerate(g.shares) if s > 0] or [0]  # members with samples split it
     counts = [0] * len(g.shares)
@@ -56,13 +65,37 @@ def evaluate(t: Trainer, g: Group) -> None:
                     sums[1] += len(ids)
         finally:
             t.model.train()
+    _report(t, g, sums)
+
+
+def _through_the_pipeline(t: Trainer, g: Group, stage: Stage) -> torch.Tensor:
+    """A pipeline's part of the held-out loss: each data-parallel slot takes its part of the set
+    (split by the slots' shares), passed through its stages; the last stage sums the loss."""
+    layout = g.layout
+    slots = [layout.shares[layout.dp_ranks(i)[0]] for i in range(layout.dp)]
+    busy = [i for i, s in enumerate(slots) if s > 0] or [0]
+    counts = [0] * len(slots)
+    for i, n in zip(busy, split_shares(len(t.job.eval_dataset), [float(max(slots[i], 1)) for i in busy])):
+        counts[i] = n
+    part = share_slice(counts, layout.dp_index(g.rank))
+    loss, samples = evaluate_stage(stage, layout, g.rank, g.pg, lambda work, buf: t.wait(g, work, buf), t.job,
+                                   torch.arange(part.start, part.stop), EVAL_CHUNK, t.device)
+    return torch.tensor([loss, float(samples)], dtype=torch.float64, device=t.device)
+
+
+def _report(t: Trainer, g: Group, sums: torch.Tensor) -> None:
+    """All-reduce the members' (loss sum, samples); rank 0 reports the mean."""
     try:
         t.wait(g, g.pg.allreduce([sums]), sums)
     except Superseded:
-        t.agent.send(EvalReport(name=t.name, step=t.step, loss=0.0, samples=0,
-                                skipped=f"a failure interrupted it (epoch {g.epoch} abandoned)"))
+        _skipped(t, g)
         raise
     if g.rank == 0:
         loss, samples = float(sums[0] / sums[1]), int(sums[1])
         t.agent.send(EvalReport(name=t.name, step=t.step, loss=loss, samples=samples, skipped=""))
         t.log(f"eval after step {t.step}: loss {loss:.4f} over {samples} held-out samples")
+
+
+def _skipped(t: Trainer, g: Group) -> None:
+    t.agent.send(EvalReport(name=t.name, step=t.step, loss=0.0, samples=0,
+                            skipped=f"a failure interrupted it (epoch {g.epoch} abandoned)"))

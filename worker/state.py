@@ -4,7 +4,8 @@ State moves between workers when a joiner (or a survivor that fell a step behind
 through `torch.save` into bytes costs several full copies (seconds of copying for the 129 MB of a
 10M-parameter model with Adam state). Instead, every tensor is concatenated into one
 flat buffer per dtype, which goes over torch.distributed as it is, and the rest of the structure
-(step, optimizer hyper-parameters, tensor shapes) travels as a small msgpack skeleton (below).
+(step, optimizer hyper-parameters, tensor shapes, and 0-d CPU tensors such as Adam's step count,
+inline) travels as a small msgpack skeleton (below).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 
 @dataclass(frozen=True, slots=True)
-class _TensorAt:
+class TensorRef:
     """A tensor of the structure: the `index`-th of the packed tensors (`meta["refs"]` says where)."""
 
     index: int
@@ -27,7 +28,7 @@ class _TensorAt:
 # extension types: a tuple (msgpack has only arrays, and optimizer hyper-parameters such as Adam's
 # betas are tuples) and a tensor's place. Not `torch.save` + `torch.load(weights_only=True)`: its
 # pure-Python unpickler takes a fifth of a 10M GPT join's reshard for a 12 KB skeleton.
-_TUPLE, _TENSOR = 1, 2
+_TUPLE, _TENSOR, _SCALAR = 1, 2, 3
 @dataclass(slots=True)
 class Packed:
     skeleton: torch.Tensor  # uint8, the torch.save of the structure with tensors replaced by refs
@@ -38,9 +39,11 @@ def pack(state: dict[str, Any], device: torch.device) -> Packed:
     tensors: list[torch.Tensor] = []
 
     def strip(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and obj.dim() == 0 and obj.device.type == "cpu":
+            return obj.detach()  # (inline: a 0-d CPU tensor, e.g. Adam's step, travels in the skeleton)
         if isinstance(obj, torch.Tensor):
             tensors.append(obj.detach())
-            return _TensorAt(len(tensors) - 1)
+            return TensorRef(len(tensors) - 1)
         if isinstance(obj, dict):
             return {k: strip(v) for k, v in obj.items()}
         if isinstance(obj, (list, tuple)):
@@ -75,7 +78,7 @@ def unpack(meta: dict[str, Any], buffers: list[torch.Tensor]) -> dict[str, Any]:
     refs = meta["refs"]
 
     def fill(obj: Any) -> Any:
-        if isinstance(obj, _TensorAt):
+        if isinstance(obj, TensorRef):
             b, offset, shape = refs[obj.index]
             numel = 1
             for d in shape:
@@ -102,8 +105,11 @@ def _loads(data: bytes) -> Any:
 def _encode(obj: Any) -> Any:
     if isinstance(obj, tuple):
         return msgpack.ExtType(_TUPLE, _dumps(list(obj)))
-    if isinstance(obj, _TensorAt):
+    if isinstance(obj, TensorRef):
         return msgpack.ExtType(_TENSOR, _dumps(obj.index))
+    if isinstance(obj, torch.Tensor):  # (0-d, on the CPU: `pack` keeps only those inline)
+        return msgpack.ExtType(_SCALAR, _dumps([str(obj.dtype).removeprefix("torch."),
+                                                obj.contiguous().view(-1).view(torch.uint8).numpy().tobytes()]))
     if isinstance(obj, dict):  # an OrderedDict (a state_dict): strict types sends subclasses here
         return dict(obj)
     if isinstance(obj, list):
@@ -115,7 +121,10 @@ def _decode(code: int, data: bytes) -> Any:
     if code == _TUPLE:
         return tuple(_loads(data))
     if code == _TENSOR:
-        return _TensorAt(_loads(data))
+        return TensorRef(_loads(data))
+    if code == _SCALAR:
+        dtype, raw = _loads(data)
+        return torch.frombuffer(bytearray(raw), dtype=getattr(torch, dtype)).reshape(()).clone()
     raise ValueError(f"unknown extension type {code} in a training-state skeleton")
 
 

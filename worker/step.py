@@ -35,8 +35,11 @@ from worker import comm
 from worker.comm import AllOf, Superseded
 from worker.group import Group
 from worker.job import sample_ids, share_slice
+from plan.pipeline import micro_batches
 from worker.parallel.fsdp import Sharded
+from worker.parallel.pipeline import StageStep, one_f_one_b
 from worker.parallel.replicated import GradBuckets
+from worker.parallel.staged import Stage, neighbours
 
 if TYPE_CHECKING:
     from worker.trainer import Trainer
@@ -242,6 +245,119 @@ def sharded(t: Trainer, g: Group, sharded: Sharded) -> PlanDelta | None:
             t.save_gathered(g, requested, final=False)
     t.checkpoint_if_due(g, asked=round(float(buf[4])) == len(g.members))
     return pending if agreed else None
+
+
+def pipelined(t: Trainer, g: Group, stage: Stage) -> PlanDelta | None:
+    """One exact step of a pipeline stage: its data-parallel slot's samples as contiguous
+    micro-batches (`Group.micro`: the largest micro-batch's size; sizes differ by at most one), run
+    through the stages in 1F1B order (`worker.parallel.pipeline`), the last stage summing the loss
+    over the global batch; then one all-reduce of the loss, the squared gradient norm (every stage's
+    parameters once), the vote, a pending `ctl save` and a pending checkpoint, and each stage steps
+    its own optimizer. Every wait for a neighbour is the trainer's abortable one: a stage whose
+    neighbour died gives the step up (Superseded) as soon as the epoch is superseded."""
+    t0 = time.perf_counter()
+    job, G = t.job, t.job.global_batch
+    start, stop = g.layout.batch_slice(g.rank)
+    ids = sample_ids(job.seed, t.step, len(job.dataset), G)[start:stop]
+    stage.optimizer.zero_grad(set_to_none=True)
+    size = g.micro[g.rank] or len(ids) or 1
+    sizes = micro_batches(len(ids), -(-len(ids) // size)) if len(ids) else ()
+    chunks, at = [], 0
+    for n in sizes:
+        chunks.append(ids[at:at + n])
+        at += n
+    before, after = neighbours(g.layout, g.rank)
+    waited = [0.0]  # seconds spent waiting for the neighbours (the bubble, their sends): not compute
+
+    def wait(work: Any, buf: torch.Tensor | None) -> None:
+        w0 = time.perf_counter()
+        try:
+            t.wait(g, work, buf)
+        finally:
+            waited[0] += time.perf_counter() - w0
+    step = StageStep(module=stage.module, stage=stage.stage, stages=stage.stages, prev_rank=before, next_rank=after,
+                     send=lambda x, dst, tag: g.pg.send([x], dst, tag), recv=lambda x, src, tag: g.pg.recv([x], src, tag),
+                     wait=wait, sizes=sizes, device=t.device,
+                     inputs=[job.dataset[c][0] for c in chunks] if before is None else (),
+                     targets=[job.dataset[c][1] for c in chunks] if after is None else (),
+                     loss=job.loss, global_batch=G)
+    t.computing = g.epoch
+    try:
+        loss_sum = one_f_one_b(step)
+        _pause(t, g, "forward")
+    except Superseded:
+        raise
+    except Exception as e:
+        if is_comm_error(e) or t.agent.superseded(g.epoch):
+            raise Superseded(f"the pipeline's sends failed: {str(e).splitlines()[0][:200]}") from None
+        raise
+    finally:
+        t.computing = 0
+    # This stage's compute, reported as the whole model's for these samples (the coordinator reads
+    # a member's speed in whole-model samples/s): the stage's time less its waits, over its units'
+    # share of the model's FLOPs.
+    compute_s = (time.perf_counter() - t0 - waited[0]) / _flops_fraction(t, stage)
+    factor = t.agent.slowdown
+    if factor > 1.0 and len(ids):  # the --slowdown test knob: this stage's compute stretched (the
+        # pipeline waits for it at its next step's boundaries, as for a slow device)
+        _sleep(t, g, (factor - 1.0) * (time.perf_counter() - t0 - waited[0]))
+        compute_s *= factor
+    _pause(t, g, "backward")
+    # Every member gets its copy's gradients (its source's stage): from here on the step may be
+    # rolled forward.
+    t_copies = time.perf_counter()
+    t.copies.exchange(((p, p.grad) for p in stage.module.parameters()), g.members, g.pg, wait, t.device)
+    t.redundancy_s = time.perf_counter() - t_copies
+    _pause(t, g, "exchange")
+    t.pending = True
+    grads = [gr for p in stage.module.parameters() if (gr := p.grad) is not None]
+    squares = sum((squared_norm(gr) for gr in grads), torch.zeros((), dtype=torch.float64, device=t.device))
+    _pause_for_plan(t, g)
+    pending = t.agent.pending_planned(g.epoch)
+    buf = torch.stack([loss_sum.double().cpu(), squares.cpu() / g.layout.dp_replicate,
+                       torch.tensor(1.0 if pending is not None else 0.0, dtype=torch.float64),
+                       torch.tensor(1.0 if t.agent.save_waiting() else 0.0, dtype=torch.float64),
+                       torch.tensor(1.0 if t.agent.checkpoint_waiting() else 0.0, dtype=torch.float64)]).to(t.device)
+    t_comm = time.perf_counter()
+    t.wait(g, g.pg.allreduce([buf]), buf)
+    comm_s = time.perf_counter() - t_comm + waited[0]
+    grad_norm = float(buf[1].sqrt())
+    _pause(t, g, "optimizer")
+    coefficient = 1.0
+    if job.grad_clip is not None:
+        coefficient = min(1.0, job.grad_clip / (grad_norm + 1e-6))
+        for gr in grads:
+            gr.mul_(coefficient)
+    multiplier = job.lr_multiplier(t.step)
+    for group, base in zip(stage.optimizer.param_groups, t.base_lrs):
+        group["lr"] = base * multiplier
+    lr = t.base_lrs[0] * multiplier if t.base_lrs else 0.0
+    stage.optimizer.step()
+    t_copies = time.perf_counter()
+    t.copies.update(job.optimizer, t.shapes, lambda i: t.base_lrs[i] * multiplier, coefficient)
+    t.redundancy_s += time.perf_counter() - t_copies
+    t.pending, t.coefficient = False, coefficient
+    t.step += 1
+    agreed = round(float(buf[2])) == len(g.members) and pending is not None
+    t.after_step(g, float(buf[0]) / G, len(ids), compute_s, comm_s, time.perf_counter() - t0, lr, grad_norm,
+                 switching=agreed)
+    if t.step == job.num_steps and t.config.final_dir:  # every stage sends its part; the first writes
+        t.save_stages(g, t.config.final_dir, final=True)
+    if round(float(buf[3])) == len(g.members):
+        requested = t.agent.take_save()
+        if requested is not None:
+            t.save_stages(g, requested, final=False)
+    t.checkpoint_if_due(g, asked=round(float(buf[4])) == len(g.members))
+    return pending if agreed else None
+
+
+def _flops_fraction(t: Trainer, stage: Stage) -> float:
+    """The stage's units' share of the model's training FLOPs (1 when the graph does not say)."""
+    layers = t.graph().layers
+    total = sum(layer.train_flops for layer in layers)
+    units = {name for name, _ in stage.module.named_children()}
+    mine = sum(layer.train_flops for layer in layers if layer.name in units)
+    return mine / total if total > 0 and mine > 0 else 1.0
 
 
 def _grad_buckets(t: Trainer) -> GradBuckets:

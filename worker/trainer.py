@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import threading
 import time
 import weakref
@@ -39,6 +40,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from plan.graph import Graph
 from plan.layout import Layout
+from plan.placement import unit_of
 from plan.reshard import ReshardPlan, TensorShape, copy_ring, holdings
 from transport import Ack, Checkpointed, Leave, PlanDelta, ResumeFailed, Saved, StateLost, StepReport
 from transport.security import ClientKeys
@@ -56,6 +58,7 @@ from worker.parallel import mesh as meshes
 from worker.parallel.buffers import BufferSync
 from worker.parallel.copies import Copies
 from worker.parallel.meta import meta_model
+from worker.parallel.staged import Stage, apply_stage, gather_state, whole_state
 from worker.parallel.slices import (PARAM, Incoming, LocalState, Outgoing, Pool, expect, from_module,
                                     pack_sends)
 from worker.parallel.update import GRAD, apply_update
@@ -108,7 +111,12 @@ class Trainer:
         self.sharded: Sharded | None = None
         self.sharded_at: tuple[Layout, int] | None = None
         self.registered: list[dist.ProcessGroup] = []
+        # A pipeline layout (worker.parallel.staged): this member's stage, with the layout and rank it
+        # was built for.
+        self.staged: Stage | None = None
+        self.staged_at: tuple[Layout, int] | None = None
         self._graph: Graph | None = None
+        self._tensors: tuple[bool, list[TensorShape]] | None = None  # (`tensors`: whether units were known, them)
         self.buckets: GradBuckets | None = None  # the replicated step's gradient buckets (`worker.step`)
         self.buffer_sync: BufferSync | None = None  # the current model's buffers, the same on every member
         # The replicated step's abandon points (`worker.step`): hooks on the replica's units that give
@@ -150,7 +158,6 @@ class Trainer:
         # so each step sets every group's lr from its base again (exact under churn).
         self.base_lrs = [float(group["lr"]) for group in self.optimizer.param_groups]
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.tensors = [TensorShape(n, p.shape[0] if p.dim() else 0, p.numel()) for n, p in self.model.named_parameters()]
         self.shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
         self.step = 0  # optimizer steps applied
 
@@ -164,7 +171,7 @@ class Trainer:
                 self.log("fenced: dropping local state, will take the survivors'")
                 group, self.stale = None, True
             if self.step >= self.job.num_steps:
-                if self.final_writer and self.config.final_dir and self.sharded is None:
+                if self.final_writer and self.config.final_dir and self.sharded is None and self.staged is None:
                     self.save(self.config.final_dir, final=True)
                 return self._leave("finished")
             stop = self.agent.stop_reason()
@@ -266,8 +273,8 @@ class Trainer:
             def lap(name: str) -> None:
                 phases[name] = time.perf_counter() - t0 - sum(phases.values())
             lap("group")
-            if group.layout.sharded or delta.from_sharded or senders:
-                # Any epoch with sharded state on either side goes through the slice reshard.
+            if not _whole_replicas(group.layout) or delta.from_sharded or senders:
+                # Any epoch with sharded state or stages on either side goes through the slice reshard.
                 local, received = self._reshard(group, pool, outgoing, incoming)
                 lap("reshard")
                 if self.name not in delta.members:
@@ -280,7 +287,8 @@ class Trainer:
                 self._build_executor(group, local)
                 lap("executor")
             else:  # replicated to replicated keeps the model and sends whole states (the fast path)
-                if self.stale and (self.sharded is not None or isinstance(self.model, FSDPModule)):
+                if self.stale and (self.sharded is not None or self.staged is not None
+                                   or isinstance(self.model, FSDPModule)):
                     self._forget_groups()  # it handed its slices over or was fenced: a plain model
                     self._build()  # to receive the state into
                     self.stale = True
@@ -332,7 +340,7 @@ class Trainer:
         layout = Layout.from_dict(dataclasses.asdict(delta.layout))
         t0 = time.perf_counter()
         try:
-            if layout.sharded:
+            if not _whole_replicas(layout):  # (a stage's member reads every tensor whole: its stage's are used)
                 slices = checkpoint.load_slices(delta.resume_path, self.tensors, layout,
                                                 list(layout.members).index(self.name))
                 self.resumed, self.step = slices.local, slices.local.step
@@ -371,7 +379,7 @@ class Trainer:
         if delta.epoch <= 1:  # the job's first epoch: nobody holds state, every member seeds it whole
             return None  # (a pool would sit unused beside the seeded model, at the job's memory peak)
         layout = Layout.from_dict(dataclasses.asdict(delta.layout))
-        if not layout.sharded:
+        if _whole_replicas(layout):
             return None
         return Pool.for_slices(holdings(layout, self.tensors, copy_ring(layout)).get(self.name, {}),
                                {n: p.element_size() for n, p in self.model.named_parameters()},
@@ -407,10 +415,11 @@ class Trainer:
         plan foreseen). A step rolled forward in the entry changes what is held, and its step: the
         packed messages are then not sent (`Outgoing.serves`). A member with state to load packs
         nothing ahead."""
-        if (self.sharded_at is None or self.stale or self.resumed is not None
+        held_at = self.sharded_at or self.staged_at
+        if (held_at is None or self.stale or self.resumed is not None
                 or delta.resume_path or self.device.type != "cpu"):
             return lambda: None
-        old = self.sharded_at[0]
+        old = held_at[0]
         layout = Layout.from_dict(dataclasses.asdict(delta.layout))
 
         def pack() -> Outgoing | None:
@@ -483,7 +492,7 @@ class Trainer:
 
     def _build_executor(self, g: Group, local: LocalState) -> None:
         """The layout's executor from this member's slices: FSDP2 on the group for a sharded layout,
-        a plain replica otherwise. Until the new one is built, the last one stays what this member
+        its stage for a pipeline, a plain replica otherwise. Until the new one is built, the last one stays what this member
         holds: forming the sharded groups can be superseded (a peer stopped), and the next epoch's
         entry then describes the old executor's slices, as held before this epoch's reshard."""
         old, self.registered = self.registered, []
@@ -507,21 +516,36 @@ class Trainer:
             self.sharded_at = (g.layout, g.rank)
             self.model, self.optimizer = self.sharded.model, self.sharded.optimizer
             self.copies = copies
-            if self.buckets is not None:  # the replica they hooked is gone
-                self.buckets.close()
-                self.buckets = None
+            self._close_buckets()
+            self.staged, self.staged_at = None, None
+        elif g.layout.pp > 1:
+            groups.forget(old)
+            self.sharded, self.sharded_at = None, None
+            self.staged = apply_stage(self.job, g.layout, g.rank, local, self.device)
+            self.staged_at = (g.layout, g.rank)
+            self.model, self.optimizer = self.staged.module, self.staged.optimizer
+            self.copies = Copies.of(g.layout, self.name, local, self.tensors)
+            self._close_buckets()
         else:
             groups.forget(old)
             self.sharded, self.sharded_at = None, None
+            self.staged, self.staged_at = None, None
             replica = apply_replicated(self.job, local, self.device)
             self.model, self.optimizer = replica.model, replica.optimizer
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.numel = sum(p.numel() for p in self.params)
 
+    def _close_buckets(self) -> None:
+        if self.buckets is not None:  # the replica they hooked is gone
+            self.buckets.close()
+            self.buckets = None
+
     def _forget_groups(self) -> None:
-        """Unregister the last sharded epoch's groups (their backends end on their own)."""
+        """Unregister the last sharded epoch's groups (their backends end on their own); a stage is
+        dropped with them (what held only part of the state)."""
         groups.forget(self.registered)
         self.sharded, self.sharded_at = None, None
+        self.staged, self.staged_at = None, None
 
     def _drop_state(self) -> None:
         """This member holds nothing current any more (it handed its slices over, or they are lost)."""
@@ -550,7 +574,21 @@ class Trainer:
             return local
         if isinstance(self.model, FSDPModule):  # (never: a sharded model is held with its layout)
             raise RuntimeError("internal error: a sharded model without the layout it was built for")
-        return from_module(self.step, self.model, self.optimizer)
+        local = from_module(self.step, self.model, self.optimizer)
+        if self.staged is not None:  # a stage: its pending gradients and its copy, as a shard's above
+            local.pending, local.coefficient = self.pending, self.coefficient
+            if self.pending:
+                for fqn, p in self.staged.module.named_parameters():
+                    for piece in local.pieces[fqn]:
+                        piece.data[GRAD] = (p.grad.reshape(-1) if p.grad is not None
+                                            else torch.zeros_like(piece.data[PARAM]))
+            local.add(self.copies.pieces(self.pending))
+            for fqn, values in self.copies.scalars().items():  # (its source's stage is not in this module)
+                local.scalars.setdefault(fqn, values)
+            before = self.before_reshard
+            if before is not None and before.step == self.step and not self.pending:
+                local.add(before.pieces)
+        return local
 
     def _on_meta(self) -> bool:
         """The model is still the structure built at start (`_build(meta=True)`), never materialised."""
@@ -560,6 +598,17 @@ class Trainer:
         """The state of step 0, seeded: the same on every worker."""
         self._build()
         return from_module(0, self.model, self.optimizer)
+
+    @property
+    def tensors(self) -> list[TensorShape]:
+        """Every parameter as placement sees it: rows, elements and the graph unit it belongs to
+        (which pipeline stage holds it; every tensor is in the root unit until the graph is known)."""
+        known = self._graph is not None
+        if self._tensors is None or self._tensors[0] != known:
+            units = self.units() if known else []
+            self._tensors = (known, [TensorShape(n, shape[0] if shape else 0, math.prod(shape), unit_of(n, units))
+                                     for n, shape in self.shapes.items()])
+        return self._tensors[1]
 
     def use_graph(self, graph: Graph) -> None:
         """The model's graph as captured at start (`worker.graph.capture_graph`)."""
@@ -599,6 +648,8 @@ class Trainer:
         try:
             if self.sharded is not None:
                 return steps.sharded(self, g, self.sharded)
+            if self.staged is not None:
+                return steps.pipelined(self, g, self.staged)
             return steps.replicated(self, g)
         except Superseded:
             self._restore_buffers()
@@ -735,6 +786,20 @@ class Trainer:
                                             for grp in by_name["param_groups"]]}
         self._write(directory, final, lambda path: save_state(model_state, optimizer_state, path))
 
+    def save_stages(self, g: Group, directory: str, *, final: bool) -> None:
+        """Gather every stage's state to the pipeline's first rank (every member), which writes the
+        whole model (`worker.parallel.staged.gather_state`)."""
+        assert self.staged is not None
+        ranks = [g.layout.rank_of(p, 0, 0, 0) for p in range(g.layout.pp)]
+        if g.rank not in ranks:  # (another replica of the pipeline: the first one writes)
+            return
+        parts = gather_state(self.staged, self.step, g.rank, ranks, g.pg, lambda work, buf: self.wait(g, work, buf),
+                             self.device)
+        if parts is None:
+            return
+        model_state, optimizer_state = whole_state(parts, list(self.shapes))
+        self._write(directory, final, lambda path: save_state(model_state, optimizer_state, path))
+
     def digest(self) -> str:
         """A hash of the whole model's parameters and buffers (sharded: gathered, so every member must ask)."""
         h = hashlib.sha256()
@@ -754,3 +819,8 @@ class Trainer:
     def log(self, text: str) -> None:
         print(f"[{self.name}] {text}", flush=True)
 
+
+
+def _whole_replicas(layout: Layout) -> bool:
+    """Every member holds the whole state (no shards, no stages): the replicated fast path applies."""
+    return layout.dp_shard == 1 and layout.pp == 1 and layout.tp == 1

@@ -1,7 +1,7 @@
-"""The redundancy of a sharded layout, on one member: the ring of copies (`plan.reshard.copy_ring`).
+"""The redundancy of a sharded or pipeline layout, on one member: the ring of copies (`plan.reshard.copy_ring`).
 
-Each member keeps a copy of its *source*'s slices (parameters and optimizer state) and has its own
-slices copied by its *keeper*. The copies stay current without moving the state: after the step's
+Each member keeps a copy of its *source*'s slices (parameters and optimizer state; in a pipeline,
+its source's stage) and has its own slices copied by its *keeper*. The copies stay current without moving the state: after the step's
 backward, every member sends its gradient slices to its keeper (`exchange`: one buffer per dtype,
 the send and the receive posted before either is waited for), or, where the step's reduce-scatters
 ran as all-reduces (gloo), the keeper takes them from what it kept of those (`take`); after the
@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from plan.layout import Layout
+from plan.placement import ranges_of
 from plan.reshard import TensorShape, copy_ring
 from worker.parallel.fsdp import KeptShard
 from worker.parallel.slices import PARAM, LocalState, Piece
@@ -56,10 +57,9 @@ class Copies:
         copy = LocalState(step=local.step, keys=dict(local.keys), dtypes=dict(local.dtypes), hyper=local.hyper,
                           scalars={f: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in sc.items()}
                                    for f, sc in local.scalars.items()})
-        for t in tensors:
-            lo, hi = layout.slice_of(src, t.rows, t.numel)
-            copy.pieces[t.name] = ([Piece(lo, hi, {k: local.fresh(t.name, k, lo, hi) for k in local.keys[t.name]})]
-                                   if hi > lo else [])
+        for t in tensors:  # (the source's slices, or its stage's tensors whole; nothing of another stage)
+            copy.pieces[t.name] = [Piece(lo, hi, {k: local.fresh(t.name, k, lo, hi) for k in local.keys[t.name]})
+                                   for lo, hi in ranges_of(layout, src, t) if hi > lo]
         return Copies(keeper, source, copy)
 
     def exchange(self, named_grads: Iterable[tuple[torch.Tensor, torch.Tensor | None]], members: Sequence[str],
@@ -129,6 +129,12 @@ class Copies:
         if self.copy is not None:
             apply_update(optimizer_factory, self.copy, self.copy.pieces, shapes, lr, coefficient)
             self.copy.step += 1
+
+    def scalars(self) -> dict[str, dict[str, Any]]:
+        """The optimizer scalars (Adam's step count) of the tensors the copy holds, current with it."""
+        if self.copy is None:
+            return {}
+        return {fqn: self.copy.scalars.get(fqn, {}) for fqn, pieces in self.copy.pieces.items() if pieces}
 
     def pieces(self, pending: bool) -> Mapping[str, list[Piece]]:
         """The copy's pieces for a LocalState; their gradients only while a step is `pending`."""

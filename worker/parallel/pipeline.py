@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["StageStep", "one_f_one_b", "stage_of_sequence"]
+__all__ = ["StageStep", "one_f_one_b", "recv_tensor", "send_tensor", "stage_of_sequence"]
 
 MAX_DIMS = 8  # dimensions a boundary tensor may have (the header's size)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32)
@@ -130,20 +130,33 @@ def _backward(s: StageStep, k: int, inp: torch.Tensor | None, out: torch.Tensor,
 
 
 def _send(s: StageStep, t: torch.Tensor, dst: int, tag: int, sent: list[tuple[Any, torch.Tensor]]) -> None:
+    send_tensor(s.send, t, dst, tag, s.device, sent)
+
+
+def _recv(s: StageStep, src: int, tag: int) -> torch.Tensor:
+    return recv_tensor(s.recv, s.wait, src, tag, s.device)
+
+
+def send_tensor(send: Callable[[torch.Tensor, int, int], Any], t: torch.Tensor, dst: int, tag: int,
+                device: torch.device, sent: list[tuple[Any, torch.Tensor]]) -> None:
+    """Start sending `t` to `dst` under `tag`, after a header with its dimensions and dtype; the
+    works go to `sent`, with their tensors (kept alive until they are waited for)."""
     t = t.contiguous()
     header = torch.zeros(MAX_DIMS + 2, dtype=torch.int64)
     header[0], header[1] = t.dim(), DTYPES.index(t.dtype)
     header[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-    header = header.to(s.device)
-    sent.append((s.send(header, dst, tag), header))
-    sent.append((s.send(t, dst, tag), t))
+    header = header.to(device)
+    sent.append((send(header, dst, tag), header))
+    sent.append((send(t, dst, tag), t))
 
 
-def _recv(s: StageStep, src: int, tag: int) -> torch.Tensor:
-    header = torch.zeros(MAX_DIMS + 2, dtype=torch.int64, device=s.device)
-    s.wait(s.recv(header, src, tag), header)
+def recv_tensor(recv: Callable[[torch.Tensor, int, int], Any], wait: Callable[[Any, torch.Tensor | None], None],
+                src: int, tag: int, device: torch.device) -> torch.Tensor:
+    """Receive what `send_tensor` sent from `src` under `tag`: its header, then the tensor."""
+    header = torch.zeros(MAX_DIMS + 2, dtype=torch.int64, device=device)
+    wait(recv(header, src, tag), header)
     header = header.cpu()
     ndim, dtype = int(header[0]), DTYPES[int(header[1])]
-    t = torch.empty([int(x) for x in header[2:2 + ndim]], dtype=dtype, device=s.device)
-    s.wait(s.recv(t, src, tag), t)
+    t = torch.empty([int(x) for x in header[2:2 + ndim]], dtype=dtype, device=device)
+    wait(recv(t, src, tag), t)
     return t

@@ -1,0 +1,60 @@
+"""A pipeline job end to end, with the real coordinator and workers on loopback: `--layout pp=2` cuts
+the GPT example's units into two stages, each member holding only its stage's state, the step run
+as 1F1B micro-batches passed point to point.
+
+- Two members train as a pipeline: every step's loss, learning rate and gradient norm equal the
+  single-process recipe's within 1e-4, every plan names its stages (every unit once, in order), and
+  the trained model is written whole (gathered from the stages), loadable into the plain model.
+- A third worker waits on standby (the pin takes two); a member drained hands its stage to it live
+  (it sends its stage's tensors as a sender, then leaves), and the curve stays the recipe's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from localjob import LocalJob
+from test_recipe import JOB, _check_the_trained_model, single_process
+from test_sharded import _assert_exact
+
+
+
+def _plans(job: LocalJob) -> list[dict[str, Any]]:
+    return [e for e in job.events() if e["kind"] == "plan" and e.get("layout")]
+
+
+def _assert_pipelined(plan: dict[str, Any], units: list[str]) -> None:
+    layout = plan["layout"]
+    assert layout["pp"] == 2 and layout["dp_replicate"] == layout["dp_shard"] == 1, layout
+    assert [u for stage in layout["stages"] for u in stage] == units, layout["stages"]
+    assert len(set(layout["shares"])) == 1, "every stage computes the same samples"
+
+
+@pytest.mark.timeout(400)
+def test_a_pipeline_is_exact_and_hands_a_stage_over_live(tmp_path: Path) -> None:
+    trained: dict[str, Any] = {}
+    reference = single_process(trained)
+    units = [str(i) for i in range(6)]  # the GPT's: embedding, 4 blocks, head
+    with LocalJob(JOB, tmp_path, min_workers=2, coordinator_args=["--layout", "pp=2"]) as job:
+        job.start()
+        job.add_worker("w1", "--slowdown", "3")  # (margin for w3 to load before the job ends)
+        job.add_worker("w2", "--slowdown", "3")
+        job.wait_step(4, 180)
+        job.add_worker("w3")
+        job.wait_event(lambda e: e["kind"] == "standby" and e.get("worker") == "w3", 120, "w3 on standby")
+        assert job.ctl("drain", "w1") == {"draining": "w1"}
+        handed = job.wait_event(lambda e: e["kind"] == "plan" and e.get("layout")
+                                and "w1" not in e["layout"]["members"], 120, "w1 planned out")
+        assert sorted(handed["layout"]["members"]) == ["w2", "w3"], handed["layout"]
+        job.wait_event(lambda e: e["kind"] == "step" and e["epoch"] == handed["epoch"], 60, "a step with w3")
+        exits = job.wait_workers(300)
+        assert exits == {"w1": 0, "w2": 0, "w3": 0}, job.tails(exits)
+        assert job.wait_coordinator(30) == 0
+        events = job.events()
+        _assert_exact(events, reference)
+        for plan in _plans(job):
+            _assert_pipelined(plan, units)
+        finished = [e for e in events if e["kind"] == "finished"]
+        _check_the_trained_model(tmp_path, finished, job.tail("coordinator.out", 100_000), trained)
