@@ -145,13 +145,16 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
                         "the members' work on the abandoned step, under one step each, once per join. "
                         f"Default {JOIN_WAIT_MAX_S:g}; none: no bound (a join then waits up to a step where "
                         "abandoning does not pay for itself: the most throughput, the slowest joins)")
-    p.add_argument("--layout", metavar="dp=R,fsdp=S",
+    p.add_argument("--layout", metavar="dp=R,fsdp=S|pp=P",
                    help="pin the layout's degrees: dp = replicas (dp_replicate), fsdp = members that shard the "
-                        "state between them (dp_shard, FSDP2); an omitted one is planned. E.g. --layout dp=1 shards "
-                        "over every member, --layout fsdp=1 keeps every member a replica, --layout fsdp=2 makes "
-                        "replicas of shard groups of 2 (HSDP), --layout dp=2,fsdp=2 exactly 2 x 2 (both pinned: training waits for "
-                        "R x S ready workers, and more than --max-workers is refused). Default: the planner chooses (sharded when no "
-                        "replica fits a worker's memory, or when it predicts sharding faster)")
+                        "state between them (dp_shard, FSDP2), pp = pipeline stages; an omitted one is planned. E.g. "
+                        "--layout dp=1 shards over every member, --layout fsdp=1 keeps every member a replica, "
+                        "--layout fsdp=2 makes replicas of shard groups of 2 (HSDP), --layout dp=2,fsdp=2 exactly "
+                        "2 x 2 (both pinned: training waits for R x S ready workers, and more than --max-workers is "
+                        "refused). --layout pp=2 cuts the model into 2 pipeline stages, sized to each member's "
+                        "measured speed and memory, on the 2 fastest workers (the model must be an nn.Sequential "
+                        "of its units; pp goes alone for now, without dp or fsdp). Default: the planner chooses "
+                        "(sharded when no replica fits a worker's memory, or when it predicts sharding faster)")
     p.add_argument("--keys", metavar="DIR",
                    help=f"CURVE keys written by `coordinator keygen DIR` (default: ${KEYS_ENV})")
     p.add_argument("--insecure", action="store_true",

@@ -276,13 +276,21 @@ def format_plan(d: dict[str, Any]) -> str:
         lay = f"replicated (dp_replicate={layout.get('dp_replicate', 1)})"
     elif layout and layout.get("dp_shard", 1) > 1:
         lay = f"sharded ({lay})"
+    elif layout and layout.get("pp", 1) > 1:
+        lay = f"pipeline ({lay})"
     predicted = d.get("predicted_step_s")
     head = (f"epoch {d.get('epoch')}  mode {d.get('mode', '?')}  layout {lay}  global batch {d.get('global_batch')}"
             f"  predicted step {f'{predicted:.4g} s' if isinstance(predicted, (int, float)) else '-'}")
     acked = set(d.get("acknowledged") or [])
     members, shares = d.get("members") or [], d.get("shares") or []
     rows = [[str(i), str(n), _num(s), _yes(n in acked)] for i, (n, s) in enumerate(zip(members, shares))]
-    return head + "\n\n" + _table(["RANK", "MEMBER", "SHARE", "ACKED"], rows)
+    stages = layout.get("stages") or []
+    if not stages:
+        return head + "\n\n" + _table(["RANK", "MEMBER", "SHARE", "ACKED"], rows)
+    per_stage = len(members) // len(stages)  # (ranks are pp-major: a stage's ranks are consecutive)
+    for i, row in enumerate(rows):
+        row.append(f"{i // per_stage}: {' '.join(stages[i // per_stage])}")
+    return head + "\n\n" + _table(["RANK", "MEMBER", "SHARE", "ACKED", "STAGE: UNITS"], rows)
 
 
 def _ms(x: Any) -> str:
@@ -331,6 +339,9 @@ def format_explain(d: dict[str, Any]) -> str:
     placements = e.get("placements")
     if placements:
         lines.append("placements: " + ", ".join(f"{k} {v}" for k, v in placements.items()))
+    for stage in e.get("stages") or []:
+        lines.append(f"stage {stage.get('stage')}: units [{' '.join(stage.get('units') or [])}] on "
+                     f"{', '.join(stage.get('members') or [])}")
     if e.get("changed"):
         lines += ["", "changed since this plan: " + "; ".join(e["changed"])]
     if e.get("kept"):

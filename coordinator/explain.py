@@ -3,9 +3,9 @@
 For the plan in force: the predicted step split per member into compute, overhead, waiting and the
 all-reduce, memory per member against its limit, why it beat the runner-up (the best plan that
 differs), the fitted constants it rests on (contention per host included), the placements of the
-model's tensors, the prediction against the steps measured so far in this epoch, what changed since
-the plan was made, and why the latest better plan found since was not worth a switch (`kept`).
-Reads the state only.
+model's tensors (a pipeline's: which units each stage holds, and on whom), the prediction against
+the steps measured so far in this epoch, what changed since the plan was made, and why the latest
+better plan found since was not worth a switch (`kept`). Reads the state only.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 from coordinator import steps
 from coordinator.phase import Phase, phase
 from coordinator.state import State
-from plan import Alternative, PlanResult
+from plan import Alternative, Plan, PlanResult
 from plan.layout import describe, placements
 
 
@@ -66,10 +66,20 @@ def explain(state: State, now: Phase | None = None) -> dict[str, Any]:
     }
     out["changed"] = list(state.changed)
     out["kept"] = state.kept
-    if g is not None:
+    if plan.pp > 1:
+        out["stages"] = _stages(plan)
+    elif g is not None:
         first = placements(g, plan.layout)[g.layers[0].name]
         out["placements"] = {kind: describe(spec) for kind, spec in first.items()}
     return out
+
+
+def _stages(plan: Plan) -> list[dict[str, Any]]:
+    """Per pipeline stage: its graph units and the members that hold them (the ranks of its pp coordinate)."""
+    layout = plan.layout
+    return [{"stage": s, "units": list(units),
+             "members": [m for r, m in enumerate(plan.members) if layout.coords(r)[0] == s]}
+            for s, units in enumerate(plan.stages)]
 
 
 def _contention(state: State) -> dict[str, Any]:

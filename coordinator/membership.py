@@ -63,7 +63,7 @@ from coordinator.state import (
 )
 from plan import Device, PlanResult
 from plan.cost import step_comm_features
-from plan.prediction import repredict
+from plan.prediction import reported_compute, repredict
 from transport import (ERR_NAME_TAKEN, ERR_STALE_EPOCH, PLANNED_EXITS, Abort, Ack, Checkpointed, CheckpointNow, Error,
                        Join, ResumeFailed, SaveModel, Slowdown, StepReport, Stop)
 
@@ -174,8 +174,9 @@ def apply(state: State, event: Event, config: Config, *, now: float) -> Result:
             if state.plan is None or not state.plan.members:
                 return state, []
             writer = state.plan.members[0]  # replicas are identical: the first member writes
-            # Sharded: every member gathers (a collective) at the same step boundary; rank 0 writes.
-            to = state.plan.members if state.plan.dp_shard > 1 else (writer,)
+            # Sharded or pipelined: every member gathers (a collective) at the same step boundary;
+            # rank 0 writes.
+            to = (writer,) if state.plan.layout.whole_replicas else state.plan.members
             return state, [*(Send(n, SaveModel(path=path)) for n in to),
                            Log("save_requested", {"path": path, "worker": writer})]
         case ReplanDue(reason, abort):
@@ -278,10 +279,12 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
         tracker, findings = steps.observe(tracker, r)
         for f in findings:
             match f:
-                case steps.Measured(ranks=ranks, comm_s=comm_s, settled=True) if state.graph is not None:
+                case steps.Measured(ranks=ranks, comm_s=comm_s, settled=True) if (
+                        state.graph is not None and (state.plan is None or state.plan.pp == 1)):
                     # The step's communication as the cost model has it: an all-reduce, or
                     # FSDP's gathers and scatters with the copies (the workers time those too).
                     # Never an epoch's first steps: a member still entering holds the others there.
+                    # (Nor a pipeline's: its sends between stages are no collective of this model.)
                     shards = state.plan.dp_shard if state.plan is not None and tracker.epoch == state.epoch else 1
                     f0, f1 = step_comm_features(state.graph, ranks, shards)
                     cluster = cluster.with_comm(f0, f1, comm_s, cross_host=cluster.spans_hosts(tracker.members))
@@ -376,7 +379,7 @@ def _acked(state: State, ack: Ack, config: Config, now: float) -> Result:
     planned = state.delta is not None and state.delta.reason != "failure" and not state.delta.resume_path
     state = replace(state, running=frozenset(), formed_at=now,
                     cluster=state.cluster.with_reshard(state.reshard_bytes, state.reshard_s) if planned else state.cluster,
-                    slices_possible=state.plan is not None and state.plan.dp_shard > 1)  # every member switched
+                    slices_possible=state.plan is not None and not state.plan.layout.whole_replicas)  # all switched
     plan = state.plan
     assert plan is not None  # not pending, and ack.name was a member
     # Drained workers switched out with everyone else: now they can go.
@@ -407,7 +410,7 @@ def _recovered(state: State, config: Config, now: float) -> Result:
     hosts = {n: state.cluster.devices[n].host for n in back}
     if not missing:
         plan = repredict(state.cluster.contended(back), state.graph, plan)
-    tracker = steps.start(state.epoch, plan.members, plan.predicted_step_s, {c.name: c.compute_s for c in plan.costs},
+    tracker = steps.start(state.epoch, plan.members, plan.predicted_step_s, reported_compute(plan, state.graph),
                           hosts, loads={h: state.cluster.load(h, back) for h in set(hosts.values())},
                           legacy=config.stability != "calm")
     was_pending = (not set(plan.members) <= state.recovered_acked  # not in place everywhere at the crash

@@ -36,7 +36,7 @@ from typing import NamedTuple
 from coordinator import steps
 from coordinator.state import Config, Effect, Log, Planned, Result, Send, State, Worker
 from plan import Plan, PlanLimits, PlanResult, make_plan, predict
-from plan.prediction import repredict
+from plan.prediction import reported_compute, repredict
 from transport import MeshLayout, PlanDelta
 
 GAIN_REASONS = ("straggler", "recovered", "contention", "calibration")  # re-plans that must pay for themselves
@@ -82,20 +82,21 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
         return state, [*said, *effects]
     new = result.plan
     handoff = None
-    # Slices may be held (a sharded plan was sent since the last replicated one in place
-    # everywhere): every holder that leaves (alive, planned out) sends what it holds in the new
-    # epoch's group, then goes. A replicated state: any holder has it all, and one that leaves hands
-    # it over only when none would stay: as a sender when the new layout is sharded (the slice
-    # reshard takes a whole replica), else as a member with no samples for one epoch.
+    # Slices may be held (a layout whose members do not each hold the whole state, sharded or
+    # pipelined, was sent since the last replicated one in place everywhere): every holder that
+    # leaves (alive, planned out) sends what it holds in the new epoch's group, then goes. A
+    # replicated state: any holder has it all, and one that leaves hands it over only when none
+    # would stay: as a sender when the new layout is not replicated (the slice reshard takes a whole
+    # replica), else as a member with no samples for one epoch.
     # (Whether anyone may hold slices decides how the members enter, too: their own holdings cannot,
     # since a fenced or standby worker may still hold an old sharded executor.)
-    from_sharded = state.slices_possible or (state.plan is not None and state.plan.dp_shard > 1)
+    from_sharded = state.slices_possible or (state.plan is not None and not state.plan.layout.whole_replicas)
     leaving = [n for n in holders if n not in new.members]
     none_stays = bool(holders) and leaving == holders
     senders: list[str] = []
     if from_sharded:
         senders = leaving
-    elif none_stays and new.dp_shard > 1:
+    elif none_stays and not new.layout.whole_replicas:
         senders = leaving[:1]
     elif none_stays:
         # No state holder stays: keep one leaving holder for one epoch with no samples, so that it
@@ -162,9 +163,9 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
     loads = {h: state.cluster.load(h, new.members) for h in set(hosts.values())}
     guessed = any(state.cluster.is_guess(n) for n in new.members)
     measured = frozenset(n for n in new.members if n in state.cluster.devices and state.cluster.devices[n].samples_per_s)
-    tracker = steps.start(epoch, new.members, new.predicted_step_s, {c.name: c.compute_s for c in new.costs}, hosts,
+    tracker = steps.start(epoch, new.members, new.predicted_step_s, reported_compute(new, state.graph), hosts,
                           loads=loads, measured=measured, legacy=not calm)
-    state = replace(state, slices_possible=from_sharded or new.dp_shard > 1)
+    state = replace(state, slices_possible=from_sharded or not new.layout.whole_replicas)
     state = replace(state, workers=workers, delta=delta, epoch=epoch, plan=new, result=result, tracker=tracker,
                     acked=frozenset(), reshard_bytes=0, reshard_s=0.0, reshard_largest_sender=0, running=frozenset(holders),
                     changed=(), abandon_if_missed=if_missed, planned_at=now,

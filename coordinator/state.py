@@ -122,7 +122,7 @@ class State:
     recovered_acked: frozenset[str] = frozenset()
     recovery_since: float = 0.0
     unlogged: frozenset[int] = frozenset()  # steps below `last_step` not logged yet (after a restart)
-    slices_possible: bool = False  # a sharded plan was sent since the last replicated one in place everywhere
+    slices_possible: bool = False  # a sharded or pipelined plan was sent since the last replicated one in place everywhere
     last_tick: float = 0.0  # when the latest Tick was applied (a long gap: the coordinator stalled)
     stopping: bool = False
 

@@ -221,11 +221,17 @@ class Layer:
 class Graph:
     """The model as an ordered chain of layers (the order a pipeline would cut), and the bytes of
     optimizer state the job's optimizer keeps for it (measured at capture; None: unknown, assume
-    Adam's two moments)."""
+    Adam's two moments).
+
+    `sequential`: the units are the model itself, in order (an `nn.Sequential` whose children are
+    exactly the layers), so each unit's output is the next one's input and any contiguous run of
+    units is a pipeline stage. Otherwise the layers are only the order the units ran in (a root
+    unit around them, a residual across them): no pipeline may cut the model."""
 
     layers: tuple[Layer, ...]
     optimizer_state_bytes: int | None = None
     tensors: tuple[TensorInfo, ...] = ()  # every parameter, in `named_parameters()` order (empty: unknown)
+    sequential: bool = False
 
     def __post_init__(self) -> None:
         names = [layer.name for layer in self.layers]
@@ -284,13 +290,15 @@ class Graph:
             out["optimizer_state_bytes"] = self.optimizer_state_bytes
         if self.tensors:
             out["tensors"] = [t.to_dict() for t in self.tensors]
+        if self.sequential:
+            out["sequential"] = True
         return out
 
     @staticmethod
     def from_dict(data: Any) -> Graph:
         if not isinstance(data, dict):
             raise ValueError(f"graph: expected an object, got {type(data).__name__}")
-        unknown = set(data) - {"layers", "optimizer_state_bytes", "tensors"}
+        unknown = set(data) - {"layers", "optimizer_state_bytes", "tensors", "sequential"}
         if unknown:
             raise ValueError(f"graph: unknown fields {sorted(unknown)}")
         layers = data.get("layers")
@@ -302,5 +310,8 @@ class Graph:
         tensors = data.get("tensors", [])
         if not isinstance(tensors, list):
             raise ValueError("graph: 'tensors' must be a list")
+        sequential = data.get("sequential", False)  # (absent from graphs captured before pipelines)
+        if not isinstance(sequential, bool):
+            raise ValueError(f"graph: 'sequential' must be true or false, got {sequential!r}")
         return Graph(tuple(Layer.from_dict(item, i) for i, item in enumerate(layers)), opt,
-                     tuple(TensorInfo.from_dict(item, i) for i, item in enumerate(tensors)))
+                     tuple(TensorInfo.from_dict(item, i) for i, item in enumerate(tensors)), sequential)

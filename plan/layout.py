@@ -108,6 +108,13 @@ class Layout:
         return self.dp_shard > 1
 
     @property
+    def whole_replicas(self) -> bool:
+        """Every member holds the whole training state (nothing sharded, staged or split by tensor):
+        any one of them can hand it all to a newcomer or write a checkpoint alone. Otherwise a member
+        that leaves may take the only copy of its part with it."""
+        return self.pp == self.dp_shard == self.tp == 1
+
+    @property
     def global_batch(self) -> int:
         return sum(self.shares[self.dp_ranks(i)[0]] for i in range(self.dp))
 
@@ -231,7 +238,9 @@ def placements(graph: Graph, layout: Layout) -> dict[str, dict[str, TensorSpec]]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LayoutPin:
-    """Degrees the operator fixed (`--layout dp=R,fsdp=S`); None: the planner chooses."""
+    """Degrees the operator fixed (`--layout dp=R,fsdp=S` or `--layout pp=P`); None: the planner
+    chooses. A pipeline pin (pp > 1) fixes the data-parallel degrees it leaves out at 1: the planner
+    plans a pipeline alone for now (`parse_pin` refuses one beside dp or fsdp above 1)."""
 
     dp_replicate: int | None = None
     dp_shard: int | None = None
@@ -240,16 +249,22 @@ class LayoutPin:
 
     @property
     def members(self) -> int | None:
-        """The member count the pin implies when both data-parallel degrees are pinned (None: the
-        planner chooses it). pp and tp count as 1 unless pinned: the planner does not plan them yet,
-        so it keeps them at 1 (and `parse_pin` refuses a pin of either above 1)."""
-        if self.dp_replicate is None or self.dp_shard is None:
+        """The member count the pin implies when both data-parallel degrees are fixed (None: the
+        planner chooses it): `pp=P` alone means exactly P members. tp counts as 1 unless pinned: the
+        planner does not plan it yet, so it keeps it at 1 (and `parse_pin` refuses a pin above 1)."""
+        pp, replicas, shards, tp = self._wanted()
+        if replicas is None or shards is None:
             return None
-        return self.dp_replicate * self.dp_shard * (self.pp or 1) * (self.tp or 1)
+        return replicas * shards * (pp or 1) * (tp or 1)
 
     def admits(self, layout: Layout) -> bool:
-        return all(want is None or want == got for want, got in
-                   zip((self.pp, self.dp_replicate, self.dp_shard, self.tp), layout.degrees))
+        return all(want is None or want == got for want, got in zip(self._wanted(), layout.degrees))
+
+    def _wanted(self) -> tuple[int | None, int | None, int | None, int | None]:
+        """(pp, dp_replicate, dp_shard, tp) as pinned, a pipeline's omitted data-parallel degrees as 1."""
+        implied = 1 if (self.pp or 1) > 1 else None
+        return (self.pp, implied if self.dp_replicate is None else self.dp_replicate,
+                implied if self.dp_shard is None else self.dp_shard, self.tp)
 
     def describe(self) -> str:
         names = {v: k for k, v in PIN_KEYS.items()}
@@ -257,7 +272,7 @@ class LayoutPin:
 
 
 def parse_pin(text: str) -> LayoutPin:
-    """`dp=2,fsdp=2` -> LayoutPin; LayoutError with the reason for anything else."""
+    """`dp=2,fsdp=2` or `pp=2` -> LayoutPin; LayoutError with the reason for anything else."""
     values: dict[str, int] = {}
     for part in (p.strip() for p in text.split(",")):
         m = re.fullmatch(r"([a-z]+)=(\d+)", part)
@@ -270,7 +285,9 @@ def parse_pin(text: str) -> LayoutPin:
         if n < 1:
             raise LayoutError(f"--layout: {m.group(1)} must be >= 1, got {n}")
         values[dim] = n
-    if values.get("pp", 1) > 1 or values.get("tp", 1) > 1:
-        raise LayoutError("--layout: pipeline (pp) and tensor (tp) parallelism are not planned yet; "
-                          "pin dp and fsdp only")
+    if values.get("tp", 1) > 1:
+        raise LayoutError("--layout: tensor parallelism (tp) is not planned yet; pin dp, fsdp or pp")
+    if values.get("pp", 1) > 1 and (values.get("dp_replicate", 1) > 1 or values.get("dp_shard", 1) > 1):
+        raise LayoutError("--layout: pp with dp or fsdp above 1 is not supported yet: pin pp alone "
+                          "(e.g. --layout pp=2)")
     return LayoutPin(**values)

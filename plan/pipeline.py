@@ -24,6 +24,11 @@ device's memory is never formed (1F1B keeps up to p − s micro-batches' activat
 Uneven cuts fall out of it: a slow or small device gets fewer units. `best_pipeline` tries every
 distinct order of the devices' classes (a slow device first or last changes which units it gets)
 and every micro-batch count, and keeps the fastest prediction.
+
+**Micro-batches** (`micro_split`). A plan carries only each stage's largest micro-batch size b; the
+worker runs a share of n samples as ceil(n / b) micro-batches of sizes differing by at most one. Not
+every count c comes back from its size (16 samples in 7: b = 3, and 3 gives 6), so the planner tries
+counts as the worker would run them, and predicts exactly the micro-batches that run.
 """
 
 from __future__ import annotations
@@ -62,9 +67,11 @@ class PipelinePlan:
 
     devices: tuple[str, ...]
     stages: tuple[tuple[str, ...], ...]
-    micro: tuple[int, ...]  # samples per micro-batch, contiguous slices of the batch (sizes differ by <= 1)
+    micro: tuple[int, ...]  # samples per micro-batch, contiguous slices of the batch (`micro_split`)
     stage_s: tuple[float, ...]  # per micro-batch of the largest size: compute + the sends on its boundaries
     step_s: float
+    compute_s: tuple[float, ...]  # per stage: its compute over the whole step (its sends and waits are the rest)
+    memory_bytes: tuple[float, ...]  # per stage: its units' state and 1F1B's in-flight activations
 
 
 def micro_batches(samples: int, count: int) -> tuple[int, ...]:
@@ -74,6 +81,15 @@ def micro_batches(samples: int, count: int) -> tuple[int, ...]:
         raise ValueError(f"cannot split {samples} samples into {count} micro-batches")
     base, extra = divmod(samples, count)
     return tuple(base + 1 if i < extra else base for i in range(count))
+
+
+def micro_split(samples: int, most: int) -> tuple[int, ...]:
+    """The micro-batches a stage runs `samples` in when its plan says `most` samples at a time:
+    ceil(samples / most) of them, sizes differing by at most one. The worker's rule and the
+    planner's (the module comment): a plan carries only the largest size."""
+    if most < 1:
+        raise ValueError(f"a micro-batch holds at least one sample, got {most}")
+    return micro_batches(samples, math.ceil(samples / most))
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,27 +183,50 @@ def cut_stages(graph: Graph, devices: Sequence[StageDevice], micro: int, *,
 def best_pipeline(graph: Graph, devices: Sequence[StageDevice], samples: int, *,
                   link: Link | None = None, max_micro: int | None = None) -> PipelinePlan | None:
     """The fastest pipeline of `samples` per step over `devices` (one stage each, in the best order
-    of their classes), the number of micro-batches chosen with it; None when none fits in memory."""
+    of their classes), the micro-batches chosen with it; None when none fits in memory."""
     found: PipelinePlan | None = None
     sums = _Sums.of(graph)
+    splits = sorted({micro_split(samples, math.ceil(samples / count))
+                     for count in _counts(samples, min(samples, max_micro or MICRO_PER_STAGE * len(devices)))}, key=len)
     for order in _orders(devices):
-        for count in _counts(samples, min(samples, max_micro or MICRO_PER_STAGE * len(devices))):
-            sizes = micro_batches(samples, count)
+        for sizes in splits:
             cut = cut_stages(graph, order, sizes[0], link=link)
             if cut is None:
                 continue
-            starts, times = cut
-            total = step_s(times, count)
-            if sizes[-1] != sizes[0]:  # the smaller micro-batches pass quicker: each stage time is affine in the size
-                bounds = [*starts, len(graph.layers)]
-                small = [sums.stage_s(a, b, d, sizes[-1], link) for a, b, d in zip(bounds, bounds[1:], order)]
-                total = sum(times) + sum(max(times if n == sizes[0] else small) for n in sizes[1:])
-            if found is None or total < found.step_s:
-                bounds = [*starts, len(graph.layers)]
-                stages = tuple(tuple(layer.name for layer in graph.layers[a:b]) for a, b in zip(bounds, bounds[1:]))
-                found = PipelinePlan(devices=tuple(d.name for d in order), stages=stages, micro=sizes,
-                                     stage_s=times, step_s=total)
+            plan = _timed(sums, graph, order, [*cut[0], len(graph.layers)], sizes, link)
+            if found is None or plan.step_s < found.step_s:
+                found = plan
     return found
+
+
+def time_pipeline(graph: Graph, devices: Sequence[StageDevice], stages: Sequence[Sequence[str]],
+                  micro: Sequence[int], *, link: Link | None = None) -> PipelinePlan:
+    """The prediction of a pipeline already cut: `stages` (unit names, in order) on `devices` (one
+    each, in order) running micro-batches `micro` (a plan in force, under new speeds)."""
+    if [u for stage in stages for u in stage] != [layer.name for layer in graph.layers] or len(stages) != len(devices):
+        raise ValueError(f"stages {[list(s) for s in stages]} on {len(devices)} devices do not cut the graph's "
+                         "units in order, one stage per device")
+    bounds = list(itertools.accumulate((len(stage) for stage in stages), initial=0))
+    return _timed(_Sums.of(graph), graph, devices, bounds, tuple(micro), link)
+
+
+def _timed(sums: _Sums, graph: Graph, devices: Sequence[StageDevice], bounds: Sequence[int],
+           sizes: tuple[int, ...], link: Link | None) -> PipelinePlan:
+    """Units cut at `bounds` on `devices`, running micro-batches of `sizes`: the step of the module
+    comment, each micro-batch at the pace of its own size (a stage's time is affine in it)."""
+    spans = list(zip(bounds, bounds[1:]))
+
+    def per_stage(n: int, with_link: Link | None) -> tuple[float, ...]:
+        return tuple(sums.stage_s(a, b, d, n, with_link) for (a, b), d in zip(spans, devices))
+
+    times = [per_stage(n, link) for n in sizes]
+    computes = [per_stage(n, None) for n in sizes]
+    p = len(devices)
+    return PipelinePlan(devices=tuple(d.name for d in devices),
+                        stages=tuple(tuple(layer.name for layer in graph.layers[a:b]) for a, b in spans),
+                        micro=sizes, stage_s=times[0], step_s=sum(times[0]) + sum(max(t) for t in times[1:]),
+                        compute_s=tuple(sum(t[s] for t in computes) for s in range(p)),
+                        memory_bytes=tuple(sums.memory(a, b, p - s, sizes[0]) for s, (a, b) in enumerate(spans)))
 
 
 def _counts(samples: int, most: int) -> list[int]:

@@ -25,6 +25,9 @@ Excluding a device is a legal answer (too slow to pay for its share of the all-r
 memory): it stays on standby and the reason says so. Without a graph of the model (its capture
 failed) the planner falls back to shares by speed over every device (status "heuristic").
 The `even` policy (benchmarks' baseline) splits the batch evenly over every usable device.
+A pinned pipeline (`--layout pp=P`) is planned on its own (`plan._pipeline_pin`): the P fastest
+devices, cut into stages by their speeds and memory; the current cut stays unless a new one gains
+`MIN_GAIN`.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from plan._pipeline_pin import describe as describe_pipeline
+from plan._pipeline_pin import moved_bytes, pipeline_plan
 from plan.cluster import Cluster
 from plan.cost import max_micro_batch, samples_that_fit, sharded_static_bytes, static_bytes
 from plan.graph import Graph
@@ -109,10 +114,7 @@ class _Ctx:
     micro_caps: Mapping[str, float | None]  # the most samples trained at once beside the whole state
 
     def ranked(self, members: Sequence[str]) -> list[str]:
-        """Rank order: members of the previous plan keep theirs, newcomers follow in name order."""
-        before = list(self.previous.members) if self.previous else []
-        return ([m for m in before if m in members]
-                + sorted(m for m in members if m not in before))
+        return _ranked(self.previous, members)
 
     def balanced(self, members: Sequence[str]) -> Plan | None:
         members = self.ranked([m for m in members if (self.caps[m] or 0) >= 1])
@@ -164,7 +166,10 @@ def make_plan(cluster: Cluster, graph: Graph | None, previous: Plan | None, *, l
               holders: Collection[str] | None = None, pin: LayoutPin | None = None) -> PlanResult:
     """The best plan for `cluster` (see the module comment). `holders`: the devices that hold the
     training state (moving it elsewhere costs); default the previous plan's members. `pin`: layout
-    degrees the operator fixed (`--layout`); the members are then cut to a number they divide."""
+    degrees the operator fixed (`--layout`); the members are then cut to a number they divide, or,
+    for a pipeline, to its stages."""
+    if pin is not None and (pin.pp or 1) > 1:
+        return _pipelined(cluster, graph, previous, pin, limits, holders)
     result = _make_plan(cluster, graph, previous, limits=limits, holders=holders)
     if graph is None:
         return _pinned(cluster, graph, result, pin, limits) if pin is not None and result.plan is not None else result
@@ -362,6 +367,43 @@ def _pinned(cluster: Cluster, graph: Graph | None, result: PlanResult, pin: Layo
     why = f"{result.reason}; layout pinned by --layout {pin.describe()}: {plan.layout.describe()}"
     return replace(result, plan=plan, reason=why, standby=result.standby + cut,
                    standby_why=result.standby_why + ("not in the pinned layout",) * len(cut))
+
+
+def _pipelined(cluster: Cluster, graph: Graph | None, previous: Plan | None, pin: LayoutPin, limits: PlanLimits,
+               holders: Collection[str] | None) -> PlanResult:
+    """The pinned pipeline (`plan._pipeline_pin`) over the ready devices, every other one on standby;
+    the current cut, re-predicted, when the new one gains less than MIN_GAIN of a step."""
+    assert pin.pp is not None
+    before = previous.layout if previous else None
+    found = pipeline_plan(cluster, graph, _ranked(previous, list(cluster.devices)), before, pin.pp,
+                          global_batch=limits.global_batch, pin=pin.describe())
+    if isinstance(found, str):
+        return PlanResult(plan=None, status="infeasible", reason=found)
+    assert graph is not None and found.predicted_step_s is not None
+    speeds = cluster.speeds_for(graph.train_flops)
+    plan, why = found, f"layout pinned by --layout {pin.describe()}: {describe_pipeline(found, speeds)}"
+    if (previous is not None and previous.pp == found.pp and set(previous.members) <= set(cluster.devices)
+            and previous.global_batch == limits.global_batch and not found.same_assignment(previous)):
+        current = repredict(cluster, graph, previous)
+        assert current.predicted_step_s is not None
+        if found.predicted_step_s > current.predicted_step_s * (1 - MIN_GAIN):
+            plan, why = current, (f"layout pinned by --layout {pin.describe()}: kept the current cut "
+                                  f"({describe_pipeline(current, speeds)}): the best other "
+                                  f"({describe_pipeline(found, speeds)}) gains less than {MIN_GAIN:.0%} of a step")
+    held = (previous.members if previous else ()) if holders is None else holders
+    moved = moved_bytes(graph, before, [m for m in held if m in cluster.devices], plan)
+    switch = 0.0 if plan.same_assignment(previous) else cluster.switch_s() + cluster.move_s(moved)
+    assert plan.predicted_step_s is not None
+    standby = tuple(sorted(set(cluster.devices) - set(plan.members)))
+    return PlanResult(plan=plan, status="optimal", reason=why, moved_bytes=moved, standby=standby,
+                      objective_s=plan.predicted_step_s + switch / limits.horizon_steps,
+                      standby_why=("not in the pinned layout",) * len(standby))
+
+
+def _ranked(previous: Plan | None, members: Sequence[str]) -> list[str]:
+    """Rank order: members of the previous plan keep theirs, newcomers follow in name order."""
+    before = list(previous.members) if previous else []
+    return [m for m in before if m in members] + sorted(m for m in members if m not in before)
 
 
 def _make_plan(cluster: Cluster, graph: Graph | None, previous: Plan | None, *, limits: PlanLimits,

@@ -1,8 +1,9 @@
 """A plan's predicted step: one assignment of shares to devices, scored by the cost model.
 
-`Plan` is what the coordinator ships (members in rank order, their shares) plus the prediction
-behind it (per member compute, overhead, waiting and memory; the all-reduce). `predict` fills it in
-from the cluster's fitted estimates. Pure functions of plain data.
+`Plan` is what the coordinator ships (members in rank order, their shares, the layout's degrees and
+pipeline stages) plus the prediction behind it (per member compute, overhead, waiting and memory;
+the all-reduce). `predict` fills it in from the cluster's fitted estimates for data parallelism,
+`pipelined` for a pipeline (`plan.pipeline`). Pure functions of plain data.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from plan.cluster import Cluster
 from plan.cost import allreduce_s, memory_bytes, sharded_static_bytes, step_comm_s
 from plan.graph import Graph
 from plan.layout import Layout
+from plan.pipeline import PipelinePlan, StageDevice, micro_split, time_pipeline
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -31,8 +33,10 @@ class MemberCost:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Plan:
-    """A data-parallel layout: `members` in rank order and each one's samples per global batch,
-    with the cost model's prediction (None where it could not predict)."""
+    """A layout: `members` in rank order and each one's samples per global batch, with the cost
+    model's prediction (None where it could not predict). Data parallel (replicas, shards), or a
+    pipeline: with pp = P (alone, for now) rank r holds stage r, `stages[r]`, and every member computes
+    on the whole batch, so each share is the global batch."""
 
     members: tuple[str, ...]
     shares: tuple[int, ...]
@@ -42,6 +46,8 @@ class Plan:
     mode: str = "sync"
     dp_shard: int = 1  # members that split the state between them (1: every member a replica)
     micro: tuple[int, ...] = ()  # per member: samples per forward (0 or absent: the whole share at once)
+    pp: int = 1  # pipeline stages
+    stages: tuple[tuple[str, ...], ...] = ()  # graph units per pipeline stage, in order (() when pp = 1)
 
     def __post_init__(self) -> None:
         assert len(self.members) == len(self.shares), "one share per member"
@@ -50,12 +56,13 @@ class Plan:
 
     @property
     def global_batch(self) -> int:
-        return sum(self.shares)
+        """The samples of a step: one share per data-parallel slot (the stages of a pipeline share theirs)."""
+        return self.layout.global_batch
 
     @property
     def layout(self) -> Layout:
-        return Layout(members=self.members, shares=self.shares, dp_replicate=len(self.members) // self.dp_shard,
-                      dp_shard=self.dp_shard)
+        return Layout(members=self.members, shares=self.shares, pp=self.pp, stages=self.stages,
+                      dp_replicate=len(self.members) // (self.dp_shard * self.pp), dp_shard=self.dp_shard)
 
     def reordered(self, members: Sequence[str]) -> Plan:
         """The same plan with its members in rank order `members` (each keeps its share, cost and
@@ -68,9 +75,8 @@ class Plan:
                        micro=tuple(self.micro[i] for i in at) if self.micro else ())
 
     def same_assignment(self, other: Plan | None) -> bool:
-        return other is not None and (self.members, self.shares, self.dp_shard, self.micro) == (
-            other.members, other.shares, other.dp_shard, other.micro)
-
+        return other is not None and (self.members, self.shares, self.dp_shard, self.pp, self.stages, self.micro) == (
+            other.members, other.shares, other.dp_shard, other.pp, other.stages, other.micro)
 
 
 def predict(cluster: Cluster, graph: Graph | None, members: Sequence[str], shares: Sequence[int]) -> Plan:
@@ -115,11 +121,49 @@ def predict_sharded(cluster: Cluster, graph: Graph, members: Sequence[str], shar
                    micro=micro if any(micro) else ())
 
 
+def stage_devices(cluster: Cluster, graph: Graph, members: Sequence[str]) -> list[StageDevice]:
+    """`members` as pipeline stage devices: each one's speed on the whole model (a stage takes its
+    units' share of it), memory, and fixed compute per forward and backward, paid per micro-batch."""
+    speeds = cluster.speeds_for(graph.train_flops)
+    fixed = cluster.fixed_compute()
+    return [StageDevice(name=m, samples_per_s=speeds[m], memory_bytes=cluster.devices[m].memory_bytes,
+                        fixed_s=fixed[m]) for m in members]
+
+
+def pipelined(cluster: Cluster, graph: Graph, pipeline: PipelinePlan) -> Plan:
+    """The plan of `pipeline`: its devices in rank order (rank r holds stage r), every member on the
+    whole batch in the pipeline's micro-batches. A member's compute is its stage's over the step; it
+    waits the rest (the bubble, its boundary sends: there is no all-reduce)."""
+    samples, p = sum(pipeline.micro), len(pipeline.devices)
+    speeds = cluster.speeds_for(graph.train_flops)
+    costs = tuple(MemberCost(name=m, samples=samples, speed=speeds[m], compute_s=compute, overhead_s=0.0,
+                             wait_s=pipeline.step_s - compute, memory_bytes=memory)
+                  for m, compute, memory in zip(pipeline.devices, pipeline.compute_s, pipeline.memory_bytes))
+    return Plan(members=pipeline.devices, shares=(samples,) * p, predicted_step_s=pipeline.step_s, comm_s=0.0,
+                costs=costs, micro=(pipeline.micro[0],) * p, pp=p, stages=pipeline.stages)
+
+
+def reported_compute(plan: Plan, graph: Graph | None) -> dict[str, float]:
+    """Per member, the compute seconds its step reports should show if the plan's prediction holds:
+    its predicted compute, except that a pipeline stage reports its compute as the whole model's
+    (over its units' share of the training FLOPs, worker/step.py: so its speed reads as the device's),
+    and so is expected at that scale."""
+    if plan.pp == 1 or graph is None:
+        return {c.name: c.compute_s for c in plan.costs}
+    flops = {layer.name: layer.train_flops for layer in graph.layers}
+    stage_of = {m: plan.stages[plan.layout.coords(r)[0]] for r, m in enumerate(plan.members)}
+    out = {}
+    for c in plan.costs:
+        mine = sum(flops[u] for u in stage_of[c.name])
+        out[c.name] = c.compute_s * graph.train_flops / mine if mine > 0 else c.compute_s
+    return out
+
+
 def micro_batched(plan: Plan, graph: Graph | None, caps: Mapping[str, float | None]) -> Plan:
     """A replicated `plan` whose members run a share larger than their memory's cap (`caps`: the most
     samples a member trains at once beside its whole state) as micro-batches of that cap: the
-    share is bounded by speed, the micro-batch by memory."""
-    if graph is None or plan.dp_shard > 1:
+    share is bounded by speed, the micro-batch by memory. (A pipeline's micro-batches are its own.)"""
+    if graph is None or not plan.layout.whole_replicas:
         return plan
     return _with_micro(plan, graph, micro_sizes(plan.shares, [caps.get(m) for m in plan.members]))
 
@@ -137,7 +181,15 @@ def _with_micro(plan: Plan, graph: Graph, micro: tuple[int, ...]) -> Plan:
 
 
 def repredict(cluster: Cluster, graph: Graph | None, plan: Plan) -> Plan:
-    """`plan`'s members, shares and layout, predicted again (new speeds, fitted constants)."""
+    """`plan`'s members, shares and layout, predicted again (new speeds, fitted constants); a
+    pipeline keeps its cut and micro-batches (with no graph there is nothing to predict it from)."""
+    if plan.pp > 1:
+        if graph is None:
+            return plan
+        devices = stage_devices(cluster, graph, plan.members)
+        timed = time_pipeline(graph, devices, plan.stages, micro_split(plan.global_batch, plan.micro[0]),
+                              link=cluster.link(plan.members))
+        return pipelined(cluster, graph, timed)
     if plan.dp_shard > 1 and graph is not None:
         return predict_sharded(cluster, graph, plan.members, plan.shares, plan.micro,
                                replicas=len(plan.members) // plan.dp_shard)

@@ -106,7 +106,16 @@ def _capture(job: Job, model: nn.Module, device: torch.device, n: int) -> Graph:
         if root is not None:
             layers.insert(0, root)
     state_bytes, state = optimizer_state(job, model)
-    return Graph(tuple(layers), optimizer_state_bytes=state_bytes, tensors=tensor_infos(model, units, state))
+    return Graph(tuple(layers), optimizer_state_bytes=state_bytes, tensors=tensor_infos(model, units, state),
+                 sequential=_is_sequence(model, layers))
+
+
+def _is_sequence(model: nn.Module, layers: list[Layer]) -> bool:
+    """Whether the units are the model itself, in order (`Graph.sequential`): an nn.Sequential calls
+    its children one after the other on one tensor, so a pipeline may cut between any two. (Units
+    found by a heuristic, or a root unit beside them, may hide a residual or a second input.)"""
+    return isinstance(model, nn.Sequential) and [name for name, _ in model.named_children()] == [
+        layer.name for layer in layers]
 
 
 def _coarse(job: Job, n: int) -> tuple[Graph, str]:

@@ -85,7 +85,11 @@ def test_graph_json_round_trip_and_validation() -> None:
     g = graph()
     assert Graph.from_dict(g.to_dict()) == g
     assert Graph.from_dict({"layers": [{"name": "x", "forward_flops": 5}]}).layers[0].backward_flops == 10
+    chain = Graph(g.layers, sequential=True)
+    assert Graph.from_dict(chain.to_dict()) == chain and chain.to_dict()["sequential"] is True
+    assert not Graph.from_dict({"layers": [{"name": "x", "forward_flops": 5}]}).sequential, "absent (older graphs)"
     for bad, words in [({"layers": []}, "non-empty"),
+                       ({"layers": [{"name": "x", "forward_flops": 1}], "sequential": 1}, "true or false"),
                        ({"layers": [{"name": "x"}]}, "forward_flops"),
                        ({"layers": [{"name": "x", "forward_flops": -1}]}, ">= 0"),
                        ({"layers": [{"name": "x", "forward_flops": math.nan}]}, "finite"),

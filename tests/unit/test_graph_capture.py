@@ -48,6 +48,7 @@ def test_mlp_layers_and_linear_flops(mlp_job: Job) -> None:
     model = mlp_job.model()
     assert isinstance(model, nn.Sequential)
     assert [layer.name for layer in graph.layers] == [name for name, _ in model.named_children()]
+    assert graph.sequential, "an nn.Sequential of its units: a pipeline may cut it"
     assert [layer.kind for layer in graph.layers] == [type(m).__name__ for m in model]
     for layer, module in zip(graph.layers, model):
         if isinstance(module, nn.Linear):
@@ -64,6 +65,7 @@ def test_gpt_blocks_include_attention(gpt_job: Job) -> None:
     graph = capture_graph(gpt_job)
     model = gpt_job.model()
     assert isinstance(model, nn.Sequential)
+    assert graph.sequential and [layer.name for layer in graph.layers] == [str(i) for i in range(len(model))]
     block_size = gpt_job.dataset.block
     d_model = next(model[0].parameters()).shape[1]  # the token embedding's width
     blocks = [(layer, module) for layer, module in zip(graph.layers, model) if layer.kind == "Block"]
@@ -121,7 +123,7 @@ def test_each_tensor_records_the_optimizer_state_a_trained_member_holds_for_it(w
 def test_graph_round_trips(gpt_job: Job) -> None:
     graph = capture_graph(gpt_job)
     again = Graph.from_dict(graph.to_dict())
-    assert again == graph
+    assert again == graph and again.sequential
 
 
 def test_non_sequential_model_uses_children_or_whole(mlp_job: Job) -> None:
@@ -151,10 +153,11 @@ def test_non_sequential_model_uses_children_or_whole(mlp_job: Job) -> None:
 
     chain = capture_graph(with_model(Chain))
     assert [layer.name for layer in chain.layers] == ["inp", "out"]
+    assert not chain.sequential, "children found by their shapes may hide a residual: not cut into stages"
     assert chain.layers[0].forward_flops == pytest.approx(2 * 32 * 8)
     odd = capture_graph(with_model(Odd))
     assert [(layer.name, layer.kind) for layer in odd.layers] == [("Odd", "Odd")]
-    assert odd.param_bytes == 4 * (32 * 5 + 5 + 32 * 4 + 4)
+    assert odd.param_bytes == 4 * (32 * 5 + 5 + 32 * 4 + 4) and not odd.sequential
 
 
 def test_capture_of_the_10m_model_runs_on_meta() -> None:
@@ -240,6 +243,7 @@ def test_repeated_blocks_deep_inside_a_wrapper_are_units_and_the_rest_is_the_roo
     graph = capture_graph(_job(_Wrapped))
     assert [layer.name for layer in graph.layers] == ["(root)", "gpt.transformer.h.0", "gpt.transformer.h.1",
                                                       "gpt.transformer.h.2"]
+    assert not graph.sequential
     assert [layer.kind for layer in graph.layers] == ["_Wrapped", "_HFBlock", "_HFBlock", "_HFBlock"]
     torch.manual_seed(0)
     model = _Wrapped()

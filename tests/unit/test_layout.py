@@ -67,10 +67,23 @@ def test_a_pin_parses_and_refuses_what_cannot_run() -> None:
     assert parse_pin("dp=2,fsdp=3").members == 6, "both data-parallel degrees pinned: 6 members (pp, tp: 1)"
     assert parse_pin("fsdp=3").admits(Layout(members=("a", "b", "c"), shares=(1, 1, 1), dp_shard=3))
     assert not parse_pin("fsdp=3").admits(Layout.replicated(["a", "b", "c"], [1, 1, 1]))
-    for bad, why in [("dp=0", ">= 1"), ("zero=2", "NAME=N"), ("dp=2,dp=3", "twice"), ("tp=2", "not planned yet"),
-                     ("dp=x", "NAME=N")]:
+    for bad, why in [("dp=0", ">= 1"), ("zero=2", "NAME=N"), ("dp=2,dp=3", "twice"),
+                     ("tp=2", "tensor parallelism \\(tp\\) is not planned yet"), ("dp=x", "NAME=N"),
+                     ("pp=2,dp=2", "pp with dp or fsdp above 1 is not supported yet: pin pp alone"),
+                     ("pp=2,fsdp=2", "pp with dp or fsdp above 1 is not supported yet")]:
         with pytest.raises(LayoutError, match=why):
             parse_pin(bad)
+
+
+def test_a_pipeline_pin_alone_means_that_many_members_and_no_data_parallelism() -> None:
+    pin = parse_pin("pp=2")
+    assert pin == LayoutPin(pp=2) and pin.members == 2 and pin.describe() == "pp=2"
+    assert parse_pin("pp=3,dp=1,fsdp=1").members == 3
+    pipeline = Layout(members=("a", "b"), shares=(8, 8), pp=2, stages=(("0", "1"), ("2",)))
+    assert pin.admits(pipeline) and pipeline.global_batch == 8, "both stages compute the same 8 samples"
+    assert not pin.admits(Layout.replicated(["a", "b"], [4, 4]))
+    assert not pipeline.whole_replicas and Layout.replicated(["a", "b"], [4, 4]).whole_replicas
+    assert not Layout(members=("a", "b"), shares=(4, 4), dp_shard=2).whole_replicas
 
 
 @pytest.mark.process

@@ -11,7 +11,7 @@ import pytest
 
 from plan.cost import Link
 from plan.graph import Graph, Layer
-from plan.pipeline import StageDevice, best_pipeline, cut_stages, micro_batches, step_s
+from plan.pipeline import StageDevice, best_pipeline, cut_stages, micro_batches, micro_split, step_s, time_pipeline
 
 
 def _graph(flops: list[float], params: int = 1000, acts: int = 100, boundary: int = 64) -> Graph:
@@ -27,6 +27,34 @@ def test_micro_batches_are_contiguous_sizes_that_need_no_divisibility() -> None:
     assert micro_batches(10, 4) == (3, 3, 2, 2) and sum(micro_batches(7, 7)) == 7
     with pytest.raises(ValueError):
         micro_batches(3, 4)
+
+
+def test_a_plans_micro_batches_are_the_ones_the_worker_runs() -> None:
+    """A plan carries only the largest micro-batch; the worker runs ceil(n / b) of them. Every split
+    the planner picks comes back from its largest size (16 samples in 7 would not: 3 gives 6)."""
+    assert micro_split(16, 3) == micro_batches(16, 6) and micro_split(10, 3) == (3, 3, 2, 2)
+    with pytest.raises(ValueError):
+        micro_split(4, 0)
+    graph = _graph([1.0] * 6)
+    for samples in range(1, 70):
+        for devices in ([_dev("a", 10.0, fixed=0.01), _dev("b", 10.0, fixed=0.01)],
+                        [_dev("a", 10.0), _dev("b", 5.0), _dev("c", 10.0)]):
+            plan = best_pipeline(graph, devices, samples)
+            assert plan is not None and plan.micro == micro_split(samples, plan.micro[0]), (samples, plan.micro)
+
+
+def test_a_cut_in_force_is_predicted_again_as_the_planner_predicted_it() -> None:
+    graph = _graph([1.0, 2.0, 3.0, 1.0, 1.0], boundary=10**5)
+    devices = [_dev("a", 10.0, memory=1e9, fixed=0.002), _dev("b", 4.0, fixed=0.001)]
+    link = Link(alpha_s=1e-4, beta_s_per_byte=1e-9)
+    plan = best_pipeline(graph, devices, 13, link=link)
+    assert plan is not None
+    by_name = {d.name: d for d in devices}
+    again = time_pipeline(graph, [by_name[n] for n in plan.devices], plan.stages, plan.micro, link=link)
+    assert again == plan
+    assert all(0 < compute < plan.step_s for compute in plan.compute_s) and plan.memory_bytes[0] > 0
+    with pytest.raises(ValueError, match="do not cut"):
+        time_pipeline(graph, devices, [("0", "1"), ("3", "4")], plan.micro)
 
 
 def test_equal_stages_pay_the_familiar_bubble() -> None:

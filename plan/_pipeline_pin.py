@@ -1,0 +1,93 @@
+"""`--layout pp=P`: the pipeline the planner runs when the operator pins one. Pure.
+
+The P fastest ready devices (by measured whole-model speed; ties keep the planner's rank order)
+are cut into stages by `plan.pipeline.best_pipeline`, which also chooses their order and the
+micro-batches. The plan lists its members in that order, because rank r holds stage r (the mesh
+order of `plan.layout`), and gives every member the whole batch: the stages of a pipeline compute
+on the same samples, one after the other. The order offered first keeps every member of the current
+pipeline on its stage where it can, and best_pipeline keeps the first of equal orders, so the
+members that stay already hold their stages.
+
+A pipeline needs a model whose units are a sequence (`Graph.sequential`: an nn.Sequential of its
+units), at least one unit per stage, P ready devices and a cut whose every stage fits its device's
+memory; otherwise `pipeline_plan` says which of these is missing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+from plan.cluster import Cluster
+from plan.cost import static_bytes
+from plan.graph import Graph
+from plan.layout import Layout
+from plan.pipeline import best_pipeline, micro_split
+from plan.placement import TensorShape
+from plan.prediction import Plan, pipelined, stage_devices
+from plan.reshard import ORDER_ROWS, copy_ring, holdings, plan_reshard, survivors
+
+
+def pipeline_plan(cluster: Cluster, graph: Graph | None, ranked: Sequence[str], before: Layout | None,
+                  stages: int, *, global_batch: int, pin: str) -> Plan | str:
+    """The pipeline of `stages` stages over the fastest of `ranked` (the ready devices in rank
+    order; `before`: the layout in force), or why there is none (`pin`, the operator's `--layout`
+    text, opens the reason)."""
+    if graph is None or not graph.sequential:
+        return (f"--layout {pin}: the model's units do not form a sequence (it is not an nn.Sequential of its "
+                "units), so it cannot be cut into pipeline stages")
+    if stages > len(graph.layers):
+        return f"--layout {pin} needs {stages} stages of at least one unit, but the model has {len(graph.layers)} units"
+    if len(ranked) < stages:
+        return f"--layout {pin} needs {stages} members; {len(ranked)} can train now"
+    speeds = cluster.speeds_for(graph.train_flops)
+    fastest = sorted(ranked, key=lambda m: (-speeds[m], ranked.index(m)))[:stages]
+    members = _on_their_stages([m for m in ranked if m in fastest], before)
+    found = best_pipeline(graph, stage_devices(cluster, graph, members), global_batch, link=cluster.link(members))
+    if found is None:
+        each = ", ".join(f"{m} has {cluster.devices[m].memory_bytes / 2**20:.1f} MiB" for m in members)
+        return (f"--layout {pin} does not fit: no cut of the model's {len(graph.layers)} units into {stages} stages "
+                f"fits the members' memory (a stage holds its units' parameters, gradients and optimizer state, "
+                f"{static_bytes(graph.param_bytes, graph.optimizer_state_factor) / 2**20:.1f} MiB for the whole "
+                f"model, and the activations of up to {stages} micro-batches, "
+                f"{graph.activation_bytes / 2**10:.1f} KiB per sample for the whole model; {each})")
+    return pipelined(cluster, graph, found)
+
+
+def _on_their_stages(members: list[str], before: Layout | None) -> list[str]:
+    """`members` (in rank order) as the devices of stages 0, 1, ...: each one that holds a stage
+    of the pipeline `before` on that stage where it is free, the others in the gaps, in rank order."""
+    if before is None or before.pp == 1:
+        return members
+    slots: list[str | None] = [None] * len(members)
+    for m in members:
+        if m in before.members and (s := before.coords(before.members.index(m))[0]) < len(slots) and slots[s] is None:
+            slots[s] = m
+    rest = iter(m for m in members if m not in slots)
+    return [m if m is not None else next(rest) for m in slots]
+
+
+def describe(plan: Plan, speeds: dict[str, float]) -> str:
+    """e.g. "pp=2, stages [0 1 2 3] on w1 (210 samples/s), [4 5] on w2 (98 samples/s), 4 micro-batches
+    of 4, predicted 120.0 ms/step"."""
+    on = ", ".join(f"[{' '.join(stage)}] on {m} ({speeds[m]:.3g} samples/s)" for stage, m in zip(plan.stages, plan.members))
+    sizes = micro_split(plan.global_batch, plan.micro[0])  # (as the worker splits the batch)
+    of = f"{sizes[0]}" if sizes[0] == sizes[-1] else f"{sizes[0]} or {sizes[-1]}"
+    step = f", predicted {plan.predicted_step_s * 1e3:.1f} ms/step" if plan.predicted_step_s is not None else ""
+    return f"pp={plan.pp}, stages {on}, {len(sizes)} micro-batch{'es' if len(sizes) > 1 else ''} of {of}{step}"
+
+
+def moved_bytes(graph: Graph, before: Layout | None, holders: Collection[str], plan: Plan) -> int:
+    """The state bytes (parameters and optimizer state) the reshard sends to take what `holders`
+    hold under `before` (their parts and the copies they keep) to what the pipeline `plan` gives
+    each member (its stage and the copy it keeps of another's: `plan.reshard.copy_ring`). One
+    stand-in tensor per unit, split as that unit's tensors are. An estimate: the rings are taken in
+    rank order (as on one host), since the hosts of members that left are not known here. Nothing
+    moves before anyone holds state."""
+    if before is None or not holders:
+        return 0
+    shapes = [TensorShape(layer.name, ORDER_ROWS, ORDER_ROWS, unit=layer.name) for layer in graph.layers]
+    held = survivors(holdings(before, shapes, copy_ring(before)), holders)
+    after = plan.layout
+    moves = plan_reshard(held, holdings(after, shapes, copy_ring(after)))
+    unit_bytes = {layer.name: layer.param_bytes * (1.0 + graph.optimizer_state_factor) for layer in graph.layers}
+    return round(sum(t.elements * unit_bytes[t.tensor] for t in moves.transfers) / ORDER_ROWS)
