@@ -3,10 +3,10 @@ row of (possibly unlike) devices, how many micro-batches, and what such a step c
 
 A stage is a contiguous run of the graph's units (`Graph.layers`, in forward order). A device's
 measured speed is for the whole model (samples/s of forward + backward); a stage's share of it is
-its units' share of the model's FLOPs, so stage s on a device of speed v computes a micro-batch of b
-samples in b · F_s / (F · v), plus the device's fixed cost per micro-batch (kernel launches, Python:
-what makes small-model pipelines overhead-bound). Boundaries send the boundary tensor forward and
-its gradient back, point to point.
+its units' share of the model's FLOPs, so stage s on a device of speed v and fixed cost c per pass
+(kernel launches, Python: what makes small-model pipelines overhead-bound) computes a micro-batch of
+b samples in F_s / F · (b / v + c): its units' share of the device's whole-model pass. Boundaries
+send the boundary tensor forward and its gradient back, point to point.
 
 **The step.** With m micro-batches and stage times t_s (compute plus the sends on its boundaries),
 a 1F1B (or GPipe) step takes the first micro-batch's way through every stage and then the slowest
@@ -121,7 +121,9 @@ class _Sums:
         """Seconds for one micro-batch of `micro` samples through units [lo, hi) on `device`, forward
         and backward, with its boundary sends (the forward output out, the gradient back in)."""
         total = self.flops[-1] or 1.0
-        compute = micro * (self.flops[hi] - self.flops[lo]) / (total * device.samples_per_s) + device.fixed_s
+        # (the units' FLOP share of the device's whole-model pass, its fixed cost included: a stage
+        # launches its own units' kernels only)
+        compute = (self.flops[hi] - self.flops[lo]) / total * (micro / device.samples_per_s + device.fixed_s)
         sends = 0.0
         if link is not None:
             if hi < len(self.boundary):

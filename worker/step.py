@@ -35,7 +35,7 @@ from worker import comm
 from worker.comm import AllOf, Superseded
 from worker.group import Group
 from worker.job import sample_ids, share_slice
-from plan.pipeline import micro_batches
+from plan.pipeline import micro_split
 from worker.parallel.fsdp import Sharded
 from worker.parallel.pipeline import StageStep, one_f_one_b
 from worker.parallel.replicated import GradBuckets
@@ -261,7 +261,7 @@ def pipelined(t: Trainer, g: Group, stage: Stage) -> PlanDelta | None:
     ids = sample_ids(job.seed, t.step, len(job.dataset), G)[start:stop]
     stage.optimizer.zero_grad(set_to_none=True)
     size = g.micro[g.rank] or len(ids) or 1
-    sizes = micro_batches(len(ids), -(-len(ids) // size)) if len(ids) else ()
+    sizes = micro_split(len(ids), size) if len(ids) else ()  # (as the planner predicted them)
     chunks, at = [], 0
     for n in sizes:
         chunks.append(ids[at:at + n])
@@ -283,8 +283,8 @@ def pipelined(t: Trainer, g: Group, stage: Stage) -> PlanDelta | None:
                      loss=job.loss, global_batch=G)
     t.computing = g.epoch
     try:
+        _pause(t, g, "forward")  # (before its first forward: its neighbours wait for it point to point)
         loss_sum = one_f_one_b(step)
-        _pause(t, g, "forward")
     except Superseded:
         raise
     except Exception as e:

@@ -582,12 +582,11 @@ class Trainer:
                     for piece in local.pieces[fqn]:
                         piece.data[GRAD] = (p.grad.reshape(-1) if p.grad is not None
                                             else torch.zeros_like(piece.data[PARAM]))
-            local.add(self.copies.pieces(self.pending))
-            for fqn, values in self.copies.scalars().items():  # (its source's stage is not in this module)
-                local.scalars.setdefault(fqn, values)
+            if self.copies.copy is not None:  # (its source's stage: tensors this module does not have)
+                local.adopt(self.copies.copy, self.copies.pieces(self.pending))
             before = self.before_reshard
             if before is not None and before.step == self.step and not self.pending:
-                local.add(before.pieces)
+                local.adopt(before)
         return local
 
     def _on_meta(self) -> bool:

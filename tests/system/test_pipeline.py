@@ -7,17 +7,20 @@ as 1F1B micro-batches passed point to point.
   the trained model is written whole (gathered from the stages), loadable into the plain model.
 - A third worker waits on standby (the pin takes two); a member drained hands its stage to it live
   (it sends its stage's tensors as a sender, then leaves), and the curve stays the recipe's.
+- SIGKILL of a stage's member in the forward or the backward: the standby worker takes its stage
+  from the copy the other stage keeps (a ring of copies covers stages); nothing is lost.
 """
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
 from localjob import LocalJob
 from test_recipe import JOB, _check_the_trained_model, single_process
-from test_sharded import _assert_exact
+from test_sharded import _assert_exact, _wait_for_log
 
 
 
@@ -58,3 +61,30 @@ def test_a_pipeline_is_exact_and_hands_a_stage_over_live(tmp_path: Path) -> None
             _assert_pipelined(plan, units)
         finished = [e for e in events if e["kind"] == "finished"]
         _check_the_trained_model(tmp_path, finished, job.tail("coordinator.out", 100_000), trained)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_a_stage_holder_killed_mid_step_loses_nothing(tmp_path: Path, phase: str) -> None:
+    """SIGKILL of a stage's member paused (--pause-at) in the forward or the backward of step 12: its
+    neighbour, waiting for it point to point, is released by the abort; the worker on standby takes
+    the dead member's stage from the copy its keeper (the other stage) holds, and every step's loss,
+    learning rate and gradient norm equal the single-process run."""
+    reference = single_process()
+    with LocalJob(JOB, tmp_path, min_workers=2, coordinator_args=["--layout", "pp=2"]) as job:
+        job.start()
+        job.add_worker("w1", "--pause-at", f"{phase}@12")
+        job.add_worker("w2")
+        job.wait_step(2, 180)
+        job.add_worker("w3")
+        job.wait_event(lambda e: e["kind"] == "standby" and e.get("worker") == "w3", 120, "w3 on standby")
+        _wait_for_log(job, "w1", f"pausing at {phase} of step 12")
+        job.kill("w1")
+        failure = job.wait_event(lambda e: e["kind"] == "plan" and e["reason"] == "failure", 60, "failure plan")
+        assert sorted(failure["layout"]["members"]) == ["w2", "w3"] and failure["layout"]["pp"] == 2
+        exits = job.wait_workers(300)
+        assert exits == {"w1": -signal.SIGKILL, "w2": 0, "w3": 0}, job.tails(exits)
+        assert job.wait_coordinator(30) == 0
+        events = job.events()
+        assert not [e for e in events if e["kind"] == "state_lost"]
+        _assert_exact(events, reference)

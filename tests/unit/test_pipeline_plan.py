@@ -69,7 +69,7 @@ def _brute(graph: Graph, devices: list[StageDevice], micro: int) -> float:
     best = math.inf
     for cuts in itertools.combinations(range(1, n), p - 1):
         bounds = [0, *cuts, n]
-        times = [micro * sum(x.train_flops for x in graph.layers[a:b]) / (total * d.samples_per_s) + d.fixed_s
+        times = [sum(x.train_flops for x in graph.layers[a:b]) / total * (micro / d.samples_per_s + d.fixed_s)
                  for a, b, d in zip(bounds, bounds[1:], devices)]
         best = min(best, max(times))
     return best

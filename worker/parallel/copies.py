@@ -130,12 +130,6 @@ class Copies:
             apply_update(optimizer_factory, self.copy, self.copy.pieces, shapes, lr, coefficient)
             self.copy.step += 1
 
-    def scalars(self) -> dict[str, dict[str, Any]]:
-        """The optimizer scalars (Adam's step count) of the tensors the copy holds, current with it."""
-        if self.copy is None:
-            return {}
-        return {fqn: self.copy.scalars.get(fqn, {}) for fqn, pieces in self.copy.pieces.items() if pieces}
-
     def pieces(self, pending: bool) -> Mapping[str, list[Piece]]:
         """The copy's pieces for a LocalState; their gradients only while a step is `pending`."""
         if self.copy is None:

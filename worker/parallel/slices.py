@@ -92,6 +92,16 @@ class LocalState:
         for fqn, pieces in more.items():
             self.pieces[fqn] = sorted([*self.pieces.get(fqn, []), *pieces], key=lambda q: q.lo)
 
+    def adopt(self, other: LocalState, pieces: Mapping[str, list[Piece]] | None = None) -> None:
+        """Hold `other`'s pieces too (or only `pieces` of them), with the keys, dtypes and optimizer
+        scalars of the tensors this state did not know (a pipeline stage's copy of another stage)."""
+        more = other.pieces if pieces is None else pieces
+        for fqn, held in more.items():
+            if held and fqn not in self.keys:
+                self.keys[fqn], self.dtypes[fqn] = other.keys[fqn], other.dtypes[fqn]
+                self.scalars.setdefault(fqn, other.scalars.get(fqn, {}))
+        self.add(more)
+
     def holdings(self) -> dict[str, list[Range]]:
         return {fqn: [(p.lo, p.hi) for p in pieces] for fqn, pieces in self.pieces.items() if pieces}
 
