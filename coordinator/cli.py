@@ -50,7 +50,9 @@ step reports it missed (events: restarted, recovered; those not back within --re
 failed). A journal that cannot be read is moved aside (journal_damaged) and the newest checkpoint
 is resumed. events.jsonl is the job's one log across restarts: a coordinator started on it reads
 it first (a line cut short by a crash is skipped, with a warning), so `ctl events`, `ctl report`
-and the metrics' counters cover the whole job, and logs `restarted` at each such start.
+and the metrics' counters cover the whole job, and logs `restarted` at each such start. The layout
+pin `adaptrain-ctl layout` set survives a restart with the same --layout (or none again); a
+restart with a different --layout takes that one (a `layout` event says so) and re-plans under it.
 
 Checkpoints: the workers write STATE_DIR/checkpoints/step-<N>/ (or --checkpoint-dir) with
 torch.distributed.checkpoint, every --checkpoint-every steps, on `adaptrain-ctl checkpoint` and on
@@ -154,7 +156,11 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
                         "refused). --layout pp=2 cuts the model into 2 pipeline stages, sized to each member's "
                         "measured speed and memory, on the 2 fastest workers (the model must be an nn.Sequential "
                         "of its units; pp goes alone for now, without dp or fsdp). Default: the planner chooses "
-                        "(sharded when no replica fits a worker's memory, or when it predicts sharding faster)")
+                        "(sharded when no replica fits a worker's memory, or when it predicts sharding faster). "
+                        "`adaptrain-ctl layout SPEC` changes the pin of the running job (SPEC as here, or auto). "
+                        "A restart on a --state-dir keeps the pin the last `ctl layout` set when --layout is the "
+                        "same as the journaling coordinator's; a different --layout (or none where there was "
+                        "one) wins: the command line at the restart is the operator's latest word")
     p.add_argument("--keys", metavar="DIR",
                    help=f"CURVE keys written by `coordinator keygen DIR` (default: ${KEYS_ENV})")
     p.add_argument("--insecure", action="store_true",
@@ -192,10 +198,11 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
         if layout.members is not None and a.max_workers is not None and layout.members > a.max_workers:
             p.error(f"--layout {a.layout} needs {layout.members} members, but --max-workers is {a.max_workers}")
         if layout.members is not None and a.min_workers < layout.members:
+            # (the core waits for them, `coordinator.state.workers_needed`, from the pin in force: a
+            # `ctl layout` that needs fewer members then lets the job start with the workers it has)
             print(f"[coordinator] --layout {a.layout} needs {layout.members} members: training starts once "
                   f"{layout.members} workers are ready (--min-workers {a.min_workers} raised to {layout.members})",
                   file=sys.stderr, flush=True)
-            a.min_workers = layout.members  # nothing can train before the pinned layout is complete
     directory = keys_dir(a.keys)
     if a.insecure and a.keys is not None:
         p.error("--insecure and --keys contradict each other: choose one")

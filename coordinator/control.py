@@ -2,11 +2,11 @@
 
 ``answer_control(view, request, now=...) -> (reply, events)``: `view` is a read-only snapshot of
 the coordinator (membership state, the job, the event log so far, the refusal counters); the
-membership events in the result are what the daemon applies next (`drain`, `slowdown` and `stop`
-produce them; `status`, `plan` (`plan explain`: coordinator/explain.py), `graph` and `events` only
-read). No sockets and no clock here: the daemon owns both. Every reply is plain JSON-able data
-(ctl prints it for people, or as JSON with --json). An unknown command or an unknown worker gets
-``ok: false`` with an error that says what would work.
+membership events in the result are what the daemon applies next (`drain`, `slowdown`, `layout`
+and `stop` produce them; `status`, `plan` (`plan explain`: coordinator/explain.py), `graph` and
+`events` only read). No sockets and no clock here: the daemon owns both. Every reply is plain
+JSON-able data (ctl prints it for people, or as JSON with --json). An unknown command or an unknown
+worker gets ``ok: false`` with an error that says what would work.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from typing import Any
 from coordinator import membership as m
 from coordinator.explain import explain
 from coordinator.phase import phase
+from coordinator.state import pin_text
 from plan import Graph
+from plan.layout import parse_pin
 from transport import CONTROL_COMMANDS, ControlReply, ControlRequest
 
 EVENTS_PAGE = 1000  # at most this many events per `events` reply
@@ -42,6 +44,7 @@ class ControlView:
     writable: Callable[[str], str] = str
     checkpoint_dir: str = ""  # where checkpoints go ("": none)
     min_workers: int = 1  # --min-workers: ready workers the first plan (and the one after a total loss) waits for
+    max_workers: int | None = None  # --max-workers: a layout pinned to more members is refused
 
 
 Answer = tuple[dict[str, Any], list[m.Event]]
@@ -94,7 +97,8 @@ def _status(view: ControlView, args: list[str], now: float) -> Answer:
             "checkpoint": ({"step": s.checkpoints[-1].step, "path": s.checkpoints[-1].path,
                             "bytes": s.checkpoints[-1].bytes} if s.checkpoints else None),
             "resuming": {"step": s.resume.step, "path": s.resume.path} if s.resume else None,
-            "secure": view.secure, "refused": dict(view.refused), "refused_total": sum(view.refused.values())}, []
+            "secure": view.secure, "refused": dict(view.refused), "refused_total": sum(view.refused.values()),
+            "layout_pin": pin_text(s.layout)}, []
 
 
 def _plan(view: ControlView, args: list[str], now: float) -> Answer:
@@ -105,12 +109,14 @@ def _plan(view: ControlView, args: list[str], now: float) -> Answer:
     if s.plan is None:
         # (the planner's last answer may be older than the state: the phase says why nothing trains now)
         out: dict[str, Any] = {"epoch": s.epoch, "plan": None, "state": now_phase.name,
-                               "status": s.result.status if s.result else None, "detail": now_phase.reason}
+                               "status": s.result.status if s.result else None, "detail": now_phase.reason,
+                               "layout_pin": pin_text(s.layout)}
     else:
         out = {"epoch": s.epoch, "state": now_phase.name, "reason": now_phase.reason, "mode": s.plan.mode, "members": list(s.plan.members),
                "shares": list(s.plan.shares), "global_batch": s.plan.global_batch,
                "predicted_step_s": s.plan.predicted_step_s, "layout": s.plan.layout.to_dict(),
-               "acknowledged": sorted(s.acked), "status": s.result.status if s.result else None}
+               "acknowledged": sorted(s.acked), "status": s.result.status if s.result else None,
+               "layout_pin": pin_text(s.layout)}
     if args == ["explain"]:
         out["explain"] = explain(s, now_phase)
     return out, []
@@ -188,6 +194,21 @@ def _checkpoint(view: ControlView, args: list[str], now: float) -> Answer:
             "at": "the next step boundary all members agree on"}, [m.CheckpointRequested("ctl checkpoint")]
 
 
+def _layout(view: ControlView, args: list[str], now: float) -> Answer:
+    """`layout SPEC`: what `coordinator --layout` takes, or `auto`. Checked here as at the start (the
+    same parser, and --max-workers), so a bad one changes nothing."""
+    if len(args) != 1:
+        raise ValueError("layout takes one SPEC: the degrees to pin as --layout takes them (dp=2, fsdp=2, "
+                         "dp=2,fsdp=2, pp=2, ...) or auto (no pin: the planner chooses)")
+    text = args[0].strip()
+    pin = None if text == "auto" else parse_pin(text, source="layout")
+    if pin is not None and pin.members is not None and view.max_workers is not None and pin.members > view.max_workers:
+        raise ValueError(f"layout {pin.describe()} needs {pin.members} members, but --max-workers is {view.max_workers}")
+    if view.state.finished or view.state.stopping:
+        raise ValueError("the job is " + ("finished" if view.state.finished else "stopping") + ": nothing to re-plan")
+    return {"layout": pin_text(pin)}, [m.LayoutRequested(pin)]
+
+
 def _stop(view: ControlView, args: list[str], now: float) -> Answer:
     if args:
         raise ValueError(f"stop takes no argument, got {args}")
@@ -196,4 +217,4 @@ def _stop(view: ControlView, args: list[str], now: float) -> Answer:
 
 _HANDLERS: dict[str, Callable[[ControlView, list[str], float], Answer]] = {
     "status": _status, "plan": _plan, "graph": _graph, "events": _events, "drain": _drain, "slowdown": _slowdown,
-    "save": _save, "checkpoint": _checkpoint, "stop": _stop}
+    "save": _save, "checkpoint": _checkpoint, "layout": _layout, "stop": _stop}

@@ -65,6 +65,8 @@ examples:
   adaptrain-ctl --control tcp://127.0.0.1:5556 events --since 100 --json
   adaptrain-ctl --control tcp://127.0.0.1:5556 drain worker-3
   adaptrain-ctl --control tcp://127.0.0.1:5556 slowdown worker-2 3   # test knob: 3x slower
+  adaptrain-ctl --control tcp://127.0.0.1:5556 layout pp=2           # re-plan the running job as a pipeline
+  adaptrain-ctl --control tcp://127.0.0.1:5556 layout auto           # no pin: the planner chooses again
   adaptrain-ctl --control tcp://127.0.0.1:5556 report --plot progress.png   # a live job
   adaptrain-ctl report --events runs/gpt/events.jsonl --plot progress.png  # a finished one
   adaptrain-ctl --control tcp://127.0.0.1:5556 stop
@@ -246,6 +248,9 @@ def format_status(d: dict[str, Any]) -> str:
     ck = d.get("checkpoint")
     if ck:
         head += f"\nnewest checkpoint: step {ck.get('step')} at {ck.get('path')} ({_num(ck.get('bytes'))}B)"
+    pin = d.get("layout_pin")
+    if pin and pin != "auto":
+        head += f"\nlayout pinned to {pin} (`layout auto` lets the planner choose)"
     resuming = d.get("resuming")
     if resuming:
         head += f"\nresuming from checkpoint {resuming.get('path')} (step {resuming.get('step')}) when workers are planned"
@@ -279,8 +284,10 @@ def format_plan(d: dict[str, Any]) -> str:
     elif layout and layout.get("pp", 1) > 1:
         lay = f"pipeline ({lay})"
     predicted = d.get("predicted_step_s")
-    head = (f"epoch {d.get('epoch')}  mode {d.get('mode', '?')}  layout {lay}  global batch {d.get('global_batch')}"
-            f"  predicted step {f'{predicted:.4g} s' if isinstance(predicted, (int, float)) else '-'}")
+    pin = d.get("layout_pin")
+    pinned = f" (pinned to {pin})" if pin and pin != "auto" else ""
+    head = (f"epoch {d.get('epoch')}  mode {d.get('mode', '?')}  layout {lay}{pinned}  global batch "
+            f"{d.get('global_batch')}  predicted step {f'{predicted:.4g} s' if isinstance(predicted, (int, float)) else '-'}")
     acked = set(d.get("acknowledged") or [])
     members, shares = d.get("members") or [], d.get("shares") or []
     rows = [[str(i), str(n), _num(s), _yes(n in acked)] for i, (n, s) in enumerate(zip(members, shares))]
@@ -349,6 +356,16 @@ def format_explain(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_layout(d: dict[str, Any]) -> str:
+    """`layout`'s reply for people: what happens next."""
+    pin = d.get("layout")
+    then = ("the workers switch at the next step boundary; `plan` shows the result, `events` why when it "
+            "must wait for workers")
+    if pin == "auto":
+        return f"re-planning with no layout pin (the planner chooses): {then}"
+    return f"re-planning with the layout pinned to {pin}: {then}"
+
+
 def format_graph(d: dict[str, Any]) -> str:
     def si(x: Any, unit: str) -> str:
         x = float(x or 0)
@@ -392,6 +409,8 @@ def cmd_simple(client: Client, a: argparse.Namespace) -> int:
         args = [a.name, a.factor]
     elif a.command == "plan" and a.explain:
         args = ["explain"]
+    elif a.command == "layout":
+        args = [a.spec]
     data = client.request(a.command, *args)
     if a.json:
         _print_json(data)
@@ -407,6 +426,8 @@ def cmd_simple(client: Client, a: argparse.Namespace) -> int:
         print(f"draining {data.get('draining', a.name)}: it is planned out and leaves at the next switch")
     elif a.command == "slowdown":
         print(f"{data.get('worker')}: compute stretched {data.get('factor'):g}x from its next step")
+    elif a.command == "layout":
+        print(format_layout(data))
     elif a.command == "stop":
         who = data.get("workers") or []
         print(f"stopping: told {len(who)} worker(s) to stop" + (f" ({', '.join(who)})" if who else ""))
@@ -598,7 +619,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "prediction against the steps measured so far")
     add("graph", "the model as the planner sees it: per layer parameters, FLOPs, activation bytes")
     ev = add("events", "the coordinator's event log (joined, left, failed, straggler, recovered, slowdown, "
-                       "plan, reshard, step)")
+                       "layout, plan, reshard, step)")
     ev.add_argument("--follow", "-f", action="store_true",
                     help=f"keep printing new events (polls every {FOLLOW_POLL_S} s) until Ctrl-C or the job ends")
     ev.add_argument("--since", type=int, default=0, metavar="N", help="start at event index N (default 0)")
@@ -617,6 +638,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                            "is complete")
     ck.add_argument("--wait", type=float, default=300.0, metavar="S",
                     help="how long to wait for it (default 300 s; 0: do not wait)")
+    lo = add("layout", "pin the running job's layout to SPEC (or lift the pin: auto) and re-plan at once: the "
+                       "workers reshard live at the next step boundary. A layout that needs more ready workers "
+                       "than there are, or does not fit, waits for them while the current plan trains on (the "
+                       "`plan` event, status infeasible, says why)")
+    lo.add_argument("spec", metavar="SPEC",
+                    help="as `coordinator --layout` takes it: dp=R (replicas), fsdp=S (members sharding the "
+                         "state), both (dp=2,fsdp=2), or pp=P (pipeline stages, alone); or auto: no pin, the "
+                         "planner chooses")
     add("stop", "stop every worker now (a step in flight is abandoned), then the coordinator exits")
     rp = add("report", "the job's progress over steps: samples/s, loss and members, with every join, leave, "
                        "failure, straggler, recovery, contention, plan (epoch), kept re-plan and reshard; a "

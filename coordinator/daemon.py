@@ -36,7 +36,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,13 +45,13 @@ import zmq
 
 from coordinator import membership as m
 from coordinator.checkpoints import scan
-from coordinator.journal import Journal, JournalDamaged, check_job, recover, snapshot
+from coordinator.journal import Journal, JournalDamaged, check_job, recover, restart_layout, snapshot
 from coordinator.control import ControlView, answer_control
 from coordinator.events import EventLog
 from coordinator.guard import LEDGER_EVENTS, ConnectionLedger, Refusals, check_agent_message
 from coordinator.jobinfo import JobInfo, facts
 from coordinator.metrics import Metrics, MetricsServer, serve_metrics
-from coordinator.state import JOIN_WAIT_MAX_S
+from coordinator.state import JOIN_WAIT_MAX_S, pin_text
 from coordinator.store import RendezvousStore
 from plan.graph import Graph
 from plan.layout import LayoutPin
@@ -135,7 +135,7 @@ class CoordinatorConfig:
     solver: str = "auto"
     horizon_steps: int = 200
     stability: str = "calm"
-    layout: LayoutPin | None = None  # --layout
+    layout: LayoutPin | None = None  # --layout: the pin at the start (`ctl layout` changes it: `State.layout`)
     metrics_port: int | None = None  # None: no metrics endpoint; 0: a free port
     metrics_host: str = "127.0.0.1"
 
@@ -187,20 +187,22 @@ class Core:
         self.config = m.Config(global_batch=job.global_batch, num_steps=job.num_steps, lease_s=cfg.lease_s,
                                min_workers=cfg.min_workers, max_workers=cfg.max_workers, planner=cfg.planner,
                                solve_time_limit_s=cfg.solve_time_limit_s, horizon_steps=cfg.horizon_steps,
-                               stability=cfg.stability, layout=cfg.layout,
+                               stability=cfg.stability,
                                solver=cfg.solver, drain_deadline_s=cfg.drain_deadline_s, ack_timeout_s=cfg.ack_timeout_s,
                                checkpoint_dir=str(cfg.checkpoint_dir or ""), checkpoint_keep=cfg.checkpoint_keep,
                                recovery_grace_s=cfg.recovery_grace_s, join_abandons=cfg.join_abandons,
                                join_wait_max_s=cfg.join_wait_max_s)
-        self.state = m.State()
+        self.state = m.State(layout=cfg.layout)  # (the pin's first value: `ctl layout` changes it)
         self.journal, self.endpoints = journal, endpoints or {}
         self._graph_dict: tuple[Graph, dict[str, Any]] | None = None  # the graph as journaled, encoded once
         self._journaled: tuple[Any, ...] | None = None  # the state's journaled fields when last written
         self._journal_said_at = -JOURNAL_SAY_EVERY_S  # when a failed journal write was last said
         # Metrics summarise the whole job: the daemon seeds them from the log it opened (`serve`).
         self.metrics = metrics if metrics is not None else Metrics()
+        relaid: str | None = None  # the journaled layout pin this coordinator's --layout replaced
         if journaled is not None:
-            self.state = recover(journaled, now=time.monotonic())
+            self.state = recover(journaled, now=time.monotonic(), flag=cfg.layout)
+            relaid = restart_layout(journaled, cfg.layout)[1]
         elif cfg.checkpoint_dir is not None:
             self._find_checkpoints(cfg.checkpoint_dir)
         self._say_replayed()
@@ -209,9 +211,12 @@ class Core:
             expected = sorted(self.state.recovering)
             fields = {"epoch": self.state.epoch, "step": self.state.last_step, "expecting": expected,
                       "journal": str(journal.path) if journal and journaled is not None else None,
-                      "events": log.replayed.events, "skipped_lines": log.replayed.bad}
+                      "events": log.replayed.events, "skipped_lines": log.replayed.bad,
+                      "layout": pin_text(self.state.layout)}
             self.log.write("restarted", **fields)
             self.metrics.observe("restarted", fields)
+            if relaid is not None:
+                self._relaid(relaid)
             if journaled is not None:
                 self.say(f"restarted from the journal: epoch {self.state.epoch}, step {self.state.last_step}; "
                          f"waiting for {', '.join(expected) or 'no member'} to register again")
@@ -243,9 +248,19 @@ class Core:
             self.say(f"checkpoint passed over: {line}", err=True)
         if found:
             newest = found[-1]
-            self.state = m.State(checkpoints=tuple(found), resume=newest, last_step=newest.step, lost_at=newest.step)
+            self.state = replace(self.state, checkpoints=tuple(found), resume=newest, last_step=newest.step,
+                                 lost_at=newest.step)
             self.say(f"resuming from checkpoint {newest.path} (step {newest.step}; {len(found)} found). To start "
                      "over instead, give another --state-dir or --checkpoint-dir")
+
+    def _relaid(self, journaled: str) -> None:
+        """This coordinator's --layout replaced the pin the journal held (`journal.restart_layout`):
+        said, and the plan is re-planned under it once it is back."""
+        fields = {"layout": pin_text(self.state.layout), "previous": journaled, "source": "command line"}
+        self.log.write("layout", **fields)
+        self.metrics.observe("layout", fields)
+        self.say(f"--layout {fields['layout']} replaces the layout pin {journaled} of the journal (the command "
+                 "line at a restart is the operator's latest word)")
 
     # --- inbox -------------------------------------------------------------------------------
 
@@ -258,7 +273,8 @@ class Core:
                                    global_batch=self.job.global_batch, uptime_s=time.monotonic() - self.started,
                                    events=self.log.events, refused=self.refusals.snapshot(),
                                    secure=self.cfg.keys is not None, writable=writable_dir,
-                                   checkpoint_dir=str(self.cfg.checkpoint_dir or ""), min_workers=self.cfg.min_workers)
+                                   checkpoint_dir=str(self.cfg.checkpoint_dir or ""), min_workers=self.cfg.min_workers,
+                                   max_workers=self.cfg.max_workers)
                 reply, events = answer_control(view, request, now=time.monotonic())
                 if not reply.ok:
                     self.refuse("request", f"control {request.command[:40]!r}: {reply.error}")
@@ -394,7 +410,7 @@ class Core:
         st = self.state
         # What `snapshot` reads; an event that changed none of it (a tick, a heartbeat) writes nothing.
         read = (st.epoch, st.delta, st.plan, st.acked, st.cluster, st.last_step, st.finished, st.checkpoints,
-                st.resume, st.lost_at, st.graph)
+                st.resume, st.lost_at, st.graph, st.layout)
         if self._journaled is not None and all(a is b for a, b in zip(read, self._journaled)):
             return
         graph = self.state.graph
@@ -402,7 +418,7 @@ class Core:
             self._graph_dict = (graph, graph.to_dict())
         try:
             self.journal.save(snapshot(self.state, self.endpoints, self._graph_dict[1] if self._graph_dict else None,
-                                       job=self._job_facts))
+                                       job=self._job_facts, flag=self.cfg.layout))
             self._journaled = read  # (a failed write is tried again at the next event)
         except Exception as e:  # noqa: BLE001 (a full disk must not stop training: said, retried next event)
             now = time.monotonic()

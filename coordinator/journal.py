@@ -5,7 +5,8 @@ SQLite, in WAL mode (an embedded default that needs no server; a reader never bl
 and a crash leaves the last committed transaction), one table of keys and JSON values. `snapshot`
 (pure) turns the membership state into those values: the endpoints it listened on, the epoch, the
 latest plan as sent and who acknowledged it, the members' calibrated devices, the last committed
-step, the checkpoints, a resume in progress, and the model's graph. The daemon writes only the
+step, the checkpoints, a resume in progress, the model's graph, and the layout pin in force with
+the --layout the coordinator was started with. The daemon writes only the
 keys whose values changed, after every event, in one transaction (a step costs one small write).
 
 `Journal.load` returns the values, or raises `JournalDamaged` naming the file and what SQLite
@@ -13,6 +14,11 @@ said; the daemon then moves the file aside and starts from the newest intact sta
 checkpoints on disk), saying what was lost. `recover` (pure) rebuilds the membership state from a
 snapshot: the epoch and step go on from where they were, and the plan's members are expected back
 (`State.recovering`): the workers train on meanwhile and register again by themselves.
+
+The layout pin (`restart_layout`): a coordinator restarted with the same --layout as the one that
+journaled keeps the journaled pin (the latest `ctl layout` survives a restart by a supervisor that
+repeats the command line); one restarted with another --layout (or none where there was one) takes
+its command line: that is the operator's latest word. The plan then re-plans under it.
 """
 
 from __future__ import annotations
@@ -23,8 +29,9 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from coordinator.state import Checkpoint, State
-from plan import Device, Graph, Plan
+from coordinator.state import Checkpoint, State, pin_text
+from plan import Device, Graph, LayoutPin, Plan
+from plan.layout import LayoutError, parse_pin
 from transport import MeshLayout, PlanDelta
 
 FORMAT = 1
@@ -92,9 +99,10 @@ def check_job(values: dict[str, Any], path: Path, ref: str, sha256: str) -> None
 
 
 def snapshot(state: State, endpoints: dict[str, str], graph: dict[str, Any] | None = None, *,
-             job: dict[str, Any] | None = None) -> dict[str, Any]:
+             job: dict[str, Any] | None = None, flag: LayoutPin | None = None) -> dict[str, Any]:
     """The journaled values of `state` (plain JSON); `graph`: `state.graph.to_dict()` if the caller
-    keeps it (the same object each time spares encoding it again)."""
+    keeps it (the same object each time spares encoding it again); `flag`: the coordinator's
+    --layout (`restart_layout` compares the next coordinator's with it)."""
     delta = state.delta
     members = list(state.plan.members) if state.plan is not None else []
     return {
@@ -111,20 +119,42 @@ def snapshot(state: State, endpoints: dict[str, str], graph: dict[str, Any] | No
         "resume": dataclasses.asdict(state.resume) if state.resume is not None else None,
         "lost_at": state.lost_at,
         "graph": graph if graph is not None else (state.graph.to_dict() if state.graph is not None else None),
+        "layout": pin_text(state.layout),
+        "layout_flag": pin_text(flag),
     }
 
 
-def recover(values: dict[str, Any], *, now: float) -> State:
-    """The membership state a restarted coordinator starts from: the plan's members expected back."""
+def restart_layout(values: dict[str, Any], flag: LayoutPin | None) -> tuple[LayoutPin | None, str | None]:
+    """The layout pin a coordinator restarted with --layout `flag` holds (see the module's comment),
+    and the journaled pin it replaces when that differs (None: it does not: the journaled pin holds,
+    or equals the command line's)."""
+    journaled = values.get("layout")
+    if not isinstance(journaled, str):  # (a journal written before pins were journaled)
+        return flag, None
+    if values.get("layout_flag") != pin_text(flag):
+        return flag, (journaled if journaled != pin_text(flag) else None)
+    try:
+        return (None if journaled == "auto" else parse_pin(journaled)), None
+    except LayoutError:  # (edited by hand: the command line's then)
+        return flag, journaled
+
+
+def recover(values: dict[str, Any], *, now: float, flag: LayoutPin | None = None) -> State:
+    """The membership state a restarted coordinator (started with --layout `flag`) starts from: the
+    plan's members expected back, and, when its --layout replaced the journaled pin, a re-plan
+    under the new one wanted once the plan is back."""
     graph = Graph.from_dict(values["graph"]) if values.get("graph") else None
     checkpoints = tuple(Checkpoint(**c) for c in values.get("checkpoints") or [])
     resume = Checkpoint(**values["resume"]) if values.get("resume") else None
+    layout, replaced = restart_layout(values, flag)
     state = State(epoch=int(values["epoch"]), last_step=int(values["last_step"]), graph=graph,
                   checkpoints=checkpoints, resume=resume, lost_at=int(values.get("lost_at", 0)),
-                  finished=bool(values.get("finished")))
+                  finished=bool(values.get("finished")), layout=layout)
     data = values.get("delta")
     if not data or state.finished:
         return state
+    if replaced is not None:
+        state = dataclasses.replace(state, replan_wanted="layout")
     delta = PlanDelta(**{**data, "layout": MeshLayout(**data["layout"]),
                          "previous": MeshLayout(**data["previous"]) if data.get("previous") else None})
     plan = Plan(members=tuple(delta.members), shares=tuple(delta.shares), dp_shard=delta.layout.dp_shard,

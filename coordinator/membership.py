@@ -40,6 +40,7 @@ from coordinator.state import (
     FollowUp,
     GraphReceived,
     Joined,
+    LayoutRequested,
     Left,
     Log,
     Lost,
@@ -60,8 +61,9 @@ from coordinator.state import (
     Tick,
     Welcome,
     Worker,
+    pin_text,
 )
-from plan import Device, PlanResult
+from plan import Device, LayoutPin, PlanResult
 from plan.cost import step_comm_features
 from plan.prediction import reported_compute, repredict
 from transport import (ERR_NAME_TAKEN, ERR_STALE_EPOCH, PLANNED_EXITS, Abort, Ack, Checkpointed, CheckpointNow, Error,
@@ -70,7 +72,7 @@ from transport import (ERR_NAME_TAKEN, ERR_STALE_EPOCH, PLANNED_EXITS, Abort, Ac
 LOADING_LEASE_S = 30.0  # the lease of a worker that joined and is not ready yet (loading the job)
 
 __all__ = ["Acked", "Checkpoint", "CheckpointRequested", "CheckpointWritten", "ResumeFailedReported", "Config", "DrainRequested", "Effect", "Evaluated", "Event", "Finished", "FollowUp",
-           "GraphReceived", "Joined", "Left", "Log", "Lost", "MadeReady", "ModelSaved", "Planned", "ReplanDue",
+           "GraphReceived", "Joined", "LayoutRequested", "Left", "Log", "Lost", "MadeReady", "ModelSaved", "Planned", "ReplanDue",
            "Result", "SaveRequested", "Seen", "Send", "SlowdownRequested", "State", "StateLostReported", "StepDone",
            "StopRequested",
            "Tick", "Welcome", "Worker", "apply", "replan"]
@@ -156,6 +158,8 @@ def apply(state: State, event: Event, config: Config, *, now: float) -> Result:
             if name not in state.workers:
                 return state, []
             return state, [Send(name, Slowdown(factor=factor)), Log("slowdown", {"worker": name, "factor": factor})]
+        case LayoutRequested(pin):
+            return _relayout(state, pin, config, now)
         case ModelSaved(msg):
             if msg.error:
                 return state, [Log("save_failed", {"worker": msg.name, "step": msg.step, "path": msg.path,
@@ -426,10 +430,30 @@ def _recovered(state: State, config: Config, now: float) -> Result:
     if not missing and not was_pending:
         state = replace(state, running=frozenset())
         newcomers = [n for n, w in state.workers.items() if w.ready and n not in plan.members]
-        return state, effects + ([FollowUp(ReplanDue("join", abort=False))] if newcomers else [])
+        # (a layout pin changed meanwhile, by ctl or by the restart's --layout: re-planned now)
+        wanted = state.replan_wanted or ("join" if newcomers else None)
+        return state, effects + ([FollowUp(ReplanDue(wanted, abort=False))] if wanted else [])
     effects += [Log("failed", {"worker": n, "detected_by": "recovery"}) for n in missing]
     effects += [Send(n, Abort(epoch=state.epoch, reason="the coordinator restarted")) for n in state.workers]
     return state, [*effects, FollowUp(ReplanDue("recovery", abort=True))]
+
+
+def _relayout(state: State, pin: LayoutPin | None, config: Config, now: float) -> Result:
+    """`ctl layout`: the new pin replaces the one in force and the job re-plans under it at once, with
+    reason "layout" (after the planned change in flight lands, if one is). No pay-off rule holds
+    it back: a plan that differs from the running one is taken. One that cannot be made (too few
+    ready workers, a layout that does not fit) leaves the running plan training, and the `plan`
+    event (status infeasible) says why; the pin stays, so the layout is taken as soon as workers
+    enough are ready (their join re-plans under it). A restarted coordinator still putting its
+    journaled plan back re-plans once that is done (`_recovered`)."""
+    if state.finished or state.stopping:
+        return state, []
+    said = Log("layout", {"layout": pin_text(pin), "previous": pin_text(state.layout), "source": "ctl"})
+    state = replace(state, layout=pin)
+    if state.recovered_plan is not None:
+        return replace(state, replan_wanted="layout"), [said]
+    state, effects = replan(state, config, "layout", abort=False, now=now)
+    return state, [said, *effects]
 
 
 def _checkpointed(state: State, msg: Checkpointed, config: Config) -> Result:

@@ -33,10 +33,10 @@ from coordinator.guard import REASONS
 # Plan reasons the coordinator writes (docs/operations.md, "Events"); their counters exist from the
 # start at 0.
 PLAN_REASONS = ("join", "failure", "leave", "drained", "preempted", "straggler", "recovered", "contention",
-                "calibration", "handoff")
+                "calibration", "handoff", "layout")
 # Event kinds counted by adaptrain_events_total (others are counted as "other": bounded labels).
 EVENT_KINDS = ("joined", "left", "failed", "straggler", "recovered", "contention", "kept", "slowdown", "standby",
-               "plan", "abandon", "reshard", "step", "eval", "finished", "checkpoint", "resumed", "drain_deadline",
+               "layout", "plan", "abandon", "reshard", "step", "eval", "finished", "checkpoint", "resumed", "drain_deadline",
                "state_lost", "checkpoint_failed", "checkpoint_corrupt", "restarted", "recovered", "journal_damaged")
 RATE_WINDOW_STEPS = 10  # adaptrain_samples_per_second: over the last this many committed steps
 SOLVE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)

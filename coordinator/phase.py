@@ -17,14 +17,15 @@ Names, checked in this order:
   training             the latest plan is in place everywhere
   waiting_for_fit      no plan: workers that could train exist, but no plan fits them
                        (survivors of a failure keep the state meanwhile)
-  waiting_for_workers  no plan: fewer ready workers than a plan needs (`--min-workers`, or none)
+  waiting_for_workers  no plan: fewer ready workers than a plan needs (`--min-workers`, the members
+                       the layout pin in force implies, or none)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from coordinator.state import State
+from coordinator.state import State, pin_text, workers_needed
 
 PHASES = ("finished", "stopping", "recovering", "resuming", "switching", "training", "waiting_for_fit",
           "waiting_for_workers")
@@ -71,10 +72,12 @@ def phase(state: State, *, min_workers: int = 1) -> Phase:
     then = (f"; then resuming from checkpoint {s.resume.path} (step {s.resume.step})" if s.resume is not None
             else "; the training state was lost with no checkpoint: training starts over from step 0"
             if s.epoch > 0 and s.last_step == 0 else "")
-    if len(ready) < max(min_workers, 1):
+    needed = workers_needed(s.layout, min_workers)
+    if len(ready) < needed:
         more = f", {len(loading)} loading" if loading else ""
-        return Phase("waiting_for_workers", f"waiting for workers: {len(ready)} ready{more}, --min-workers "
-                                            f"{min_workers}{then}")
+        gate = (f"--min-workers {min_workers}" if needed == max(min_workers, 1)
+                else f"the layout pinned to {pin_text(s.layout)} needs {needed}")
+        return Phase("waiting_for_workers", f"waiting for workers: {len(ready)} ready{more}, {gate}{then}")
     why = s.result.reason if s.result is not None and s.result.plan is None else "not planned yet"
     return Phase("waiting_for_fit", f"waiting for a device that fits: {len(ready)} ready worker(s), no plan "
                                     f"({why}){then}")

@@ -1,13 +1,14 @@
 """Re-planning inside membership: ask the planner, and turn its answer into a new epoch (or not).
 
 `replan(state, config, reason, abort=..., now=...)` is called by the membership transitions on a
-join (a worker made ready), a failure, a leave, a drain, a straggler and after a planned change
-lands with another one waiting. It
+join (a worker made ready), a failure, a leave, a drain, a straggler, an operator's `ctl layout`
+and after a planned change lands with another one waiting. It
 
 * holds a planned change back while the previous one is not acknowledged everywhere (at most one
   planned change in flight); a failure (`abort=True`) supersedes anything pending;
 * asks `plan.make_plan` over the ready, non-leaving devices, with the previous plan (or the
-  survivors that hold the state) so the planner can weigh moving state;
+  survivors that hold the state) so the planner can weigh moving state, under the layout pin in
+  force (`State.layout`: --layout, then `ctl layout`);
 * keeps one leaving state holder in the new epoch with no samples when no holder would stay, so
   that it hands the state over inside the new group;
 * sends nothing when a planned re-plan gives the same assignment (no churn);
@@ -20,7 +21,8 @@ lands with another one waiting. It
   gain over the horizon must exceed the switch's cost (forming a group, moving state), and the
   job must have steps enough left to settle and measure the new epoch. Otherwise
   the current plan stays and a `kept` event says why; a taken re-plan's detail says what changed
-  and what it is predicted to gain;
+  and what it is predicted to gain. An operator's `layout` is not such a re-plan: a plan that
+  differs is always taken;
 * plans on the cluster as it will run: co-located workers' contention for their host's cores is
   predicted (`Cluster.contended`), so a join or a failure on a host is not read as stragglers;
 * when nothing fits (memory) keeps the state where it is: a running plan trains on, survivors of a
@@ -34,7 +36,7 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from coordinator import steps
-from coordinator.state import Config, Effect, Log, Planned, Result, Send, State, Worker
+from coordinator.state import Config, Effect, Log, Planned, Result, Send, State, Worker, pin_text, workers_needed
 from plan import Plan, PlanLimits, PlanResult, make_plan, predict
 from plan.prediction import reported_compute, repredict
 from transport import MeshLayout, PlanDelta
@@ -50,14 +52,14 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
     if state.finished or state.stopping:
         return state, []
     if not abort and state.pending:
-        return replace(state, replan_wanted=reason), []
+        return replace(state, replan_wanted=_wanted(state.replan_wanted, reason)), []
     eligible = {n for n, w in state.workers.items() if w.ready and w.leaving is None}
     said: list[Effect] = []
     if state.resume is None and not state.holders and state.last_step > 0 and eligible:
         # Every holder is gone at once (more than the redundancy covers): from the newest checkpoint.
         state, said = lose_state(state)
     holders = [] if state.resume is not None else state.holders  # a resume replaces what survivors hold
-    if state.plan is None and not holders and len(eligible) < config.min_workers:
+    if state.plan is None and not holders and len(eligible) < workers_needed(state.layout, config.min_workers):
         return state, said
     if not eligible and holders:
         # Only leaving members hold the state and nobody can take it over: they train on.
@@ -76,7 +78,7 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
     limits = PlanLimits(global_batch=config.global_batch, max_workers=config.max_workers,
                         time_limit_s=config.solve_time_limit_s, policy=config.planner, engine=config.solver,
                         horizon_steps=horizon)
-    result = make_plan(cluster, state.graph, state.plan, limits=limits, holders=holders, pin=config.layout)
+    result = make_plan(cluster, state.graph, state.plan, limits=limits, holders=holders, pin=state.layout)
     if result.plan is None:
         state, effects = _nothing_fits(state, result, holders, reason, abort=abort)
         return state, [*said, *effects]
@@ -125,6 +127,9 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
             kept = (f"the best plan for the measured speeds is the one running (same members and shares, "
                     f"{predicted}){_changes(state)}")
             told = [Log("kept", {"reason": reason, "detail": kept})]
+        elif reason == "layout":  # (said, so that the operator sees the change answered)
+            told = [Log("kept", {"reason": reason, "detail": f"the running plan ({new.layout.describe()}) is the one "
+                                                             f"the planner makes with the layout {pin_text(state.layout)}"})]
         return replace(state, replan_wanted=None, result=result, plan=new, tracker=tracker, kept=kept,
                        standby=frozenset(result.standby)), [*said, *told, *benched]
     if calm and not abort and reason in GAIN_REASONS and state.plan is not None:
@@ -173,6 +178,15 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
                     replan_wanted=f"{handoff} handed off" if handoff else None)
     return state, [*said, Planned(result, epoch, reason, abandons_step=abandons), *benched,
                    *(Send(n, delta) for n in recipients)]
+
+
+def _wanted(waiting: str | None, reason: str) -> str:
+    """The re-plan to make once the change in flight lands, when `reason` asks for one meanwhile:
+    the latest, except that one the pay-off rule may turn down (a GAIN_REASONS one) never replaces
+    one that must happen (an operator's `layout`, a join, a hand-off), which would be lost with it."""
+    if waiting is not None and waiting not in GAIN_REASONS and reason in GAIN_REASONS:
+        return waiting
+    return reason
 
 
 def addressed(state: State, names: set[str], now: float) -> tuple[list[str], dict[str, Worker]]:

@@ -36,7 +36,6 @@ class Config:
     solver: str = "auto"  # the class-level engine: "auto", "search" or "milp"
     horizon_steps: int = 200  # a switch's one-off cost is spread over this many steps (or what is left)
     stability: str = "calm"  # "calm": contention model, change points, re-plans that pay; "legacy": before (#9)
-    layout: LayoutPin | None = None  # degrees pinned by --layout (None: the planner chooses)
     drain_deadline_s: float = 25.0  # a drained or preempted member must have handed its state over by then
     # A plan's members must acknowledge it within this, plus two of its predicted steps (a planned
     # switch waits for a step boundary); a member that has not is declared failed ("ack_timeout").
@@ -123,6 +122,10 @@ class State:
     recovery_since: float = 0.0
     unlogged: frozenset[int] = frozenset()  # steps below `last_step` not logged yet (after a restart)
     slices_possible: bool = False  # a sharded or pipelined plan was sent since the last replicated one in place everywhere
+    # The layout pin in force (None: the planner chooses): --layout at the start, then each `ctl
+    # layout`. It lives here, not in Config, because the operator changes it on a running job and
+    # a restarted coordinator must know it (`coordinator.journal`).
+    layout: LayoutPin | None = None
     last_tick: float = 0.0  # when the latest Tick was applied (a long gap: the coordinator stalled)
     stopping: bool = False
 
@@ -143,6 +146,20 @@ class State:
         held = (self.running | self.acked) & set(self.workers)
         order = list(self.plan.members) if self.plan else []
         return sorted(held, key=lambda n: (order.index(n) if n in order else len(order), n))
+
+
+def pin_text(pin: LayoutPin | None) -> str:
+    """A pin as `ctl layout` and the events write it: "pp=2", "dp=2,fsdp=2", or "auto" (no pin)."""
+    return "auto" if pin is None else pin.describe()
+
+
+def workers_needed(pin: LayoutPin | None, min_workers: int) -> int:
+    """Ready workers the first plan (and the one after a total loss) waits for: --min-workers, or the
+    members the pin in force implies (`pp=3`, `dp=2,fsdp=2`), whichever is more. Taken from the pin
+    in force, not from the start-up flag alone, so that `ctl layout auto` lets a job that waited for
+    a pinned layout's members start with the workers it has."""
+    implied = pin.members if pin is not None else None
+    return max(min_workers, implied or 1, 1)
 
 
 # --- events ----------------------------------------------------------------------------------
@@ -236,6 +253,13 @@ class SlowdownRequested:
 
 
 @dataclass(frozen=True, slots=True)
+class LayoutRequested:
+    """`ctl layout SPEC`: pin the layout to `pin` (None: `auto`, the planner chooses) and re-plan."""
+
+    pin: LayoutPin | None
+
+
+@dataclass(frozen=True, slots=True)
 class StopRequested:
     reason: str
 
@@ -277,7 +301,7 @@ class ReplanDue:
 
 
 Event = (Joined | MadeReady | GraphReceived | Seen | StepDone | Acked | Left | Lost | Tick | DrainRequested
-         | SlowdownRequested | StopRequested | ReplanDue | ModelSaved | SaveRequested | Evaluated
+         | SlowdownRequested | LayoutRequested | StopRequested | ReplanDue | ModelSaved | SaveRequested | Evaluated
          | StateLostReported | CheckpointRequested | CheckpointWritten | ResumeFailedReported)
 
 

@@ -271,23 +271,24 @@ class LayoutPin:
         return ",".join(f"{names[dim]}={getattr(self, dim)}" for dim in DIMS if getattr(self, dim) is not None)
 
 
-def parse_pin(text: str) -> LayoutPin:
-    """`dp=2,fsdp=2` or `pp=2` -> LayoutPin; LayoutError with the reason for anything else."""
+def parse_pin(text: str, *, source: str = "--layout") -> LayoutPin:
+    """`dp=2,fsdp=2` or `pp=2` -> LayoutPin; LayoutError with the reason for anything else. `source`
+    names where the text came from in the message (`--layout`, or ctl's `layout` command)."""
     values: dict[str, int] = {}
     for part in (p.strip() for p in text.split(",")):
         m = re.fullmatch(r"([a-z]+)=(\d+)", part)
         if m is None or m.group(1) not in PIN_KEYS:
-            raise LayoutError(f"--layout: {part!r} is not NAME=N with NAME one of {', '.join(PIN_KEYS)} "
-                              "(e.g. --layout dp=2,fsdp=2)")
+            raise LayoutError(f"{source}: {part[:40]!r} is not NAME=N with NAME one of {', '.join(PIN_KEYS)} "
+                              f"(e.g. {source} dp=2,fsdp=2)")
         dim, n = PIN_KEYS[m.group(1)], int(m.group(2))
         if dim in values:
-            raise LayoutError(f"--layout: {m.group(1)} given twice")
+            raise LayoutError(f"{source}: {m.group(1)} given twice")
         if n < 1:
-            raise LayoutError(f"--layout: {m.group(1)} must be >= 1, got {n}")
+            raise LayoutError(f"{source}: {m.group(1)} must be >= 1, got {n}")
         values[dim] = n
     if values.get("tp", 1) > 1:
-        raise LayoutError("--layout: tensor parallelism (tp) is not planned yet; pin dp, fsdp or pp")
+        raise LayoutError(f"{source}: tensor parallelism (tp) is not planned yet; pin dp, fsdp or pp")
     if values.get("pp", 1) > 1 and (values.get("dp_replicate", 1) > 1 or values.get("dp_shard", 1) > 1):
-        raise LayoutError("--layout: pp with dp or fsdp above 1 is not supported yet: pin pp alone "
-                          "(e.g. --layout pp=2)")
+        raise LayoutError(f"{source}: pp with dp or fsdp above 1 is not supported yet: pin pp alone "
+                          f"(e.g. {source} pp=2)")
     return LayoutPin(**values)

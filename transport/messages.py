@@ -481,7 +481,7 @@ class StoreReply:
 
 # --- control (ctl <-> coordinator) -----------------------------------------------------------
 
-CONTROL_COMMANDS = ("status", "plan", "graph", "events", "drain", "slowdown", "save", "checkpoint", "stop")
+CONTROL_COMMANDS = ("status", "plan", "graph", "events", "drain", "slowdown", "save", "checkpoint", "layout", "stop")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -489,7 +489,8 @@ class ControlRequest:
     """ctl -> coordinator control endpoint.
 
     command: "status", "plan" (args: [] or ["explain"]), "graph", "events" (args: [after_index]),
-    "drain" (args: [NAME]), "slowdown" (args: [NAME, FACTOR]), "save" (args: [PATH]), "checkpoint", "stop".
+    "drain" (args: [NAME]), "slowdown" (args: [NAME, FACTOR]), "save" (args: [PATH]), "checkpoint",
+    "layout" (args: [SPEC], as `coordinator --layout` takes it, or "auto"), "stop".
     """
 
     command: str

@@ -36,7 +36,7 @@ HISTORY = re.compile(
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 HELP_OPTION = re.compile(r"^\s{2}(?:-\w(?: \S+)?, )?(--[a-z][a-z0-9-]*)")
-CTL_COMMANDS = ("status", "plan", "graph", "events", "drain", "slowdown", "save", "checkpoint", "stop", "report")
+CTL_COMMANDS = ("status", "plan", "graph", "events", "drain", "slowdown", "save", "checkpoint", "layout", "stop", "report")
 CTL_NAMES = ("adaptrain-ctl", "python scripts/ctl.py", "scripts/ctl.py")
 
 

@@ -694,7 +694,7 @@ def _sharded_sim() -> Sim:
     """A job pinned to `--layout dp=1` (every member a shard: FSDP over all of them), with a graph,
     trained by "a" alone (a whole replica: one member), which is then drained while "b" and "c"
     are ready to take over (made ready together: one re-plan)."""
-    sim = Sim(config=_config(layout=parse_pin("dp=1")))
+    sim = Sim(state=m.State(layout=parse_pin("dp=1")))
     sim(m.GraphReceived(GRAPH))
     sim.running("a")
     sim(report("a", 1))

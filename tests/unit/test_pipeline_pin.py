@@ -8,13 +8,14 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from test_membership import Sim, _config, deltas, the_delta, timed
+from test_membership import Sim, deltas, the_delta, timed
 from test_phase import _ask
 
 from coordinator import membership as m
 from coordinator.cli import parse_args
 from coordinator.ctl import format_explain, format_plan
 from coordinator.journal import Journal, recover, snapshot
+from coordinator.state import workers_needed
 from plan import Cluster, Device, Graph, Plan, PlanLimits, make_plan
 from plan.graph import Layer
 from plan.layout import parse_pin
@@ -138,7 +139,7 @@ def test_the_members_that_stay_keep_their_stages_and_only_the_leavers_part_moves
 def test_the_flag_waits_for_p_workers_and_refuses_what_cannot_run(capsys: pytest.CaptureFixture[str]) -> None:
     base = ["--bind", "tcp://127.0.0.1:0", "--job", "x.py:job", "--insecure"]
     config, _ = parse_args([*base, "--layout", "pp=3"])
-    assert config.layout == parse_pin("pp=3") and config.min_workers == 3
+    assert config.layout == parse_pin("pp=3") and workers_needed(config.layout, config.min_workers) == 3
     assert "--layout pp=3 needs 3 members: training starts once 3 workers are ready" in capsys.readouterr().err
     for bad, said in ((["--layout", "pp=2,dp=2"], "pp with dp or fsdp above 1 is not supported yet: pin pp alone"),
                       (["--layout", "pp=3", "--max-workers", "2"], "needs 3 members, but --max-workers is 2")):
@@ -150,7 +151,7 @@ def test_the_flag_waits_for_p_workers_and_refuses_what_cannot_run(capsys: pytest
 
 def _pipeline_sim() -> Sim:
     """a and b train a `--layout pp=2` pipeline of GRAPH."""
-    sim = Sim(config=_config(layout=PP2))
+    sim = Sim(state=m.State(layout=PP2))
     sim(m.GraphReceived(GRAPH))
     sim.running("a", "b")
     return sim
