@@ -13,33 +13,27 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from plan.shares import split_shares
 from transport import EvalReport
 from worker.comm import Superseded
 from worker.group import Group
 from worker.job import share_slice
-from worker.parallel.staged import Stage, evaluate_stage
 
 if TYPE_CHECKING:
-    from worker.trainer import Trainer
+    from worker.executor import Loop
+    from worker.parallel.staged import Stage
 
 EVAL_CHUNK = 256  # held-out samples evaluated at once (bounds the memory of an evaluation)
 
 
-def evaluate(t: Trainer, g: Group) -> None:
+def evaluate(t: Loop, g: Group, model: nn.Module, *, lockstep: bool) -> None:
     """Every member sums the loss over its contiguous part of the held-out set (split like the
     batch, by the epoch's shares), the sums are all-reduced, and rank 0 reports the mean. A
-    failure in between abandons it: every member that saw it says it was skipped."""
+    failure in between abandons it: every member that saw it says it was skipped. `lockstep`:
+    every member runs as many forwards as the busiest one (a sharded model's forwards gather)."""
     job = t.job
-    if t.staged is not None:
-        try:
-            sums = _through_the_pipeline(t, g, t.staged)
-        except Superseded:
-            _skipped(t, g)
-            raise
-        _report(t, g, sums)
-        return
     total = len(job.eval_dataset)
     busy = [r for r, s in enumerate(g.shares) if s > 0] or [0]  # members with samples split it
     counts = [0] * len(g.shares)
@@ -48,29 +42,40 @@ def evaluate(t: Trainer, g: Group) -> None:
     part = share_slice(counts, g.rank)
     sums = torch.zeros(2, dtype=torch.float64, device=t.device)
     # Sharded: every member runs as many forwards as the busiest one (each gathers the units).
-    rounds = -(-max(counts) // EVAL_CHUNK) if t.sharded is not None else -(-(part.stop - part.start) // EVAL_CHUNK)
+    rounds = -(-max(counts) // EVAL_CHUNK) if lockstep else -(-(part.stop - part.start) // EVAL_CHUNK)
     if rounds:
-        t.model.eval()
+        model.eval()
         try:
             with torch.no_grad():
                 for i in range(rounds):
                     start = part.start + i * EVAL_CHUNK
                     ids = torch.arange(start, min(start + EVAL_CHUNK, part.stop))
                     if not len(ids):  # a forward for the others' gathers, counted nowhere
-                        t.model(job.eval_dataset[torch.arange(1)][0].to(t.device))
+                        model(job.eval_dataset[torch.arange(1)][0].to(t.device))
                         continue
                     inputs, targets = job.eval_dataset[ids]
-                    outputs = t.model(inputs.to(t.device))
+                    outputs = model(inputs.to(t.device))
                     sums[0] += job.loss(outputs, targets.to(t.device)).double()
                     sums[1] += len(ids)
         finally:
-            t.model.train()
+            model.train()
     _report(t, g, sums)
 
 
-def _through_the_pipeline(t: Trainer, g: Group, stage: Stage) -> torch.Tensor:
-    """A pipeline's part of the held-out loss: each data-parallel slot takes its part of the set
-    (split by the slots' shares), passed through its stages; the last stage sums the loss."""
+def evaluate_pipeline(t: Loop, g: Group, stage: Stage) -> None:
+    """A pipeline's held-out loss: each data-parallel slot takes its part of the set (split by the
+    slots' shares), passed through its stages; the last stage sums the loss; reported as above."""
+    try:
+        sums = _through_the_pipeline(t, g, stage)
+    except Superseded:
+        _skipped(t, g)
+        raise
+    _report(t, g, sums)
+
+
+def _through_the_pipeline(t: Loop, g: Group, stage: Stage) -> torch.Tensor:
+    from worker.parallel.staged import evaluate_stage
+
     layout = g.layout
     slots = [layout.shares[layout.dp_ranks(i)[0]] for i in range(layout.dp)]
     busy = [i for i, s in enumerate(slots) if s > 0] or [0]
@@ -83,7 +88,7 @@ def _through_the_pipeline(t: Trainer, g: Group, stage: Stage) -> torch.Tensor:
     return torch.tensor([loss, float(samples)], dtype=torch.float64, device=t.device)
 
 
-def _report(t: Trainer, g: Group, sums: torch.Tensor) -> None:
+def _report(t: Loop, g: Group, sums: torch.Tensor) -> None:
     """All-reduce the members' (loss sum, samples); rank 0 reports the mean."""
     try:
         t.wait(g, g.pg.allreduce([sums]), sums)
@@ -96,6 +101,6 @@ def _report(t: Trainer, g: Group, sums: torch.Tensor) -> None:
         t.log(f"eval after step {t.step}: loss {loss:.4f} over {samples} held-out samples")
 
 
-def _skipped(t: Trainer, g: Group) -> None:
+def _skipped(t: Loop, g: Group) -> None:
     t.agent.send(EvalReport(name=t.name, step=t.step, loss=0.0, samples=0,
                             skipped=f"a failure interrupted it (epoch {g.epoch} abandoned)"))

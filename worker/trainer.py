@@ -4,11 +4,12 @@ coordinator plans so that every member continues from one consistent state.
 `Trainer.run` takes one event through each package once. The agent (`worker.agent`) delivers a
 planned delta (a join, a leave, a failure, a re-plan); `_enter` forms the epoch's group
 (`worker.group`), brings every member to one consistent step (`worker.epoch`: the replicated fast
-path sends whole states, an epoch with sharded state on either side reshards slices), builds the
-layout's executor from this member's `LocalState` (`worker.parallel`) and acks; then the steps run
-(`worker.step`) until all members vote, in a step's all-reduce, to switch to the next delta at that
-step boundary. What every step ends with stays here: the step report, the digest, saving, and the
-evaluation when it is due (`worker.evaluate`).
+path sends whole states, an epoch with sharded state or stages on either side reshards slices),
+builds the layout's executor from this member's `LocalState` (`worker.executor`: one per layout
+kind, found in the table `worker.parallel.table`) and acks; then the executor's steps run until
+all members vote, in a step's all-reduce, to switch to the next delta at that step boundary. What
+every step ends with stays here: the step report, the digest, checkpoints, and the evaluation when
+it is due. The loop never branches on the layout's kind: what differs is the executor's.
 
 Failures: every collective is issued asynchronously on a buffer used once, and waited for by a
 `comm.Waiter` that the agent wakes when an abort arrives. A superseded collective is not waited for
@@ -27,66 +28,40 @@ import json
 import math
 import threading
 import time
-import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from plan.graph import Graph
 from plan.layout import Layout
 from plan.placement import unit_of
 from plan.reshard import ReshardPlan, TensorShape, copy_ring, holdings
 from transport import Ack, Checkpointed, Leave, PlanDelta, ResumeFailed, Saved, StateLost, StepReport
-from transport.security import ClientKeys
 from worker import checkpoint, comm, epoch
 from worker import group as groups
-from worker import step as steps
 from worker.agent import Agent, FatalError
 from worker.comm import Superseded
-from worker.evaluate import evaluate
+from worker.config import TrainerConfig
+from worker.executor import Executor, is_comm_error
 from worker.group import Group
 from worker.job import Job
-from worker.parallel.fsdp import Sharded, apply_fsdp, extract
-from worker.parallel.replicated import GradBuckets, apply_replicated
 from worker.parallel import mesh as meshes
-from worker.parallel.buffers import BufferSync
-from worker.parallel.copies import Copies
 from worker.parallel.meta import meta_model
-from worker.parallel.staged import Stage, apply_stage, gather_state, whole_state
-from worker.parallel.slices import (PARAM, Incoming, LocalState, Outgoing, Pool, expect, from_module,
-                                    pack_sends)
-from worker.parallel.update import GRAD, apply_update
-from worker.save import save_model, save_state
-from worker.step import local_grad
+from worker.parallel.replicated import ReplicaExecutor
+from worker.parallel.slices import Incoming, LocalState, Outgoing, Pool, expect, from_module, pack_sends
+from worker.parallel.table import executor_for
+from worker.parallel.update import apply_update
 from worker.store import CoordinatorStore
+
+__all__ = ["Trainer", "TrainerConfig"]
 
 T = TypeVar("T")
 
 RETRY_S = 0.5  # pause before forming an epoch's group again after a failed rendezvous
 GONE_CHECK_S = 1.0  # while waiting for a plan, how often to ask whether the coordinator is still reachable
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TrainerConfig:
-    group_timeout_s: float = 60.0
-    digest_every: int = 0  # 0: never hash parameters
-    log_every: int = 10
-    delta_timeout_s: float = 600.0  # how long a plan is waited for with the coordinator unreachable before giving up
-    device: str = "cpu"
-    keys: ClientKeys | None = None  # CURVE keys for the store's sockets (None: --insecure coordinator)
-    trace_path: str | None = None  # append every step report here as a JSON line (--trace-steps)
-    pause_at: tuple[str, int] | None = None  # (phase, step): the --pause-at fault-injection knob
-    final_dir: str = ""  # where rank 0 of the last step writes the trained model ("": nowhere)
-    checkpoint_dir: str = ""  # where durable checkpoints go ("": none; `worker.checkpoint`)
-    checkpoint_every: int = 0  # a checkpoint after every N-th step (0: only when asked)
-    checkpoint_keep: int = 3  # the newest N are kept
-    job_sha256: str = ""  # recorded in each checkpoint's manifest
 
 
 class Trainer:
@@ -97,69 +72,64 @@ class Trainer:
         self.config = config
         self.name = agent.name
         self.device = torch.device(config.device)
-        self._build(meta=True)
-        self.numel = sum(p.numel() for p in self.params)
+        self.executor: Executor = ReplicaExecutor(*self._fresh(meta=True))
         self.stale = False  # our state may differ from the survivors' (we were fenced): take theirs
         self.waiter = comm.Waiter(self.device)
         agent.on_interrupt = self.waiter.interrupt
         self.leave_reason: str | None = None  # set on SIGTERM
         self.epoch_tried = 0  # the newest epoch this worker entered or tried to enter
         self.final_writer = False  # rank 0 of the group that committed the last step: it writes the model
-        # Sharded layouts (worker.parallel): the FSDP2 executor of the current sharded epoch, with the
-        # layout and rank it was built for, and its groups as registered with c10d (`worker.group.mesh`:
-        # the whole group, then HSDP's replica and shard groups of this member).
-        self.sharded: Sharded | None = None
-        self.sharded_at: tuple[Layout, int] | None = None
-        self.registered: list[dist.ProcessGroup] = []
-        # A pipeline layout (worker.parallel.staged): this member's stage, with the layout and rank it
-        # was built for.
-        self.staged: Stage | None = None
-        self.staged_at: tuple[Layout, int] | None = None
         self._graph: Graph | None = None
         self._tensors: tuple[bool, list[TensorShape]] | None = None  # (`tensors`: whether units were known, them)
-        self.buckets: GradBuckets | None = None  # the replicated step's gradient buckets (`worker.step`)
-        self.buffer_sync: BufferSync | None = None  # the current model's buffers, the same on every member
-        # The replicated step's abandon points (`worker.step`): hooks on the replica's units that give
-        # its compute up once `computing`, the epoch of the step in flight, is superseded.
-        self.computing = 0
-        self.abandon_points: tuple[weakref.ref[torch.nn.Module], list[Any]] | None = None
+        self.computing = 0  # the epoch of the step whose compute is in flight (its abandon points ask)
         self.largest_sender = 0  # bytes the busiest sender of the last reshard sent (for the Ack)
         self.paused_reshard = False  # the --pause-at reshard knob fires once
-        self.paused_step = False  # and so do its phases of a step (`worker.step`)
-        self.redundancy_s = 0.0  # the last sharded step's time on its copies (exchange + update)
+        self.paused_step = False  # and so do its phases of a step (`worker.executor.pause`)
         # What this member held when it entered the current epoch, kept until the epoch's first step
         # commits: a member that finished its reshard while another died before finishing its own
         # must not have thrown away the only other copy of the dead member's slices.
         self.before_reshard: LocalState | None = None
-        # Redundancy of a sharded layout: who keeps a copy of my slices, whose slices I keep a copy
-        # of (and that copy), whether this step's gradients are held but not applied, and the
-        # clipping coefficient of the last step applied (for a roll forward after a failure).
-        self.copies = Copies.none()
-        self.pending = False
-        self.coefficient = 1.0
         # Durable checkpoints (`worker.checkpoint`): the writes in flight, and each epoch's group for
         # their collectives (formed at the epoch's first checkpoint; forgotten once no write uses it).
         self.checkpoints = checkpoint.Writer(self.log)
         self.resumed: LocalState | None = None  # this member's slices read from a checkpoint, for the entry
         self.checkpoint_groups: list[tuple[int, dist.ProcessGroup]] = []
 
-    def _build(self, *, meta: bool = False) -> None:
+    def _fresh(self, *, meta: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """The model and optimizer as at step 0, identical on every worker (seeded). `meta`: only
         their structure (names, shapes, learning rates), no memory: a worker starts so, and
         materialises the whole model only when a layout needs it (a replica, or the seeded state
         of a job nobody holds yet); a newcomer to a sharded job never holds it whole."""
         if meta:
-            self.model = meta_model(self.job)
+            model = meta_model(self.job)
         else:
             torch.manual_seed(self.job.seed)
-            self.model = self.job.model().to(self.device)
-        self.optimizer = self.job.optimizer(self.model.parameters())
+            model = self.job.model().to(self.device)
+        optimizer = self.job.optimizer(model.parameters())
         # The schedule multiplies these; a state received from a peer carries the lr it last used,
         # so each step sets every group's lr from its base again (exact under churn).
-        self.base_lrs = [float(group["lr"]) for group in self.optimizer.param_groups]
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
+        self.base_lrs = [float(group["lr"]) for group in optimizer.param_groups]
+        self.shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         self.step = 0  # optimizer steps applied
+        return model, optimizer
+
+    def _build(self) -> None:
+        """A replica of the seeded model (`_fresh`) becomes the executor."""
+        self._use(ReplicaExecutor(*self._fresh()))
+
+    def _use(self, executor: Executor) -> None:
+        """`executor` runs from now on; the one it replaces lets go of its groups and hooks."""
+        old, self.executor = self.executor, executor
+        if old is not executor:
+            old.close()
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.executor.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.executor.optimizer
 
     # --- the loop ------------------------------------------------------------------------------
 
@@ -171,8 +141,8 @@ class Trainer:
                 self.log("fenced: dropping local state, will take the survivors'")
                 group, self.stale = None, True
             if self.step >= self.job.num_steps:
-                if self.final_writer and self.config.final_dir and self.sharded is None and self.staged is None:
-                    self.save(self.config.final_dir, final=True)
+                if self.final_writer and self.config.final_dir:  # (a replica's last step: the others wrote in it)
+                    self.executor.save(self, None, self.config.final_dir, final=True)
                 return self._leave("finished")
             stop = self.agent.stop_reason()
             if stop is not None:  # "drained" comes once the plan without us is in place
@@ -208,12 +178,7 @@ class Trainer:
                 self._standby(delta)
                 group = None
 
-    def save(self, directory: str, *, final: bool) -> None:
-        """Write the model and optimizer state to `directory` at this step boundary (replicas are
-        identical: one member writes) and tell the coordinator how it went."""
-        self._write(directory, final, lambda path: save_model(self.model, self.optimizer, path))
-
-    def _write(self, directory: str, final: bool, write: Callable[[Path], int]) -> None:
+    def write(self, directory: str, final: bool, write: Callable[[Path], int]) -> None:
         """Write the model with `write(path) -> bytes` and tell the coordinator how it went."""
         path = Path(directory)
         try:
@@ -273,7 +238,7 @@ class Trainer:
             def lap(name: str) -> None:
                 phases[name] = time.perf_counter() - t0 - sum(phases.values())
             lap("group")
-            if not _whole_replicas(group.layout) or delta.from_sharded or senders:
+            if not group.layout.whole_replicas or delta.from_sharded or senders:
                 # Any epoch with sharded state or stages on either side goes through the slice reshard.
                 local, received = self._reshard(group, pool, outgoing, incoming)
                 lap("reshard")
@@ -287,12 +252,10 @@ class Trainer:
                 self._build_executor(group, local)
                 lap("executor")
             else:  # replicated to replicated keeps the model and sends whole states (the fast path)
-                if self.stale and (self.sharded is not None or self.staged is not None
-                                   or isinstance(self.model, FSDPModule)):
-                    self._forget_groups()  # it handed its slices over or was fenced: a plain model
-                    self._build()  # to receive the state into
+                if self.stale and not self.executor.whole:  # it handed its part over or was fenced:
+                    self._build()  # a plain model to receive the state into
                     self.stale = True
-                elif self._on_meta():  # a replica holds the whole model: the seeded one of step 0
+                elif self.executor.on_meta():  # a replica holds the whole model: the seeded one of step 0
                     self._build()
                 received, self.largest_sender = epoch.reconcile(
                     group.pg, group.rank, len(group.members), -1 if self.stale else self.step, self._state,
@@ -340,7 +303,7 @@ class Trainer:
         layout = Layout.from_dict(dataclasses.asdict(delta.layout))
         t0 = time.perf_counter()
         try:
-            if not _whole_replicas(layout):  # (a stage's member reads every tensor whole: its stage's are used)
+            if not layout.whole_replicas:  # (a stage's member reads every tensor whole: its stage's are used)
                 slices = checkpoint.load_slices(delta.resume_path, self.tensors, layout,
                                                 list(layout.members).index(self.name))
                 self.resumed, self.step = slices.local, slices.local.step
@@ -373,13 +336,13 @@ class Trainer:
     def _pool(self, delta: PlanDelta) -> Pool | None:
         """Memory for what this worker will receive, when it holds nothing yet (a newcomer to a
         sharded job): its slices of the new layout, parameters and optimizer state (see `Pool`)."""
-        holds_nothing = self.resumed is None and (self.stale or self._on_meta())
+        holds_nothing = self.resumed is None and (self.stale or self.executor.on_meta())
         if not holds_nothing or self.device.type != "cpu" or self.name not in delta.members:
             return None
         if delta.epoch <= 1:  # the job's first epoch: nobody holds state, every member seeds it whole
             return None  # (a pool would sit unused beside the seeded model, at the job's memory peak)
         layout = Layout.from_dict(dataclasses.asdict(delta.layout))
-        if _whole_replicas(layout):
+        if layout.whole_replicas:
             return None
         return Pool.for_slices(holdings(layout, self.tensors, copy_ring(layout)).get(self.name, {}),
                                {n: p.element_size() for n, p in self.model.named_parameters()},
@@ -415,7 +378,7 @@ class Trainer:
         plan foreseen). A step rolled forward in the entry changes what is held, and its step: the
         packed messages are then not sent (`Outgoing.serves`). A member with state to load packs
         nothing ahead."""
-        held_at = self.sharded_at or self.staged_at
+        held_at = self.executor.at
         if (held_at is None or self.stale or self.resumed is not None
                 or delta.resume_path or self.device.type != "cpu"):
             return lambda: None
@@ -457,7 +420,7 @@ class Trainer:
         sends, packed ahead (`_pack_ahead`); `incoming`: its receives, made ready ahead (`_expect_ahead`)."""
         # (a worker that never materialised its model holds nothing: if nobody does, all seed it)
         local = (self.resumed if self.resumed is not None
-                 else None if self.stale or self._on_meta() else self._local_state())
+                 else None if self.stale or self.executor.on_meta() else self._local_state())
         self.resumed = None
         self.before_reshard = local
         new, received, plan = epoch.enter(g.layout, self.tensors, self.name, g.members, local, g.pg,
@@ -491,107 +454,26 @@ class Trainer:
         self.log(f"rolled step {k + 1} forward on {updated} slices (others applied it before the failure)")
 
     def _build_executor(self, g: Group, local: LocalState) -> None:
-        """The layout's executor from this member's slices: FSDP2 on the group for a sharded layout,
-        its stage for a pipeline, a plain replica otherwise. Until the new one is built, the last one stays what this member
-        holds: forming the sharded groups can be superseded (a peer stopped), and the next epoch's
-        entry then describes the old executor's slices, as held before this epoch's reshard."""
-        old, self.registered = self.registered, []
-        if g.layout.sharded:
-            try:
-                on = groups.mesh(g, self.device, self.registered, timeout_s=self.config.group_timeout_s,
-                                 superseded=lambda: self.agent.superseded(g.epoch))
-            except BaseException:
-                groups.forget(self.registered)
-                self.registered = old
-                raise
-            groups.forget(old)
-            mp = (MixedPrecisionPolicy(param_dtype=getattr(torch, self.job.compute_dtype), reduce_dtype=torch.float32)
-                  if self.job.compute_dtype else None)
-            copies = Copies.of(g.layout, self.name, local, self.tensors)
-            self.sharded = apply_fsdp(self.job, self.units(), g.layout, g.rank, on.mesh, local, self.device,
-                                      replicate=on.replicate, mp_policy=mp,
-                                      wait=lambda work, buf: self.wait(g, work, buf),
-                                      give_up=self.give_up_if_superseded,
-                                      keep=g.members.index(copies.source) if copies.source is not None else None)
-            self.sharded_at = (g.layout, g.rank)
-            self.model, self.optimizer = self.sharded.model, self.sharded.optimizer
-            self.copies = copies
-            self._close_buckets()
-            self.staged, self.staged_at = None, None
-        elif g.layout.pp > 1:
-            groups.forget(old)
-            self.sharded, self.sharded_at = None, None
-            self.staged = apply_stage(self.job, g.layout, g.rank, local, self.device)
-            self.staged_at = (g.layout, g.rank)
-            self.model, self.optimizer = self.staged.module, self.staged.optimizer
-            self.copies = Copies.of(g.layout, self.name, local, self.tensors)
-            self._close_buckets()
-        else:
-            groups.forget(old)
-            self.sharded, self.sharded_at = None, None
-            self.staged, self.staged_at = None, None
-            replica = apply_replicated(self.job, local, self.device)
-            self.model, self.optimizer = replica.model, replica.optimizer
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.numel = sum(p.numel() for p in self.params)
-
-    def _close_buckets(self) -> None:
-        if self.buckets is not None:  # the replica they hooked is gone
-            self.buckets.close()
-            self.buckets = None
-
-    def _forget_groups(self) -> None:
-        """Unregister the last sharded epoch's groups (their backends end on their own); a stage is
-        dropped with them (what held only part of the state)."""
-        groups.forget(self.registered)
-        self.sharded, self.sharded_at = None, None
-        self.staged, self.staged_at = None, None
+        """The layout's executor (`worker.parallel.table`) from this member's slices. Until the new
+        one is built, the last one stays what this member holds: building can be superseded (a peer
+        stopped while a sharded layout's groups formed), and the next epoch's entry then describes
+        the old executor's state, as held before this epoch's reshard."""
+        self._use(executor_for(g.layout).build(self, g, local))
 
     def _drop_state(self) -> None:
         """This member holds nothing current any more (it handed its slices over, or they are lost)."""
-        self._forget_groups()
-        self.copies, self.pending = Copies.none(), False
+        self.executor.close()
         self.stale, self.before_reshard, self.resumed = True, None, None
 
     def _local_state(self) -> LocalState:
         """What this member holds now, as slices (views of the executor's tensors)."""
-        if self.sharded is not None and self.sharded_at is not None:
-            layout, rank = self.sharded_at
-            local = extract(self.sharded, layout, rank, self.step)
-            local.pending, local.coefficient = self.pending, self.coefficient
-            if self.pending:  # the interrupted step's gradients, kept for a roll forward
-                for fqn, p in self.sharded.params.items():
-                    for piece in local.pieces.get(fqn, []):
-                        grad = local_grad(p)
-                        piece.data[GRAD] = (grad.reshape(-1) if grad is not None
-                                            else torch.zeros_like(piece.data[PARAM]))
-            local.add(self.copies.pieces(self.pending))
-            before = self.before_reshard
-            if before is not None and before.step == self.step and not self.pending:
-                # The epoch was entered but no step of it has been taken: what was held before its
-                # reshard still counts (another member may have died before it had its new slices).
-                local.add(before.pieces)
-            return local
-        if isinstance(self.model, FSDPModule):  # (never: a sharded model is held with its layout)
-            raise RuntimeError("internal error: a sharded model without the layout it was built for")
-        local = from_module(self.step, self.model, self.optimizer)
-        if self.staged is not None:  # a stage: its pending gradients and its copy, as a shard's above
-            local.pending, local.coefficient = self.pending, self.coefficient
-            if self.pending:
-                for fqn, p in self.staged.module.named_parameters():
-                    for piece in local.pieces[fqn]:
-                        piece.data[GRAD] = (p.grad.reshape(-1) if p.grad is not None
-                                            else torch.zeros_like(piece.data[PARAM]))
-            if self.copies.copy is not None:  # (its source's stage: tensors this module does not have)
-                local.adopt(self.copies.copy, self.copies.pieces(self.pending))
-            before = self.before_reshard
-            if before is not None and before.step == self.step and not self.pending:
-                local.adopt(before)
+        local = self.executor.local_state(self.step)
+        before = self.before_reshard
+        if not self.executor.whole and before is not None and before.step == self.step and not local.pending:
+            # The epoch was entered but no step of it has been taken: what was held before its
+            # reshard still counts (another member may have died before it had its new slices).
+            local.adopt(before)
         return local
-
-    def _on_meta(self) -> bool:
-        """The model is still the structure built at start (`_build(meta=True)`), never materialised."""
-        return any(p.is_meta for p in self.model.parameters())
 
     def _seed_state(self) -> LocalState:
         """The state of step 0, seeded: the same on every worker."""
@@ -640,38 +522,24 @@ class Trainer:
                 self.log(f"epoch {g.epoch}: {e.args[0]}")
             raise
 
-    # --- one step (`worker.step`) -------------------------------------------------------------
+    # --- one step (the executor's) ---------------------------------------------------------------
 
     def _train_step(self, g: Group) -> PlanDelta | None:
-        """One exact data-parallel step; returns the delta to switch to when all ranks agreed."""
+        """One exact step of the executor; returns the delta to switch to when all ranks agreed."""
         try:
-            if self.sharded is not None:
-                return steps.sharded(self, g, self.sharded)
-            if self.staged is not None:
-                return steps.pipelined(self, g, self.staged)
-            return steps.replicated(self, g)
+            return self.executor.step(self, g)
         except Superseded:
-            self._restore_buffers()
+            self.executor.restore_buffers()
             raise
         except Exception as e:
             # A peer gone can surface as an error when an op is issued (gloo: "Connection closed by
             # peer"), before the coordinator's abort: the epoch is over either way, not the job.
-            if steps.is_comm_error(e) or self.agent.superseded(g.epoch):
-                self._restore_buffers()
+            if is_comm_error(e) or self.agent.superseded(g.epoch):
+                self.executor.restore_buffers()
                 raise Superseded(f"the step's communication failed: {str(e).splitlines()[0][:200]}") from None
             raise
         finally:
             self.computing = 0
-
-    def buffers_of(self, model: torch.nn.Module) -> BufferSync:
-        """The buffer sync of the model a step runs (rebuilt when the layout built a new one)."""
-        if self.buffer_sync is None or self.buffer_sync.model is not model:
-            self.buffer_sync = BufferSync(model)
-        return self.buffer_sync
-
-    def _restore_buffers(self) -> None:
-        if self.buffer_sync is not None:
-            self.buffer_sync.restore()
 
     def give_up_if_superseded(self, *_: Any) -> None:
         """An abandon point inside a step's compute (replicated: a unit's forward, a gradient's
@@ -704,12 +572,12 @@ class Trainer:
         if self.config.trace_path is not None:
             with open(self.config.trace_path, "a") as trace:
                 trace.write(json.dumps({"ts": time.time(), **dataclasses.asdict(report),
-                                        "redundancy_s": self.redundancy_s}) + "\n")
+                                        "redundancy_s": self.executor.redundancy_s}) + "\n")
         if self.config.log_every and self.step % self.config.log_every == 0:
             self.log(f"step {self.step}/{job.num_steps} loss {loss:.4f} ({step_s * 1e3:.0f} ms, "
                      f"epoch {g.epoch}, {g.layout.describe()})")
         if job.eval_every and (self.step % job.eval_every == 0 or self.step == job.num_steps):
-            evaluate(self, g)
+            self.executor.evaluate(self, g)
 
     def checkpoint_if_due(self, g: Group, *, asked: bool) -> None:
         """At a committed step boundary that every member reached: write a durable checkpoint when
@@ -762,45 +630,13 @@ class Trainer:
         # members, same ranks); a replicated epoch registers none, so this group becomes it (an older
         # epoch's write still running after an abort is left to fail with its dead member).
         pg = meshes.register(raw, store, g.rank, len(g.members), g.epoch, cpu,
-                             part="ckpt" if g.layout.sharded else "", ranks=list(range(len(g.members))))
+                             part="ckpt" if self.executor.owns_default_group else "", ranks=list(range(len(g.members))))
         self.checkpoint_groups.append((g.epoch, pg))
         return pg
 
-    def save_gathered(self, g: Group, directory: str, *, final: bool) -> None:
-        """Gather the full model and optimizer state from the shards (every member), rank 0 writes."""
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                             get_optimizer_state_dict)
-
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        assert self.sharded is not None
-        model_state = get_model_state_dict(self.sharded.model, options=options)
-        by_name: dict[str, Any] = dict(get_optimizer_state_dict(self.sharded.model, self.sharded.optimizer,
-                                                                options=options))
-        if g.rank != 0:
-            return
-        # What `optimizer.state_dict()` of the plain model gives: state keyed by parameter index.
-        index = {fqn: i for i, (fqn, _) in enumerate(self.sharded.model.named_parameters())}
-        optimizer_state = {"state": {index[fqn]: st for fqn, st in by_name["state"].items()},
-                           "param_groups": [{**grp, "params": [index[f] for f in grp["params"]]}
-                                            for grp in by_name["param_groups"]]}
-        self._write(directory, final, lambda path: save_state(model_state, optimizer_state, path))
-
-    def save_stages(self, g: Group, directory: str, *, final: bool) -> None:
-        """Gather every stage's state to the pipeline's first rank (every member), which writes the
-        whole model (`worker.parallel.staged.gather_state`)."""
-        assert self.staged is not None
-        ranks = [g.layout.rank_of(p, 0, 0, 0) for p in range(g.layout.pp)]
-        if g.rank not in ranks:  # (another replica of the pipeline: the first one writes)
-            return
-        parts = gather_state(self.staged, self.step, g.rank, ranks, g.pg, lambda work, buf: self.wait(g, work, buf),
-                             self.device)
-        if parts is None:
-            return
-        model_state, optimizer_state = whole_state(parts, list(self.shapes))
-        self._write(directory, final, lambda path: save_state(model_state, optimizer_state, path))
-
     def digest(self) -> str:
-        """A hash of the whole model's parameters and buffers (sharded: gathered, so every member must ask)."""
+        """A hash of the model's parameters and buffers (sharded: gathered, so every member must ask; a
+        pipeline stage: its own units')."""
         h = hashlib.sha256()
         for p in [*self.model.parameters(), *self.model.buffers()]:
             full = p.full_tensor() if hasattr(p, "full_tensor") else p
@@ -819,7 +655,3 @@ class Trainer:
         print(f"[{self.name}] {text}", flush=True)
 
 
-
-def _whole_replicas(layout: Layout) -> bool:
-    """Every member holds the whole state (no shards, no stages): the replicated fast path applies."""
-    return layout.dp_shard == 1 and layout.pp == 1 and layout.tp == 1

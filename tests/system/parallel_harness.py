@@ -197,7 +197,7 @@ def _step(job: Any, sharded: Sharded | Replica, layout: Layout, rank: int, step:
     total = loss.detach().reshape(1).clone()
     dist.all_reduce(total)
     if isinstance(sharded, Sharded):
-        sharded.stepper.step()  # as the worker steps (worker.step.sharded)
+        sharded.stepper.step()  # as the worker steps (worker.parallel.fsdp.FsdpExecutor.step)
     else:
         sharded.optimizer.step()
     value: float = total.item() / G

@@ -64,4 +64,4 @@ def test_an_exception_in_the_jobs_forward_shows_the_users_file_and_line(tmp_path
     assert 'raise ValueError(f"my model broke on a batch of {x.shape[0]}")' in jobs_part, log
     assert "worker/" not in jobs_part and "torch/" not in jobs_part, "only the job's frames come first"
     whole = log[log.index("the whole traceback"):]
-    assert "Traceback (most recent call last)" in whole and "worker/step.py" in whole, log
+    assert "Traceback (most recent call last)" in whole and "worker/parallel/replicated.py" in whole, log

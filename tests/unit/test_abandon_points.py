@@ -1,4 +1,4 @@
-"""A replicated step's compute is given up the moment its epoch is superseded (`worker.step`'s
+"""A replicated step's compute is given up the moment its epoch is superseded (`ReplicaExecutor`'s
 abandon points): at the next unit's forward, or at the next gradient's arrival in the backward,
 not after the whole backward at the collectives' wait.
 
@@ -21,8 +21,7 @@ from worker.agent import Agent
 from worker.calibrate import Calibration
 from worker.comm import Superseded
 from worker.job import load_job, resolve_job_ref
-from worker.parallel.replicated import GradBuckets
-from worker.step import _abandon_points
+from worker.parallel.replicated import GradBuckets, ReplicaExecutor
 from worker.trainer import Trainer, TrainerConfig
 
 JOB = f"{Path(__file__).resolve().parents[2] / 'examples' / 'gpt.py'}:job_short"
@@ -36,6 +35,12 @@ def _trainer() -> Trainer:
     t = Trainer(job, agent, "tcp://127.0.0.1:9", TrainerConfig())
     t._build()  # the replica itself, not only its structure
     return t
+
+
+def _abandon_points(t: Trainer) -> None:
+    executor = t.executor
+    assert isinstance(executor, ReplicaExecutor)
+    executor.abandon_points(t)
 
 
 def _tell(agent: Agent, message: object) -> None:
@@ -80,7 +85,7 @@ def test_a_superseded_epoch_gives_the_forward_up_at_the_next_unit() -> None:
 @pytest.mark.gloo
 def test_a_superseded_epoch_gives_the_backward_up_at_the_next_gradient(group: object) -> None:
     t = _trainer()
-    buckets = GradBuckets(t.params, bucket_bytes=1)  # a bucket per parameter: one launch per gradient
+    buckets = GradBuckets(t.executor.params, bucket_bytes=1)  # a bucket per parameter: one launch per gradient
     launched: list[torch.Tensor] = []
 
     def launch(b: torch.Tensor) -> object:
@@ -118,7 +123,8 @@ def test_the_hooks_follow_the_replica_and_do_not_keep_the_old_one() -> None:
     t._build()  # a new replica (the state received at an epoch's entry, say)
     new = t.model
     _abandon_points(t)
-    assert t.abandon_points is not None and t.abandon_points[0]() is new
+    executor = t.executor
+    assert isinstance(executor, ReplicaExecutor) and executor.hooks is not None and executor.hooks[0]() is new
     _tell(t.agent, Abort(epoch=1, reason="w2 failed"))
     t.computing = 1
     old(_batch(t))  # the old replica's hooks are gone

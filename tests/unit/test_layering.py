@@ -3,8 +3,10 @@ transport never import torch. Each package is imported in a fresh interpreter.""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -49,3 +51,38 @@ def test_the_daemon_loads_no_solver_before_it_listens() -> None:
             "print(','.join(m for m in ('numpy', 'pulp', 'highspy', 'torch') if m in sys.modules) or 'none')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "none"
+
+
+# The loop, the epoch's entry, the coordinator's decisions and the wire: none of them may branch on
+# which layout runs (DESIGN.md, "Parallelism as a plug-in"); a layout kind lives in its executor
+# (worker/parallel/, registered in worker/parallel/table.py) and its plan file (plan/). Whether every
+# member holds the whole state (`Layout.whole_replicas`: the replicated fast path, the senders of a
+# hand-off) is a property of placement, not a kind, and is allowed. (ctl's and explain's displays
+# describe a layout to a person and are not scanned.)
+NO_KIND_BRANCHES = ("worker/trainer.py", "worker/executor.py", "worker/epoch.py", "coordinator/membership.py",
+                    "coordinator/replan.py", "coordinator/state.py", "coordinator/daemon.py", "coordinator/steps.py",
+                    "transport/worker_side.py", "transport/codec.py")
+KIND = {"dp_shard", "sharded", "dp_replicate", "pp", "tp", "stages", "FsdpExecutor", "StageExecutor",
+        "ReplicaExecutor"}
+
+
+def _kind_tests(path: Path) -> list[str]:
+    """The conditions (of if, elif, while, a conditional expression, a comprehension's filter) in
+    `path` that read a layout kind's attribute (`layout.pp`, `plan.dp_shard`) or name an executor."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        tests = ([node.test] if isinstance(node, (ast.If, ast.While, ast.IfExp))
+                 else node.ifs if isinstance(node, ast.comprehension) else [])
+        for test in tests:
+            names = {n.attr for n in ast.walk(test) if isinstance(n, ast.Attribute)}
+            names |= {n.id for n in ast.walk(test) if isinstance(n, ast.Name) and n.id.endswith("Executor")}
+            if names & KIND:
+                found.append(f"{path.name}:{test.lineno}: {ast.unparse(test)}")
+    return found
+
+
+@pytest.mark.pure
+def test_the_loop_the_coordinator_and_the_wire_never_branch_on_the_layout_kind() -> None:
+    root = Path(__file__).resolve().parents[2]
+    found = [line for name in NO_KIND_BRANCHES for line in _kind_tests(root / name)]
+    assert not found, "\n".join(found)

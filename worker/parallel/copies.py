@@ -14,16 +14,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from plan.layout import Layout
 from plan.placement import ranges_of
 from plan.reshard import TensorShape, copy_ring
-from worker.parallel.fsdp import KeptShard
 from worker.parallel.slices import PARAM, LocalState, Piece
 from worker.parallel.update import GRAD, apply_update
+
+if TYPE_CHECKING:
+    from worker.parallel.fsdp import KeptShard
 
 GRAD_TAG = 64  # p2p tags of the gradient slices a member sends to the keeper of its copy
 Wait = Callable[[Any, torch.Tensor | None], None]

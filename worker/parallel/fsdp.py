@@ -9,7 +9,8 @@ with no custom-comm hook, so a stopped peer would hold the survivors for the who
 where the hook waits for it abortably like the gathers and reduce-scatters. Then it materialises only this member's shards (`to_empty`) and fills them, and the
 optimizer's state (DTensors with the parameters' placements), from the member's `LocalState`:
 exactly the slices `Layout.slice_of` gives it, which the reshard brought. `extract` gives the state
-back as a LocalState for the next epoch's reshard.
+back as a LocalState for the next epoch's reshard. `FsdpExecutor` is the layout's executor: its
+step, its copies' ring, and the whole model gathered for a save.
 
 Mathematics: gradients are *summed* across members
 (`set_force_sum_reduction_for_comms(True)`, divide factor 1: gloo has no PREMUL_SUM), each member's
@@ -35,14 +36,21 @@ from torch.distributed.tensor import DTensor
 
 from plan.graph import ROOT_UNIT
 from plan.layout import Layout
-from worker.job import Job
+from transport import PlanDelta
+from worker import group as groups
+from worker.comm import Superseded
+from worker.executor import Executor, Loop, is_comm_error, local_grad, pause, pause_for_plan, set_lr, sleep, squared_norm
+from worker.group import Group
+from worker.job import Job, sample_ids
+from worker.parallel.copies import Copies
 from worker.parallel.meta import meta_model
 from worker.parallel.shard_step import LocalStep
 from worker.parallel.slices import PARAM, LocalState, Piece
+from worker.save import save_state
 
 Wait = Callable[[Any, torch.Tensor | None], None]  # the trainer's abortable wait (raises when superseded)
 
-__all__ = ["AbortableAllReduce", "CommTime", "KeptShard", "Sharded", "apply_fsdp", "extract"]
+__all__ = ["AbortableAllReduce", "CommTime", "FsdpExecutor", "KeptShard", "Sharded", "apply_fsdp", "extract"]
 
 
 @dataclass(slots=True)
@@ -333,3 +341,188 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, params: dict[str, nn.Param
         for key, value in local.scalars.get(fqn, {}).items():
             state[key] = value.clone() if isinstance(value, torch.Tensor) else value
         optimizer.state[p] = state
+
+
+# --- the executor ------------------------------------------------------------------------------------
+
+
+class FsdpExecutor(Executor):
+    """FSDP2 (and HSDP) on the epoch's registered groups: every layout whose state is sharded."""
+
+    owns_default_group = True
+
+    def __init__(self, sharded: Sharded, at: tuple[Layout, int], copies: Copies,
+                 registered: list[dist.ProcessGroup]) -> None:
+        super().__init__(sharded.model, sharded.optimizer, at, copies)
+        self.sharded = sharded
+        self.registered = registered  # its groups as registered with c10d (`worker.group.mesh`)
+
+    @staticmethod
+    def fits(layout: Layout) -> bool:
+        return layout.sharded and layout.pp == 1
+
+    @classmethod
+    def build(cls, t: Loop, g: Group, local: LocalState) -> Executor:
+        """FSDP2 over the epoch's mesh (its groups registered first: forming them can be superseded,
+        a peer stopped, and then nothing of this executor is left registered)."""
+        registered: list[dist.ProcessGroup] = []
+        try:
+            on = groups.mesh(g, t.device, registered, timeout_s=t.config.group_timeout_s,
+                             superseded=lambda: t.agent.superseded(g.epoch))
+            mp = (MixedPrecisionPolicy(param_dtype=getattr(torch, t.job.compute_dtype), reduce_dtype=torch.float32)
+                  if t.job.compute_dtype else None)
+            tensors = t.tensors
+            copies = Copies.of(g.layout, t.name, local, tensors)
+            sharded = apply_fsdp(t.job, t.units(), g.layout, g.rank, on.mesh, local, t.device,
+                                 replicate=on.replicate, mp_policy=mp,
+                                 wait=lambda work, buf: t.wait(g, work, buf), give_up=t.give_up_if_superseded,
+                                 keep=g.members.index(copies.source) if copies.source is not None else None)
+        except BaseException:
+            groups.forget(registered)
+            raise
+        return cls(sharded, (g.layout, g.rank), copies, registered)
+
+    def close(self) -> None:
+        super().close()
+        groups.forget(self.registered)  # (their backends end on their own)
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for p in self.sharded.params.values() if p.requires_grad]
+
+    def local_state(self, step: int) -> LocalState:
+        assert self.at is not None
+        layout, rank = self.at
+        return self._with_redundancy(extract(self.sharded, layout, rank, step), self.sharded.params.items())
+
+    def save(self, t: Loop, g: Group | None, directory: str, *, final: bool) -> None:
+        """Gather the full model and optimizer state from the shards (every member), rank 0 writes."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
+        assert g is not None, "a sharded model is gathered over the epoch's group"
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state = get_model_state_dict(self.model, options=options)
+        by_name: dict[str, Any] = dict(get_optimizer_state_dict(self.model, self.optimizer, options=options))
+        if g.rank != 0:
+            return
+        # What `optimizer.state_dict()` of the plain model gives: state keyed by parameter index.
+        index = {fqn: i for i, (fqn, _) in enumerate(self.model.named_parameters())}
+        optimizer_state = {"state": {index[fqn]: st for fqn, st in by_name["state"].items()},
+                           "param_groups": [{**grp, "params": [index[f] for f in grp["params"]]}
+                                            for grp in by_name["param_groups"]]}
+        t.write(directory, final, lambda path: save_state(model_state, optimizer_state, path))
+
+    def step(self, t: Loop, g: Group) -> PlanDelta | None:
+        """One exact step with FSDP2: each member computes its slice of the batch (a member with no
+        samples still takes part in every gather and reduce-scatter), gradients are summed into their
+        shards by FSDP2's hooks, the copies' gradient exchange follows (from then on the step may be
+        rolled forward: `pending`), and one small all-reduce gives the global loss, the global
+        gradient norm (over every shard), the switch vote, a pending `ctl save` and a pending
+        checkpoint."""
+        sharded = self.sharded
+        t0 = time.perf_counter()
+        job, G = t.job, t.job.global_batch
+        start, stop = g.layout.batch_slice(g.rank)
+        ids = sample_ids(job.seed, t.step, len(job.dataset), G)[start:stop]
+        sharded.optimizer.zero_grad(set_to_none=True)
+        buffers = self.buffers()
+        buffers.begin()
+        sharded.comm.take()  # (FSDP2's gathers and scatters of this step from here on)
+        if sharded.kept is not None:
+            sharded.kept.clear()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=t.device)
+        # Micro-batches: every member runs as many forward/backward passes as the member that needs
+        # the most (each pass gathers the units), with no samples once its own share is done.
+        size = g.micro[g.rank] or len(ids) or 1
+        passes = max((-(-s // (m or s)) if s else 1) for s, m in zip(g.shares, g.micro))
+        t.computing = g.epoch  # (until the compute ends: FSDP2's collectives may give the step up)
+        try:
+            for i in range(passes):
+                chunk = ids[i * size:(i + 1) * size]
+                if len(chunk):
+                    inputs, targets = job.dataset[chunk]
+                    loss = job.loss(sharded.model(inputs.to(t.device)), targets.to(t.device))
+                    pause(t, g, "forward")
+                    (loss / G).backward()  # type: ignore[no-untyped-call]
+                    loss_sum = loss_sum + loss.detach().double()
+                else:  # no samples left: the collectives of the pass still need this member
+                    inputs, targets = job.dataset[torch.arange(1)]
+                    (job.loss(sharded.model(inputs.to(t.device)), targets.to(t.device)) * 0).backward()  # type: ignore[no-untyped-call]
+        except Superseded:
+            raise
+        except Exception as e:
+            if is_comm_error(e) or t.agent.superseded(g.epoch):
+                raise Superseded(f"the step's gathers failed: {str(e).splitlines()[0][:200]}") from None
+            raise
+        finally:
+            t.computing = 0  # (evaluation and the final gather run FSDP2's hooks too: never given up)
+        # This member's own compute: the step so far less FSDP2's collectives (where it also waited
+        # for the slowest member), which count as communication, as the cost model has them.
+        collectives_s = sharded.comm.take()
+        compute_s = time.perf_counter() - t0 - collectives_s
+        factor = t.agent.slowdown
+        if factor > 1.0 and len(ids):  # the --slowdown test knob: its own compute stretched
+            t_slow = time.perf_counter()
+            sleep(t, g, (factor - 1.0) * compute_s)
+            compute_s += time.perf_counter() - t_slow
+        pause(t, g, "backward")
+        # Every member gets its copy's gradients: from here on the step may be rolled forward.
+        t_copies = time.perf_counter()
+        if sharded.reduced_everywhere:  # (gloo: the reduce-scatters were all-reduces; no message needed)
+            self.copies.take(((fqn, local_grad(p)) for fqn, p in sharded.params.items()), sharded.kept)
+        else:
+            self.copies.exchange(((p.to_local() if isinstance(p, DTensor) else p, local_grad(p))
+                                  for p in sharded.params.values()),
+                                 g.members, g.pg, lambda work, buf: t.wait(g, work, buf), t.device)
+        self.redundancy_s = time.perf_counter() - t_copies  # (what the copies cost this step: --trace-steps)
+        collectives_s += self.redundancy_s  # (the copies' exchange: communication too)
+        pause(t, g, "exchange")
+        self.pending = True
+        grads = [gr for p in self.params if (gr := local_grad(p)) is not None]
+        squares = sum((squared_norm(gr) for gr in grads), torch.zeros((), dtype=torch.float64, device=t.device))
+        # The vote: the switch to a planned delta, and a `ctl save` and a checkpoint every member has
+        # (writing either is a collective: all of them take it at the same step boundary).
+        pause_for_plan(t, g)
+        pending = t.agent.pending_planned(g.epoch)
+        buf = torch.stack([loss_sum.cpu(), squares.cpu() / g.layout.dp_replicate,
+                           torch.tensor(1.0 if pending is not None else 0.0, dtype=torch.float64),
+                           torch.tensor(1.0 if t.agent.save_waiting() else 0.0, dtype=torch.float64),
+                           torch.tensor(1.0 if t.agent.checkpoint_waiting() else 0.0, dtype=torch.float64)]).to(t.device)
+        votes = len(buf)
+        if buffers:  # (the members' updates of the model's buffers this step, weighted by their shares)
+            buf = torch.cat([buf, buffers.deltas(len(ids), G)])
+        t_comm = time.perf_counter()
+        t.wait(g, g.pg.allreduce([buf]), buf)
+        if buffers:
+            buffers.apply(buf[votes:])
+        comm_s = time.perf_counter() - t_comm + collectives_s
+        grad_norm = float(buf[1].sqrt())
+        pause(t, g, "optimizer")
+        if t.config.pause_at == ("abandon", t.step + 1):
+            t.log(f"abandoning step {t.step + 1} after its all-reduce (--pause-at)")
+            raise Superseded
+        coefficient = 1.0
+        if job.grad_clip is not None:
+            coefficient = min(1.0, job.grad_clip / (grad_norm + 1e-6))
+            for gr in grads:
+                gr.mul_(coefficient)
+        lr, multiplier = set_lr(t, sharded.optimizer)
+        sharded.stepper.step()  # (on the shards' local tensors: no DTensor dispatch)
+        t_copies = time.perf_counter()
+        self.copies.update(job.optimizer, t.shapes, lambda i: t.base_lrs[i] * multiplier, coefficient)
+        self.redundancy_s += time.perf_counter() - t_copies
+        self.pending, self.coefficient = False, coefficient
+        t.step += 1
+        agreed = round(float(buf[2])) == len(g.members) and pending is not None
+        t.after_step(g, float(buf[0]) / G, len(ids), compute_s, comm_s, time.perf_counter() - t0, lr, grad_norm,
+                     switching=agreed)
+        if t.step == job.num_steps and t.config.final_dir:  # every member gathers; rank 0 writes
+            self.save(t, g, t.config.final_dir, final=True)
+        if round(float(buf[3])) == len(g.members):
+            requested = t.agent.take_save()
+            if requested is not None:
+                self.save(t, g, requested, final=False)
+        t.checkpoint_if_due(g, asked=round(float(buf[4])) == len(g.members))
+        return pending if agreed else None

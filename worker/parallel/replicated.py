@@ -1,21 +1,30 @@
-"""The replicated executor's state: a plain module and optimizer holding every element, built from a
+"""The replicated executor: a plain module and optimizer holding every element, built from a
 `LocalState` and given back as one (`worker.parallel.slices.from_module`), so a replicated epoch
-can follow a sharded one and the other way round. (Its step, with the gradient all-reduce, is
-`worker.step.replicated`.)"""
+can follow a sharded or pipeline one and the other way round; its step, with the gradients
+all-reduced in buckets as the backward fills them (`GradBuckets`), as DDP does."""
 
 from __future__ import annotations
 
+import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from worker.job import Job
+from plan.layout import Layout
+from transport import PlanDelta
+from worker import comm
+from worker.comm import AllOf, Superseded
+from worker.executor import Executor, Loop, autocast, pause, pause_for_plan, set_lr, sleep, squared_norm
+from worker.group import Group
+from worker.job import Job, sample_ids, share_slice
 from worker.parallel.meta import meta_model
 from worker.parallel.slices import PARAM, LocalState, from_module
+from worker.save import save_model
 
-__all__ = ["Replica", "apply_replicated", "extract_replicated"]
+__all__ = ["GradBuckets", "Replica", "ReplicaExecutor", "apply_replicated", "extract_replicated"]
 
 
 @dataclass(slots=True)
@@ -151,3 +160,151 @@ class GradBuckets:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+# --- the executor ------------------------------------------------------------------------------------
+
+
+class ReplicaExecutor(Executor):
+    """A whole replica: every layout of whole replicas (plain data parallel, one member alone), and
+    the model a worker starts with (its structure on the meta device until a layout needs it)."""
+
+    whole = True
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(model, optimizer)
+        self.buckets: GradBuckets | None = None  # the step's gradient buckets (hooks on this model)
+        # The step's abandon points: hooks on the units that give its compute up once `computing`,
+        # the epoch of the step in flight, is superseded.
+        self.hooks: tuple[weakref.ref[nn.Module], list[Any]] | None = None
+
+    @staticmethod
+    def fits(layout: Layout) -> bool:
+        return layout.whole_replicas
+
+    @classmethod
+    def build(cls, t: Loop, g: Group, local: LocalState) -> Executor:
+        replica = apply_replicated(t.job, local, t.device)
+        return cls(replica.model, replica.optimizer)
+
+    def close(self) -> None:
+        """The hooks on a replica that is replaced go with it."""
+        super().close()
+        if self.buckets is not None:
+            self.buckets.close()
+            self.buckets = None
+        if self.hooks is not None:
+            for handle in self.hooks[1]:
+                handle.remove()
+            self.hooks = None
+
+    def save(self, t: Loop, g: Group | None, directory: str, *, final: bool) -> None:
+        """Replicas are identical: the member asked writes its own."""
+        t.write(directory, final, lambda path: save_model(self.model, self.optimizer, path))
+
+    def step(self, t: Loop, g: Group) -> PlanDelta | None:
+        """One exact data-parallel step: this replica's contiguous slice of the global batch (in the
+        plan's micro-batches where a share does not fit memory at once), its summed loss over the
+        global batch, its gradients all-reduced (SUM) in buckets as the backward fills them, then one
+        small buffer with the loss sum and the votes (the switch; a checkpoint every member was asked
+        for). Returns the delta to switch to when all ranks agreed."""
+        t0 = time.perf_counter()
+        job, G = t.job, t.job.global_batch
+        ids = sample_ids(job.seed, t.step, len(job.dataset), G)[share_slice(g.shares, g.rank)]
+        for p in self.params:
+            p.grad = None
+        buckets = self._grad_buckets()
+        buffers = self.buffers()
+        buffers.begin()
+        self.abandon_points(t)
+        t.computing = g.epoch  # (until the compute ends: the units' hooks may give the step up)
+        # Micro-batches: gradients accumulate over the passes, and the buckets go out during the
+        # last pass's backward only.
+        size = g.micro[g.rank] or len(ids) or 1
+        chunks = [ids[i:i + size] for i in range(0, len(ids), size)]
+        loss_sum: torch.Tensor | float = 0.0
+        try:
+            for i, chunk in enumerate(chunks):
+                if i == len(chunks) - 1:
+                    buckets.start(lambda b: g.pg.allreduce([b]), t.give_up_if_superseded)  # each bucket goes
+                    # out as soon as the backward fills it
+                inputs, targets = job.dataset[chunk]
+                inputs, targets = inputs.to(t.device), targets.to(t.device)
+                with autocast(t):
+                    outputs = self.model(inputs)
+                loss = job.loss(outputs, targets)
+                pause(t, g, "forward")
+                (loss / G).backward()  # type: ignore[no-untyped-call]
+                loss_sum = loss_sum + loss.detach()  # stays on the device: no sync before the all-reduce
+            if not chunks:  # no samples: the buckets still go out (zeros), in `finish`
+                buckets.start(lambda b: g.pg.allreduce([b]))
+            compute_s = time.perf_counter() - t0
+            factor = t.agent.slowdown
+            if factor > 1.0 and len(ids):  # the --slowdown test knob: stretch this step's compute
+                if t.device.type == "cuda":
+                    torch.cuda.synchronize(t.device)
+                    compute_s = time.perf_counter() - t0
+                sleep(t, g, (factor - 1.0) * compute_s)
+                compute_s = time.perf_counter() - t0
+        except Superseded:  # given up in the compute: the buckets already out must not block anyone
+            comm.outlive(g.pg, buckets.abandon())
+            raise
+        t.computing = 0
+
+        # The vote and the loss: the switch to a planned delta all replicas hold, and the loss sum.
+        # Asked now, not at the step's start: a delta that arrived during the compute is voted on
+        # in this step (a join waits about half a step less).
+        pause_for_plan(t, g)
+        pending = t.agent.pending_planned(g.epoch)
+        buf = torch.zeros(3, dtype=torch.float32, device=t.device)
+        buf[0] = loss_sum
+        buf[1] = 1.0 if pending is not None else 0.0
+        buf[2] = 1.0 if t.agent.checkpoint_waiting() else 0.0  # a checkpoint every member was asked for
+        t_comm = time.perf_counter()
+        works = [*buckets.finish(), (g.pg.allreduce([buf]), buf)]
+        if buffers:  # (the members' updates of the model's buffers this step, weighted by their shares)
+            deltas = buffers.deltas(len(ids), G)
+            works.append((g.pg.allreduce([deltas]), deltas))
+        t.wait(g, AllOf(works))  # one hand-off to the waiting thread for all of them
+        comm_s = time.perf_counter() - t_comm
+        if buffers:
+            buffers.apply(works.pop()[1])
+
+        summed = [out for _, out in works[:-1]]
+        grad_norm = float(torch.stack([squared_norm(b) for b in summed]).sum().sqrt())  # every parameter
+        if job.grad_clip is not None:  # as torch.nn.utils.clip_grad_norm_ does in one process
+            coefficient = min(1.0, job.grad_clip / (grad_norm + 1e-6))
+            for b in summed:
+                b.mul_(coefficient)
+        buckets.assign()
+        lr, _ = set_lr(t, self.optimizer)
+        self.optimizer.step()
+        t.step += 1
+        t.final_writer = t.step == job.num_steps and g.rank == 0
+        agreed = round(float(buf[1])) == len(g.members) and pending is not None
+        t.after_step(g, float(buf[0]) / G, len(ids), compute_s, comm_s, time.perf_counter() - t0, lr, grad_norm,
+                     switching=agreed)
+        requested = t.agent.take_save()
+        if requested is not None:  # `ctl save PATH`: at this step boundary
+            self.save(t, g, requested, final=False)
+        t.checkpoint_if_due(g, asked=round(float(buf[2])) == len(g.members))
+        return pending if agreed else None
+
+    def _grad_buckets(self) -> GradBuckets:
+        """The gradient buckets of this replica's parameters (made at its first step)."""
+        if self.buckets is None:
+            self.buckets = GradBuckets(self.params)
+        return self.buckets
+
+    def abandon_points(self, t: Loop) -> None:
+        """Forward pre-hooks on the replica's units (and its root) that give the step up once its
+        epoch is superseded (`Loop.give_up_if_superseded`): a replicated step otherwise first
+        waits, and so first notices an abort, after its whole backward. (The gradients' arrivals
+        are the backward's abandon points: `GradBuckets.start`.)"""
+        if self.hooks is not None and self.hooks[0]() is self.model:
+            return
+        names = {n for n, _ in self.model.named_modules()}
+        modules = [self.model, *(self.model.get_submodule(u) for u in t.units() if u in names)]
+        # (a weak reference: the hooks must not keep a replica alive once another executor replaced it)
+        self.hooks = (weakref.ref(self.model), [m.register_forward_pre_hook(t.give_up_if_superseded)
+                                                for m in modules])

@@ -1,8 +1,9 @@
-"""The pipeline executor's state: this member's stage of the model (a contiguous run of the graph's
-units, `Layout.stages`) and an optimizer over its parameters only, built from a `LocalState` and
-given back as one, so a pipeline epoch can follow a replicated or sharded one and the other way
-round. (Its step is `worker.step.pipelined`; the schedule, 1F1B with point-to-point boundaries, is
-`worker.parallel.pipeline`.)
+"""The pipeline executor: this member's stage of the model (a contiguous run of the graph's units,
+`Layout.stages`) and an optimizer over its parameters only, built from a `LocalState` and given
+back as one, so a pipeline epoch can follow a replicated or sharded one and the other way round;
+its step runs the stage's micro-batches in 1F1B order with point-to-point boundaries
+(`worker.parallel.pipeline`), and a ring of copies keeps each stage's state on a member of
+another stage (`worker.parallel.copies`).
 
 A stage is built only for a model whose units form a sequence (`Graph.sequential`: an
 `nn.Sequential` whose children are its units, in order). The stage is an `nn.Sequential` of this
@@ -26,16 +27,25 @@ from typing import Any
 import torch
 from torch import nn
 
+import time
+
 from plan.layout import Layout
+from plan.pipeline import micro_split
+from transport import PlanDelta
 from worker import state
-from worker.job import Job
+from worker.comm import Superseded
+from worker.executor import Executor, Loop, is_comm_error, pause, pause_for_plan, set_lr, sleep, squared_norm
+from worker.group import Group
+from worker.job import Job, sample_ids
+from worker.parallel.copies import Copies
 from worker.parallel.meta import meta_model
-from worker.parallel.pipeline import recv_tensor, send_tensor
+from worker.parallel.pipeline import StageStep, one_f_one_b, recv_tensor, send_tensor
 from worker.parallel.slices import PARAM, LocalState
+from worker.save import save_state
 
 Wait = Callable[[Any, torch.Tensor | None], None]  # the trainer's abortable wait (raises when superseded)
 
-__all__ = ["Stage", "apply_stage", "evaluate_stage", "gather_state", "neighbours"]
+__all__ = ["Stage", "StageExecutor", "apply_stage", "evaluate_stage", "gather_state", "neighbours", "whole_state"]
 
 
 @dataclass(slots=True)
@@ -163,3 +173,152 @@ def _optimizer_by_name(stage: Stage) -> dict[str, Any]:
     names = {id(p): n for n, p in stage.module.named_parameters()}
     return {names[id(p)]: {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
             for p, s in stage.optimizer.state.items() if id(p) in names}
+
+
+# --- the executor ------------------------------------------------------------------------------------
+
+
+class StageExecutor(Executor):
+    """A stage of a pipeline (pure pipelines: dp = 1 for now)."""
+
+    def __init__(self, stage: Stage, at: tuple[Layout, int], copies: Copies) -> None:
+        super().__init__(stage.module, stage.optimizer, at, copies)
+        self.stage = stage
+
+    @staticmethod
+    def fits(layout: Layout) -> bool:
+        return layout.pp > 1 and layout.dp == 1 and layout.tp == 1
+
+    @classmethod
+    def build(cls, t: Loop, g: Group, local: LocalState) -> Executor:
+        stage = apply_stage(t.job, g.layout, g.rank, local, t.device)
+        return cls(stage, (g.layout, g.rank), Copies.of(g.layout, t.name, local, t.tensors))
+
+    def local_state(self, step: int) -> LocalState:
+        return self._with_redundancy(super().local_state(step), self.model.named_parameters())
+
+    def evaluate(self, t: Loop, g: Group) -> None:
+        from worker.evaluate import evaluate_pipeline
+
+        evaluate_pipeline(t, g, self.stage)
+
+    def save(self, t: Loop, g: Group | None, directory: str, *, final: bool) -> None:
+        """Gather every stage's state to the pipeline's first rank (every member), which writes the
+        whole model (`gather_state`)."""
+        assert g is not None, "the stages are gathered over the epoch's group"
+        ranks = [g.layout.rank_of(p, 0, 0, 0) for p in range(g.layout.pp)]
+        if g.rank not in ranks:  # (another replica of the pipeline: the first one writes)
+            return
+        parts = gather_state(self.stage, t.step, g.rank, ranks, g.pg, lambda work, buf: t.wait(g, work, buf), t.device)
+        if parts is None:
+            return
+        model_state, optimizer_state = whole_state(parts, list(t.shapes))
+        t.write(directory, final, lambda path: save_state(model_state, optimizer_state, path))
+
+    def step(self, t: Loop, g: Group) -> PlanDelta | None:
+        """One exact step of a pipeline stage: its data-parallel slot's samples as contiguous
+        micro-batches (`Group.micro`: the largest micro-batch's size; sizes differ by at most one:
+        `plan.pipeline.micro_split`), run through the stages in 1F1B order, the last stage summing the
+        loss over the global batch; the copies' gradient exchange (from then on the step may be rolled
+        forward); then one all-reduce of the loss, the squared gradient norm (every stage's parameters
+        once), the vote, a pending `ctl save` and a pending checkpoint, and each stage steps its own
+        optimizer. Every wait for a neighbour is the loop's abortable one: a stage whose neighbour
+        died gives the step up (Superseded) as soon as the epoch is superseded."""
+        stage = self.stage
+        t0 = time.perf_counter()
+        job, G = t.job, t.job.global_batch
+        start, stop = g.layout.batch_slice(g.rank)
+        ids = sample_ids(job.seed, t.step, len(job.dataset), G)[start:stop]
+        stage.optimizer.zero_grad(set_to_none=True)
+        sizes = micro_split(len(ids), g.micro[g.rank] or len(ids)) if len(ids) else ()  # (as the planner predicted)
+        bounds = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
+        chunks = [ids[a:b] for a, b in zip(bounds, bounds[1:])]
+        before, after = neighbours(g.layout, g.rank)
+        waited = [0.0]  # seconds spent waiting for the neighbours (the bubble, their sends): not compute
+
+        def wait(work: Any, buf: torch.Tensor | None) -> None:
+            w0 = time.perf_counter()
+            try:
+                t.wait(g, work, buf)
+            finally:
+                waited[0] += time.perf_counter() - w0
+        run = StageStep(module=stage.module, stage=stage.stage, stages=stage.stages, prev_rank=before, next_rank=after,
+                        send=lambda x, dst, tag: g.pg.send([x], dst, tag),
+                        recv=lambda x, src, tag: g.pg.recv([x], src, tag), wait=wait, sizes=sizes, device=t.device,
+                        inputs=[job.dataset[c][0] for c in chunks] if before is None else (),
+                        targets=[job.dataset[c][1] for c in chunks] if after is None else (),
+                        loss=job.loss, global_batch=G)
+        t.computing = g.epoch
+        try:
+            pause(t, g, "forward")  # (before its first forward: its neighbours wait for it point to point)
+            loss_sum = one_f_one_b(run)
+        except Superseded:
+            raise
+        except Exception as e:
+            if is_comm_error(e) or t.agent.superseded(g.epoch):
+                raise Superseded(f"the pipeline's sends failed: {str(e).splitlines()[0][:200]}") from None
+            raise
+        finally:
+            t.computing = 0
+        # This stage's compute, reported as the whole model's for these samples (the coordinator reads
+        # a member's speed in whole-model samples/s): the stage's time less its waits, over its units'
+        # share of the model's FLOPs.
+        compute_s = (time.perf_counter() - t0 - waited[0]) / _flops_fraction(t, stage)
+        factor = t.agent.slowdown
+        if factor > 1.0 and len(ids):  # the --slowdown test knob: this stage's compute stretched (the
+            # pipeline waits for it at its next step's boundaries, as for a slow device)
+            sleep(t, g, (factor - 1.0) * (time.perf_counter() - t0 - waited[0]))
+            compute_s *= factor
+        pause(t, g, "backward")
+        # Every member gets its copy's gradients (its source's stage): from here on the step may be
+        # rolled forward.
+        t_copies = time.perf_counter()
+        self.copies.exchange(((p, p.grad) for p in stage.module.parameters()), g.members, g.pg, wait, t.device)
+        self.redundancy_s = time.perf_counter() - t_copies
+        pause(t, g, "exchange")
+        self.pending = True
+        grads = [gr for p in stage.module.parameters() if (gr := p.grad) is not None]
+        squares = sum((squared_norm(gr) for gr in grads), torch.zeros((), dtype=torch.float64, device=t.device))
+        pause_for_plan(t, g)
+        pending = t.agent.pending_planned(g.epoch)
+        buf = torch.stack([loss_sum.double().cpu(), squares.cpu() / g.layout.dp_replicate,
+                           torch.tensor(1.0 if pending is not None else 0.0, dtype=torch.float64),
+                           torch.tensor(1.0 if t.agent.save_waiting() else 0.0, dtype=torch.float64),
+                           torch.tensor(1.0 if t.agent.checkpoint_waiting() else 0.0, dtype=torch.float64)]).to(t.device)
+        t_comm = time.perf_counter()
+        t.wait(g, g.pg.allreduce([buf]), buf)
+        comm_s = time.perf_counter() - t_comm + waited[0]
+        grad_norm = float(buf[1].sqrt())
+        pause(t, g, "optimizer")
+        coefficient = 1.0
+        if job.grad_clip is not None:
+            coefficient = min(1.0, job.grad_clip / (grad_norm + 1e-6))
+            for gr in grads:
+                gr.mul_(coefficient)
+        lr, multiplier = set_lr(t, stage.optimizer)
+        stage.optimizer.step()
+        t_copies = time.perf_counter()
+        self.copies.update(job.optimizer, t.shapes, lambda i: t.base_lrs[i] * multiplier, coefficient)
+        self.redundancy_s += time.perf_counter() - t_copies
+        self.pending, self.coefficient = False, coefficient
+        t.step += 1
+        agreed = round(float(buf[2])) == len(g.members) and pending is not None
+        t.after_step(g, float(buf[0]) / G, len(ids), compute_s, comm_s, time.perf_counter() - t0, lr, grad_norm,
+                     switching=agreed)
+        if t.step == job.num_steps and t.config.final_dir:  # every stage sends its part; the first writes
+            self.save(t, g, t.config.final_dir, final=True)
+        if round(float(buf[3])) == len(g.members):
+            requested = t.agent.take_save()
+            if requested is not None:
+                self.save(t, g, requested, final=False)
+        t.checkpoint_if_due(g, asked=round(float(buf[4])) == len(g.members))
+        return pending if agreed else None
+
+
+def _flops_fraction(t: Loop, stage: Stage) -> float:
+    """The stage's units' share of the model's training FLOPs (1 when the graph does not say)."""
+    layers = t.graph().layers
+    total = sum(layer.train_flops for layer in layers)
+    units = {name for name, _ in stage.module.named_children()}
+    mine = sum(layer.train_flops for layer in layers if layer.name in units)
+    return mine / total if total > 0 and mine > 0 else 1.0
