@@ -171,29 +171,52 @@ def enter(layout: Layout, tensors: Sequence[TensorShape], me: str, ranks: Sequen
         _drop_pending(local)
     _, holders, after, plan = plan_entry(layout, tensors, described, ranks)
     mine = local if me in holders else None
+    structure = Structure([described[r] for r in ahead])
     before_transfers(plan)  # (the --pause-at reshard knob: a source that dies with the transfers ahead)
     new, received = slices.execute(plan, me, {n: i for i, n in enumerate(ranks)}, mine, after.get(me, {}),
                                    holders, pg, wait, device, whole=skeleton(described[root]), sender=ranks[root],
                                    pool=pool, packed_whole=packed if rank == root else None, outgoing=outgoing,
-                                   incoming=incoming)
-    _complete_scalars(new, mine, [described[r] for r in ahead])
+                                   incoming=incoming, teach=structure.teach)
+    structure.complete(new, mine)
     return new, received, plan
 
 
-def _complete_scalars(new: LocalState, mine: LocalState | None, ahead: list[list[int]]) -> None:
-    """Every held tensor's optimizer scalars (Adam's step count), which `execute` takes from the
-    root's whole-state part: where the root holds only some of the tensors (a pipeline stage and
-    its copy), the others come from this member's own state, else from a member at the newest step
-    that holds them (its description's skeleton carries them inline: `worker.state`)."""
-    known: dict[str, dict[str, Any]] = dict(mine.scalars) if mine is not None else {}
-    for data in ahead:
-        scalars = state.read_meta(torch.frombuffer(bytearray(skeleton(data)), dtype=torch.uint8))["skeleton"]["scalars"]
-        for fqn, values in scalars.items():
-            if values and not any(isinstance(v, state.TensorRef) for v in values.values()):
-                known.setdefault(fqn, values)
-    for fqn in new.pieces:
-        if not new.scalars.get(fqn) and known.get(fqn):
-            new.scalars[fqn] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in known[fqn].items()}
+class Structure:
+    """What the holders at the newest step say of every tensor, merged from their descriptions'
+    skeletons: its companion keys, their dtypes, and its optimizer scalars (Adam's step count,
+    inline in the skeleton: `worker.state`). `execute` takes the whole-state part from one member
+    (the root); where no member holds every tensor (pipeline stages, each with a copy of one
+    other), the rest comes from here: a member receiving a stage it never held learns its keys and
+    dtypes before its receives are cut, and its scalars after."""
+
+    def __init__(self, ahead: list[list[int]]) -> None:
+        self.keys: dict[str, tuple[str, ...]] = {}
+        self.dtypes: dict[str, dict[str, str]] = {}
+        self.scalars: dict[str, dict[str, Any]] = {}
+        for data in ahead:
+            whole = state.read_meta(torch.frombuffer(bytearray(skeleton(data)), dtype=torch.uint8))["skeleton"]
+            for fqn, keys in whole["keys"].items():
+                self.keys.setdefault(fqn, tuple(keys))
+                self.dtypes.setdefault(fqn, dict(whole["dtypes"][fqn]))
+            for fqn, values in whole["scalars"].items():
+                if values and not any(isinstance(v, state.TensorRef) for v in values.values()):
+                    self.scalars.setdefault(fqn, values)
+
+    def teach(self, local: LocalState) -> None:
+        """`local` learns the keys and dtypes of the tensors it did not know (it holds none of them)."""
+        for fqn, keys in self.keys.items():
+            if fqn not in local.keys:
+                local.keys[fqn], local.dtypes[fqn] = keys, self.dtypes[fqn]
+
+    def complete(self, new: LocalState, mine: LocalState | None) -> None:
+        """Every held tensor of `new` gets its optimizer scalars: this member's own where it had
+        them, else a holder's."""
+        for fqn in new.pieces:
+            if new.scalars.get(fqn):
+                continue
+            known = (mine.scalars.get(fqn) if mine is not None else None) or self.scalars.get(fqn)
+            if known:
+                new.scalars[fqn] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in known.items()}
 
 
 def reconcile(pg: Any, rank: int, world: int, step: int, whole: Callable[[], dict[str, Any]], wait: Wait,

@@ -88,3 +88,28 @@ def test_a_stage_holder_killed_mid_step_loses_nothing(tmp_path: Path, phase: str
         events = job.events()
         assert not [e for e in events if e["kind"] == "state_lost"]
         _assert_exact(events, reference)
+
+
+@pytest.mark.timeout(400)
+def test_a_slow_worker_gets_a_smaller_stage(tmp_path: Path) -> None:
+    """Three workers, one at --slowdown 2, pinned to --layout pp=3: once their speeds are measured
+    the stages are re-cut so that the slow worker's holds fewer FLOPs than each fast one's (the cut
+    moves live: the stages' tensors go to their new holders), and every step stays the recipe's."""
+    reference = single_process()
+    with LocalJob(JOB, tmp_path, min_workers=3, coordinator_args=["--layout", "pp=3"]) as job:
+        job.start()
+        job.add_worker("w1")
+        job.add_worker("w2")
+        job.add_worker("w3", "--slowdown", "2")
+        recut = job.wait_event(lambda e: e["kind"] == "plan" and e.get("layout") and e["epoch"] > 1, 180,
+                               "a plan with the measured speeds")
+        flops = {layer["name"]: layer["flops"] for layer in job.ctl("graph")["layers"]}
+        exits = job.wait_workers(300)
+        assert exits == {"w1": 0, "w2": 0, "w3": 0}, job.tails(exits)
+        assert job.wait_coordinator(30) == 0
+        events = job.events()
+        _assert_exact(events, reference)
+        layout = recut["layout"]
+        stage_flops = {m: sum(flops[u] for u in stage) for m, stage in zip(layout["members"], layout["stages"])}
+        assert stage_flops["w3"] < min(stage_flops["w1"], stage_flops["w2"]), (layout["stages"], stage_flops)
+        assert "w3" in recut["detail"], recut["detail"]

@@ -223,7 +223,8 @@ def execute(plan: ReshardPlan, me: str, ranks: Mapping[str, int], local: LocalSt
             wait: Callable[[Any, torch.Tensor | None], None], device: torch.device,
             whole: bytes = b"", sender: str | None = None, pool: Pool | None = None,
             packed_whole: packing.Packed | None = None, outgoing: Outgoing | None = None,
-            incoming: Incoming | None = None) -> tuple[LocalState, int]:
+            incoming: Incoming | None = None,
+            teach: Callable[[LocalState], None] = lambda local: None) -> tuple[LocalState, int]:
     """Run `me`'s part of `plan`; returns the new LocalState (exactly the ranges `needed`) and the
     bytes received. `holders`: the members whose state is current; `sender` (default: the
     lowest-ranked holder) sends the whole-state part's tensors to the others; `local`: this member's
@@ -231,7 +232,9 @@ def execute(plan: ReshardPlan, me: str, ranks: Mapping[str, int], local: LocalSt
     (every member learns it in the description all-gather before, so its receives go out with the
     data's); `packed_whole`: the sender's `pack_whole`, when it has it already; `outgoing`: this
     member's data messages packed ahead (`pack_sends`), used when they are this plan's; `incoming`:
-    where this member's receives land, made ready ahead (`expect`), used when they are this plan's."""
+    where this member's receives land, made ready ahead (`expect`), used when they are this plan's;
+    `teach(local)`: tells this member's state the keys and dtypes of tensors it never held, before
+    its receives are cut (`worker.epoch.Structure`: a pipeline stage that moves)."""
     received = 0
     sender = sender or min(holders, key=lambda n: ranks[n])
     works: list[tuple[Any, torch.Tensor]] = []
@@ -255,6 +258,7 @@ def execute(plan: ReshardPlan, me: str, ranks: Mapping[str, int], local: LocalSt
                 for tag, buf in enumerate(packed.buffers, start=META_TAG):
                     works.append((pg.send([buf], ranks[n], tag), buf))
     assert local is not None
+    teach(local)
     sends, recvs = plan.for_member(me)
     # Receives first: the wire starts for each message as soon as both sides posted it. Taken as
     # made ready ahead (`incoming`, by a member that held nothing, while the group formed) when the

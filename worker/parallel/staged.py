@@ -27,12 +27,13 @@ from typing import Any
 import torch
 from torch import nn
 
+import dataclasses
 import time
 
 from plan.layout import Layout
 from plan.pipeline import micro_split
 from transport import PlanDelta
-from worker import state
+from worker import comm, state
 from worker.comm import Superseded
 from worker.executor import Executor, Loop, is_comm_error, pause, pause_for_plan, set_lr, sleep, squared_norm
 from worker.group import Group
@@ -179,20 +180,41 @@ def _optimizer_by_name(stage: Stage) -> dict[str, Any]:
 
 
 class StageExecutor(Executor):
-    """A stage of a pipeline (pure pipelines: dp = 1 for now)."""
+    """A stage of a pipeline, and of replicated pipelines (dp x pp): the replicas of a stage sum
+    its gradients over their own group (the stage's replica group, formed with the epoch) before
+    the step's all-reduce; a replica is then every stage's redundancy, and no copies are kept."""
 
-    def __init__(self, stage: Stage, at: tuple[Layout, int], copies: Copies) -> None:
+    def __init__(self, stage: Stage, at: tuple[Layout, int], copies: Copies, replicas: Any = None) -> None:
         super().__init__(stage.module, stage.optimizer, at, copies)
         self.stage = stage
+        self.replicas = replicas  # the raw group of this stage's replicas (None: one pipeline)
 
     @staticmethod
     def fits(layout: Layout) -> bool:
-        return layout.pp > 1 and layout.dp == 1 and layout.tp == 1
+        return layout.pp > 1 and layout.dp_shard == 1 and layout.tp == 1
 
     @classmethod
     def build(cls, t: Loop, g: Group, local: LocalState) -> Executor:
         stage = apply_stage(t.job, g.layout, g.rank, local, t.device)
-        return cls(stage, (g.layout, g.rank), Copies.of(g.layout, t.name, local, t.tensors))
+        replicas = None
+        if g.layout.dp_replicate > 1:
+            ranks = g.layout.replicate_group(g.rank)
+            replicas = comm.form_group(g.store, g.epoch, ranks.index(g.rank), len(ranks), t.device,
+                                       timeout_s=t.config.group_timeout_s,
+                                       superseded=lambda: t.agent.superseded(g.epoch), part=f"stage{stage.stage}/")
+        return cls(stage, (g.layout, g.rank), Copies.of(g.layout, t.name, local, t.tensors), replicas)
+
+    def _sum_over_replicas(self, t: Loop, g: Group) -> None:
+        """The stage's gradients summed over its replicas (every pipeline computed its own slice of
+        the batch), in one buffer; abandoned with the epoch like every wait."""
+        params = list(self.stage.module.parameters())
+        flat = torch.cat([p.grad.reshape(-1).float() if p.grad is not None
+                          else torch.zeros(p.numel(), dtype=torch.float32, device=t.device) for p in params])
+        t.wait(dataclasses.replace(g, pg=self.replicas), self.replicas.allreduce([flat]), flat)
+        at = 0
+        for p in params:
+            p.grad = flat[at:at + p.numel()].view_as(p).to(p.dtype)
+            at += p.numel()
 
     def local_state(self, step: int) -> LocalState:
         return self._with_redundancy(super().local_state(step), self.model.named_parameters())
@@ -270,6 +292,10 @@ class StageExecutor(Executor):
             sleep(t, g, (factor - 1.0) * (time.perf_counter() - t0 - waited[0]))
             compute_s *= factor
         pause(t, g, "backward")
+        if self.replicas is not None:
+            t_sum = time.perf_counter()
+            self._sum_over_replicas(t, g)
+            waited[0] += time.perf_counter() - t_sum
         # Every member gets its copy's gradients (its source's stage): from here on the step may be
         # rolled forward.
         t_copies = time.perf_counter()
