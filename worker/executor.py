@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
 
@@ -74,7 +75,7 @@ class Loop(Protocol):
     def units(self) -> list[str]: ...
 
 
-class Executor:
+class Executor(ABC):
     """The state one layout runs on this member (see the module comment); subclasses implement
     `fits`, `build`, `step`, `save` and, where they hold part of the state, `local_state`."""
 
@@ -98,24 +99,24 @@ class Executor:
     # --- the table's interface -------------------------------------------------------------------
 
     @staticmethod
+    @abstractmethod
     def fits(layout: Layout) -> bool:
         """Whether this executor runs `layout`."""
-        raise NotImplementedError
 
     @classmethod
+    @abstractmethod
     def build(cls, t: Loop, g: Group, local: LocalState) -> Executor:
         """This member's executor of the epoch's layout, loaded from `local` (exactly its part, which
         the entry's reshard brought; a replica: everything)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def step(self, t: Loop, g: Group) -> PlanDelta | None:
         """One exact step; returns the delta to switch to when every member voted for it."""
-        raise NotImplementedError
 
+    @abstractmethod
     def save(self, t: Loop, g: Group | None, directory: str, *, final: bool) -> None:
         """Write the whole model and optimizer state to `directory` (each layout its way: a replica
         writes its own, shards and stages gather first over `g`, every member calling it)."""
-        raise NotImplementedError
 
     def evaluate(self, t: Loop, g: Group) -> None:
         """The held-out loss at this step boundary (`worker.evaluate`)."""
