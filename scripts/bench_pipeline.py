@@ -1,0 +1,243 @@
+"""Pipeline parallelism, adaptrain against torchrun + `torch.distributed.pipelining`, measured side by
+side in one run on this machine (gloo over loopback, one torch thread per process), on one model
+(default the small GPT, examples/gpt.py:job: the 10M one takes ~1.5 s a step with 3 processes on
+2 cores, too slow for a run of minutes):
+
+  throughput   global samples/s in the steady state (the steps of the last plan's epoch after
+               `--warmup` of them) for adaptrain `--layout pp=P`, P = 2 and 3, and adaptrain
+               `--layout fsdp=1` (plain data parallel) on the same P workers for reference; against
+               torchrun + pipelining (scripts/_torchrun_pipeline.py: a `PipelineStage` per rank,
+               `Schedule1F1B`, `--microbatches` equal micro-batches) with the same P stages cut as
+               adaptrain's last plan cut them, so the ratio compares the runtimes. Goal: >= 0.95.
+  hetero       3 workers, one at `--slowdown 2`, pinned `--layout pp=3`: adaptrain's samples/s once the
+               stages are re-cut to the measured speeds (a plan past the first epoch; the stages read
+               from it), against torchrun + pipelining with even cuts and the rank at the slow
+               worker's stage slowed 2x (its measured stage compute slept again after each step);
+               and the ideal: each stage's holder does its part of every sample, so with perfect
+               balance and free communication the pipeline runs at the sum of its members'
+               whole-model speeds: v + v + v/2 for v, one full-speed worker's samples/s on the whole
+               model (measured: a one-worker adaptrain run in the same session). Goals: re-cut
+               >= 0.9 x ideal and >= 1.3 x even cuts.
+
+Every figure comes from the run. Prints a table, writes JSON.
+
+usage: python scripts/bench_pipeline.py [--quick] [--sections throughput,hetero] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_parallel import _job_info  # noqa: E402
+from localjob import LocalJob, read_jsonl  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SECTIONS = ("throughput", "hetero")
+
+
+def _steady(steps: list[dict[str, Any]], warmup: int, batch: int) -> float:
+    """Samples/s over `steps` (in order) after the first `warmup` of them."""
+    run = steps[warmup:]
+    assert len(run) >= 2, f"too few steps to time: {len(steps)}"
+    return float(batch * (len(run) - 1) / (run[-1]["ts"] - run[0]["ts"]))
+
+
+def _last_epoch(events: list[dict[str, Any]], min_epoch: int) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+    """(the last plan with a layout, its epoch's step events), once its epoch is >= `min_epoch`."""
+    plan = next((e for e in reversed(events) if e["kind"] == "plan" and e.get("layout")), None)
+    if plan is None or plan["epoch"] < min_epoch:
+        return None
+    return plan, sorted((e for e in events if e["kind"] == "step" and e["epoch"] == plan["epoch"]),
+                        key=lambda e: e["step"])
+
+
+def adaptrain_run(job_ref: str, layout: str, workers: dict[str, list[str]], warmup: int, steps: int,
+                  workdir: Path, *, min_epoch: int = 1) -> dict[str, Any]:
+    """adaptrain with `workers` (name -> extra worker flags) pinned to `layout`: the steady samples/s of
+    the last plan's epoch, once it is >= `min_epoch` and has `warmup + steps` steps."""
+    batch, _ = _job_info(job_ref)
+    with LocalJob(job_ref, workdir, min_workers=len(workers), coordinator_args=["--layout", layout]) as job:
+        job.start()
+        for name, flags in workers.items():
+            job.add_worker(name, *flags)
+        plan, run = job.wait_until(lambda ev: (r if (r := _last_epoch(ev, min_epoch)) and len(r[1]) > warmup + steps
+                                               else None), 900, f"{warmup + steps} steps of one epoch", poll_s=0.5)
+        job.ctl("stop")
+        job.wait_coordinator(60)
+    return {"samples_per_s": _steady(run[:warmup + steps + 1], warmup, batch), "epoch": plan["epoch"],
+            "layout": plan["layout"], "micro_batch": plan.get("micro_batch"), "detail": plan.get("detail"),
+            "steps_timed": steps}
+
+
+def torchrun_run(job_ref: str, n: int, warmup: int, steps: int, workdir: Path, *, cuts: str = "",
+                 microbatches: int = 4, slowdown: str = "") -> dict[str, Any]:
+    """torchrun --standalone, N processes of _torchrun_pipeline.py: the steady samples/s."""
+    batch, _ = _job_info(job_ref)
+    workdir.mkdir(parents=True, exist_ok=True)
+    events = workdir / "torchrun.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={n}",
+           str(ROOT / "scripts" / "_torchrun_pipeline.py"), "--job", job_ref, "--events", str(events),
+           "--steps", str(warmup + steps + 1), "--microbatches", str(microbatches),
+           *(["--cuts", cuts] if cuts else []), *(["--slowdown", slowdown] if slowdown else [])]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    with (workdir / "torchrun.log").open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            proc.wait(timeout=600)  # a hang of torch's batched p2p on gloo (pytorch#132644) ends here
+        except subprocess.TimeoutExpired:
+            raise RuntimeError("torchrun pipelining hung (600 s); see " + str(workdir / "torchrun.log")) from None
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    if proc.returncode != 0:
+        raise RuntimeError(f"torchrun failed ({proc.returncode}): {(workdir / 'torchrun.log').read_text()[-2000:]}")
+    ev = read_jsonl(events)
+    run = sorted((e for e in ev if e.get("kind") == "step"), key=lambda e: e["step"])
+    start = [e for e in ev if e.get("kind") == "start"]
+    return {"samples_per_s": _steady(run, warmup, batch), "cuts": start[0]["cuts"] if start else None,
+            "microbatches": microbatches, "slowdown": slowdown}
+
+
+def _cuts(layout: dict[str, Any]) -> str:
+    """A plan's stages as _torchrun_pipeline.py's --cuts ('0,1|2,3,4|5')."""
+    return "|".join(",".join(stage) for stage in layout["stages"])
+
+
+def _micro_count(run: dict[str, Any], batch: int, stages: int, requested: int) -> int:
+    """torchrun's micro-batch count: `requested`, or (0) as many as adaptrain's plan ran, raised to the
+    smallest divisor of the batch that is >= the stage count (Schedule1F1B refuses fewer micro-batches
+    than stages, and torch's pipelining wants equal ones)."""
+    if requested:
+        return requested
+    largest = max(run.get("micro_batch") or [batch])
+    want = max(stages, -(-batch // largest))
+    return next(k for k in range(want, batch + 1) if batch % k == 0)
+
+
+def throughput(job_ref: str, stages: int, warmup: int, steps: int, microbatches: int, work: Path) -> dict[str, Any]:
+    names: dict[str, list[str]] = {f"w{i + 1}": [] for i in range(stages)}
+    ours = adaptrain_run(job_ref, f"pp={stages}", names, warmup, steps, work / f"pp{stages}")
+    theirs = torchrun_run(job_ref, stages, warmup, steps, work / f"torchrun{stages}", cuts=_cuts(ours["layout"]),
+                          microbatches=_micro_count(ours, _job_info(job_ref)[0], stages, microbatches))
+    dp = adaptrain_run(job_ref, "fsdp=1", names, warmup, steps, work / f"dp{stages}")
+    return {"adaptrain_pp": ours, "torchrun_pp": theirs, "adaptrain_dp": dp,
+            "ratio": ours["samples_per_s"] / theirs["samples_per_s"]}
+
+
+def hetero(job_ref: str, warmup: int, steps: int, microbatches: int, work: Path) -> dict[str, Any]:
+    one = adaptrain_run(job_ref, "fsdp=1", {"w1": []}, warmup, steps, work / "one")
+    v = one["samples_per_s"]
+    workers = {"w1": [], "w2": [], "w3": ["--slowdown", "2"]}
+    ours = adaptrain_run(job_ref, "pp=3", workers, warmup, steps, work / "hetero", min_epoch=2)
+    slow_stage = ours["layout"]["members"].index("w3")
+    even = torchrun_run(job_ref, 3, warmup, steps, work / "torchrun-even",
+                        microbatches=_micro_count(ours, _job_info(job_ref)[0], 3, microbatches),
+                        slowdown=f"{slow_stage}:2")
+    ideal = v + v + v / 2
+    return {"one_worker": one, "adaptrain_recut": ours, "torchrun_even": even, "ideal_samples_per_s": ideal,
+            "slow_stage": slow_stage, "cores": os.cpu_count() or 1, "of_ideal": ours["samples_per_s"] / ideal,
+            "over_even": ours["samples_per_s"] / even["samples_per_s"]}
+
+
+def table(r: dict[str, Any]) -> str:
+    s = r["settings"]
+    lines = [f"pipeline benchmark: {s['job']}, {s['machine']}, {s['warmup']} warm-up + {s['steps']} timed steps, "
+             f"torchrun: Schedule1F1B, {s['date']}"]
+    if "throughput" in r:
+        lines += ["", f"{'stages':>6}  {'adaptrain pp':>13}  {'torchrun pp':>12}  {'ratio':>6}  {'adaptrain dp':>13}  "
+                  f"cuts (both)  micro-batches (adaptrain; torchrun)", "-" * 100]
+    for p, t in r.get("throughput", {}).items():
+        if "error" in t:
+            lines.append(f"{p:>6}  error: {t['error']}")
+            continue
+        lines.append(f"{p:>6}  {t['adaptrain_pp']['samples_per_s']:>9.1f} s/s  {t['torchrun_pp']['samples_per_s']:>8.1f} s/s"
+                     f"  {t['ratio']:>6.2f}  {t['adaptrain_dp']['samples_per_s']:>9.1f} s/s  "
+                     f"{_cuts(t['adaptrain_pp']['layout']):<11}  {t['adaptrain_pp']['micro_batch']}; "
+                     f"{t['torchrun_pp']['microbatches']} of {r['settings']['batch'] // t['torchrun_pp']['microbatches']}")
+    if "throughput" in r:
+        lines.append("(samples/s; ratio = adaptrain pp / torchrun pp, goal >= 0.95; dp = --layout fsdp=1 on the "
+                     "same workers, for reference)")
+    if "hetero" in r:
+        h = r["hetero"]
+        if "error" in h:
+            lines.append(f"\nhetero: error: {h['error']}")
+        else:
+            v = h["one_worker"]["samples_per_s"]
+            lines += ["", "hetero: 3 workers, w3 at --slowdown 2, --layout pp=3",
+                      f"  one full-speed worker, whole model (fsdp=1): v = {v:.1f} samples/s",
+                      f"  ideal = v + v + v/2 = {h['ideal_samples_per_s']:.1f} samples/s (each member does its "
+                      f"stage of every sample: perfect balance, no bubble, free sends)",
+                      f"  (a sleeping --slowdown uses no CPU, so on this machine's {h['cores']} cores the three "
+                      f"can reach at most {h['cores']} x v = {h['cores'] * v:.1f} samples/s)",
+                      f"  adaptrain re-cut {_cuts(h['adaptrain_recut']['layout'])} (members "
+                      f"{','.join(h['adaptrain_recut']['layout']['members'])}): "
+                      f"{h['adaptrain_recut']['samples_per_s']:.1f} samples/s",
+                      f"    micro-batches {h['adaptrain_recut']['micro_batch']}; plan: {h['adaptrain_recut']['detail']}",
+                      f"  torchrun even cuts {h['torchrun_even']['cuts']}, rank {h['slow_stage']} slowed 2x, "
+                      f"{h['torchrun_even']['microbatches']} micro-batches: "
+                      f"{h['torchrun_even']['samples_per_s']:.1f} samples/s",
+                      f"  re-cut / ideal = {h['of_ideal']:.2f} (goal >= 0.9); re-cut / even = {h['over_even']:.2f} "
+                      f"(goal >= 1.3)"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--job", default="examples/gpt.py:job", help="PATH.py:NAME (default the small GPT)")
+    p.add_argument("--stages", default="2,3", help="pipeline stage counts for throughput (default 2,3)")
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"any of {', '.join(SECTIONS)}")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--microbatches", type=int, default=0,
+                   help="torchrun's micro-batches (must divide the batch; default 0: as many as adaptrain's plan)")
+    p.add_argument("--quick", action="store_true", help="fewer steps, 2 stages only (a smoke run)")
+    p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "bench-pipeline.json")
+    p.add_argument("--keep", type=Path, default=None, metavar="DIR", help="keep the runs' logs and events in DIR")
+    a = p.parse_args(argv)
+    sections = tuple(s.strip() for s in a.sections.split(","))
+    if set(sections) - set(SECTIONS):
+        p.error(f"unknown sections {sorted(set(sections) - set(SECTIONS))}; choose from {', '.join(SECTIONS)}")
+    if a.quick:
+        a.stages, a.warmup, a.steps = "2", 3, 10
+    counts = [int(n) for n in a.stages.split(",")]
+    job_ref = str((ROOT / a.job.split(":")[0]).resolve()) + ":" + a.job.split(":")[1]
+    result: dict[str, Any] = {"settings": {"job": a.job, "stages": counts, "warmup": a.warmup, "steps": a.steps,
+                                           "microbatches": a.microbatches, "batch": _job_info(job_ref)[0], "sections": list(sections),
+                                           "machine": f"{os.cpu_count()} cores, torch threads 1",
+                                           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}}
+    with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp:
+        work = Path(tmp) if a.keep is None else a.keep
+        work.mkdir(parents=True, exist_ok=True)
+        if "throughput" in sections:
+            result["throughput"] = {}
+            for n in counts:
+                print(f"throughput, {n} stages ...", flush=True)
+                try:
+                    result["throughput"][n] = throughput(job_ref, n, a.warmup, a.steps, a.microbatches, work)
+                except (RuntimeError, TimeoutError) as e:  # reported in the table; the rest still runs
+                    result["throughput"][n] = {"error": str(e).splitlines()[0][:300]}
+        if "hetero" in sections:
+            print("hetero ...", flush=True)
+            try:
+                result["hetero"] = hetero(job_ref, a.warmup, a.steps, a.microbatches, work)
+            except (RuntimeError, TimeoutError) as e:
+                result["hetero"] = {"error": str(e).splitlines()[0][:300]}
+    print(table(result))
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
