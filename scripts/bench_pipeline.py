@@ -19,7 +19,10 @@ side in one run on this machine (gloo over loopback, one torch thread per proces
                model (measured: a one-worker adaptrain run in the same session). Goals: re-cut
                >= 0.9 x ideal and >= 1.3 x even cuts.
 
-Every figure comes from the run. Prints a table, writes JSON.
+Both systems are timed on training steps alone: the gaps that hold adaptrain's evaluation (after
+every `eval_every`-th step) are left out, as the torchrun baseline does not evaluate. Each adaptrain
+run also reports, from its workers' --trace-steps, the median shares of a member's step spent on the
+ring of copies (redundancy) and on waits and sends (comm). Every figure comes from the run. Prints a table, writes JSON.
 
 usage: python scripts/bench_pipeline.py [--quick] [--sections throughput,hetero] [--out FILE]
 """
@@ -30,6 +33,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -45,11 +49,14 @@ ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("throughput", "hetero")
 
 
-def _steady(steps: list[dict[str, Any]], warmup: int, batch: int) -> float:
-    """Samples/s over `steps` (in order) after the first `warmup` of them."""
+def _steady(steps: list[dict[str, Any]], warmup: int, batch: int, eval_every: int | None) -> float:
+    """Samples/s over `steps` (in order) after the first `warmup` of them, leaving out the gaps that hold
+    an evaluation (adaptrain evaluates after every `eval_every`-th step; the torchrun baseline does not
+    evaluate, so the two are timed on training steps alone)."""
     run = steps[warmup:]
     assert len(run) >= 2, f"too few steps to time: {len(steps)}"
-    return float(batch * (len(run) - 1) / (run[-1]["ts"] - run[0]["ts"]))
+    gaps = [(b["ts"] - a["ts"]) for a, b in zip(run, run[1:]) if not (eval_every and a["step"] % eval_every == 0)]
+    return float(batch * len(gaps) / sum(gaps))
 
 
 def _last_epoch(events: list[dict[str, Any]], min_epoch: int) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
@@ -61,6 +68,13 @@ def _last_epoch(events: list[dict[str, Any]], min_epoch: int) -> tuple[dict[str,
                         key=lambda e: e["step"])
 
 
+def _eval_every(job_ref: str) -> int | None:
+    from worker.job import load_job, resolve_job_ref
+
+    src = resolve_job_ref(job_ref)
+    return load_job(src.source, src.name, filename=src.ref).eval_every
+
+
 def adaptrain_run(job_ref: str, layout: str, workers: dict[str, list[str]], warmup: int, steps: int,
                   workdir: Path, *, min_epoch: int = 1) -> dict[str, Any]:
     """adaptrain with `workers` (name -> extra worker flags) pinned to `layout`: the steady samples/s of
@@ -69,12 +83,20 @@ def adaptrain_run(job_ref: str, layout: str, workers: dict[str, list[str]], warm
     with LocalJob(job_ref, workdir, min_workers=len(workers), coordinator_args=["--layout", layout]) as job:
         job.start()
         for name, flags in workers.items():
-            job.add_worker(name, *flags)
+            job.add_worker(name, *flags, "--trace-steps", str(workdir / f"{name}.steps.jsonl"))
         plan, run = job.wait_until(lambda ev: (r if (r := _last_epoch(ev, min_epoch)) and len(r[1]) > warmup + steps
                                                else None), 900, f"{warmup + steps} steps of one epoch", poll_s=0.5)
         job.ctl("stop")
         job.wait_coordinator(60)
-    return {"samples_per_s": _steady(run[:warmup + steps + 1], warmup, batch), "epoch": plan["epoch"],
+    timed = {e["step"] for e in run[warmup:warmup + steps + 1]}
+    traced = [t for name in workers for t in read_jsonl(workdir / f"{name}.steps.jsonl")
+              if t["epoch"] == plan["epoch"] and t["step"] in timed]
+    # What each member's step spends beside its stage's compute: the copies' gradient exchange
+    # (redundancy_s) and its waits and sends (comm_s), as shares of its step (medians over members x steps).
+    share = {k: statistics.median(t[k] / t["step_s"] for t in traced) if traced else None
+             for k in ("redundancy_s", "comm_s")}
+    return {"samples_per_s": _steady(run[:warmup + steps + 1], warmup, batch, _eval_every(job_ref)),
+            "step_shares": share, "epoch": plan["epoch"],
             "layout": plan["layout"], "micro_batch": plan.get("micro_batch"), "detail": plan.get("detail"),
             "steps_timed": steps}
 
@@ -104,7 +126,7 @@ def torchrun_run(job_ref: str, n: int, warmup: int, steps: int, workdir: Path, *
     ev = read_jsonl(events)
     run = sorted((e for e in ev if e.get("kind") == "step"), key=lambda e: e["step"])
     start = [e for e in ev if e.get("kind") == "start"]
-    return {"samples_per_s": _steady(run, warmup, batch), "cuts": start[0]["cuts"] if start else None,
+    return {"samples_per_s": _steady(run, warmup, batch, None), "cuts": start[0]["cuts"] if start else None,
             "microbatches": microbatches, "slowdown": slowdown}
 
 
@@ -149,6 +171,11 @@ def hetero(job_ref: str, warmup: int, steps: int, microbatches: int, work: Path)
             "over_even": ours["samples_per_s"] / even["samples_per_s"]}
 
 
+def _shares(run: dict[str, Any]) -> str:
+    sh = run.get("step_shares") or {}
+    return ", ".join(f"{k[:-2]} {v:.0%}" for k, v in sh.items() if v is not None) or "(no trace)"
+
+
 def table(r: dict[str, Any]) -> str:
     s = r["settings"]
     lines = [f"pipeline benchmark: {s['job']}, {s['machine']}, {s['warmup']} warm-up + {s['steps']} timed steps, "
@@ -164,6 +191,7 @@ def table(r: dict[str, Any]) -> str:
                      f"  {t['ratio']:>6.2f}  {t['adaptrain_dp']['samples_per_s']:>9.1f} s/s  "
                      f"{_cuts(t['adaptrain_pp']['layout']):<11}  {t['adaptrain_pp']['micro_batch']}; "
                      f"{t['torchrun_pp']['microbatches']} of {r['settings']['batch'] // t['torchrun_pp']['microbatches']}")
+        lines.append(f"{'':>6}  adaptrain pp step shares: {_shares(t['adaptrain_pp'])}")
     if "throughput" in r:
         lines.append("(samples/s; ratio = adaptrain pp / torchrun pp, goal >= 0.95; dp = --layout fsdp=1 on the "
                      "same workers, for reference)")
@@ -182,6 +210,7 @@ def table(r: dict[str, Any]) -> str:
                       f"  adaptrain re-cut {_cuts(h['adaptrain_recut']['layout'])} (members "
                       f"{','.join(h['adaptrain_recut']['layout']['members'])}): "
                       f"{h['adaptrain_recut']['samples_per_s']:.1f} samples/s",
+                      f"    step shares: {_shares(h['adaptrain_recut'])}",
                       f"    micro-batches {h['adaptrain_recut']['micro_batch']}; plan: {h['adaptrain_recut']['detail']}",
                       f"  torchrun even cuts {h['torchrun_even']['cuts']}, rank {h['slow_stage']} slowed 2x, "
                       f"{h['torchrun_even']['microbatches']} micro-batches: "
