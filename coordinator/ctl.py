@@ -325,6 +325,15 @@ def format_explain(d: dict[str, Any]) -> str:
         lines += ["", f"runner-up: {runner.get('description')} ({', '.join(runner.get('members') or [])}): "
                       f"{_ms(runner.get('predicted_step_s'))}/step",
                   f"why this plan: {e.get('why', '')}"]
+    candidates = e.get("candidates") or []
+    if candidates:  # every layout weighed: its prediction and objective, or why it has none
+        rows = [[("* " if c.get("chosen") else "  ") + str(c.get("layout")), _num(c.get("members") or None),
+                 _ms(c.get("predicted_step_s")), _ms(c.get("objective_s")),
+                 str(c.get("why_not") or c.get("description") or "")]
+                for c in candidates]
+        lines += ["", "candidates weighed (* the plan; objective: the step with the switch to it amortised; "
+                      "a candidate with no prediction says why):",
+                  _table(["  CANDIDATE", "MEMBERS", "PREDICTED STEP", "OBJECTIVE", "PLAN OR WHY NOT"], rows)]
     measured = e.get("measured")
     if measured:
         err = measured.get("median_error")

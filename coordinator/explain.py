@@ -1,8 +1,9 @@
 """`ctl plan --explain`: the current plan as the cost model sees it, as plain JSON-able data.
 
 For the plan in force: the predicted step split per member into compute, overhead, waiting and the
-all-reduce, memory per member against its limit, why it beat the runner-up (the best plan that
-differs), the fitted constants it rests on (contention per host included), the placements of the
+all-reduce, memory per member against its limit, every candidate layout the planner weighed (its
+predicted step and objective, or why it could not run), why it beat the runner-up (the best plan
+that differs), the fitted constants it rests on (contention per host included), the placements of the
 model's tensors (a pipeline's: which units each stage holds, and on whom), the prediction against
 the steps measured so far in this epoch, what changed since the plan was made, and why the latest
 better plan found since was not worth a switch (`kept`). Reads the state only.
@@ -41,6 +42,10 @@ def explain(state: State, now: Phase | None = None) -> dict[str, Any]:
     out.update(predicted_step_s=plan.predicted_step_s, comm_s=plan.comm_s,
                objective_s=result.objective_s if result else None, members=members,
                standby=list(result.standby) if result else [])
+    out["candidates"] = [{"layout": c.layout, "description": c.description, "members": len(c.members),
+                          "predicted_step_s": c.predicted_step_s, "objective_s": c.objective_s,
+                          "moved_bytes": c.moved_bytes, "why_not": c.why_not, "chosen": c.chosen}
+                         for c in (result.candidates if result else ())]
     runner = result.runner_up if result else None
     if result is not None and runner is not None:
         out["runner_up"] = {"description": runner.description, "members": list(runner.plan.members),

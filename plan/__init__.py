@@ -7,9 +7,9 @@ The coordinator keeps a `Cluster` (devices, links, fitted costs) and the model's
 from plan.cluster import Cluster, Device
 from plan.graph import Graph
 from plan.layout import Layout, LayoutError, LayoutPin
-from plan.planner import Alternative, PlanLimits, PlanResult, make_plan
+from plan.planner import Alternative, Candidate, PlanLimits, PlanResult, make_plan
 from plan.prediction import MemberCost, Plan, predict
 from plan.shares import split_shares
 
-__all__ = ["Alternative", "Cluster", "Device", "Graph", "Layout", "LayoutError", "LayoutPin", "MemberCost", "Plan", "PlanLimits", "PlanResult",
+__all__ = ["Alternative", "Candidate", "Cluster", "Device", "Graph", "Layout", "LayoutError", "LayoutPin", "MemberCost", "Plan", "PlanLimits", "PlanResult",
            "make_plan", "predict", "split_shares"]

@@ -1,4 +1,5 @@
-"""`--layout pp=P`: the pipeline the planner runs when the operator pins one. Pure.
+"""A pipeline of P stages (pp=P): the one the planner runs when the operator pins `--layout pp=P`,
+and each depth it weighs as a candidate without a pin. Pure.
 
 The P fastest ready devices (by measured whole-model speed; ties keep the planner's rank order)
 are cut into stages by `plan.pipeline.best_pipeline`, which also chooses their order and the
@@ -10,11 +11,13 @@ members that stay already hold their stages.
 
 A pipeline needs a model whose units are a sequence (`Graph.sequential`: an nn.Sequential of its
 units), at least one unit per stage, P ready devices and a cut whose every stage fits its device's
-memory; otherwise `pipeline_plan` says which of these is missing.
+memory; otherwise `pipeline_plan` says which of these is missing. The planner asks for the pinned
+depth, and, with no pin, for every depth it weighs (`plan.candidates`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Sequence
 
 from plan.cluster import Cluster
@@ -24,28 +27,32 @@ from plan.layout import Layout
 from plan.pipeline import best_pipeline, micro_split
 from plan.placement import TensorShape
 from plan.prediction import Plan, pipelined, stage_devices
-from plan.reshard import ORDER_ROWS, copy_ring, holdings, plan_reshard, survivors
+from plan.reshard import ORDER_ROWS, Holdings, copy_ring, holdings, subtract, survivors
+
+
+NOT_A_SEQUENCE = ("the model's units do not form a sequence (it is not an nn.Sequential of its units), so it "
+                  "cannot be cut into pipeline stages")
 
 
 def pipeline_plan(cluster: Cluster, graph: Graph | None, ranked: Sequence[str], before: Layout | None,
-                  stages: int, *, global_batch: int, pin: str) -> Plan | str:
+                  stages: int, *, global_batch: int, what: str) -> Plan | str:
     """The pipeline of `stages` stages over the fastest of `ranked` (the ready devices in rank
-    order; `before`: the layout in force), or why there is none (`pin`, the operator's `--layout`
-    text, opens the reason)."""
+    order; `before`: the layout in force), or why there is none (`what` opens the reason: the
+    operator's "--layout pp=2", or the candidate's "pp=2")."""
     if graph is None or not graph.sequential:
-        return (f"--layout {pin}: the model's units do not form a sequence (it is not an nn.Sequential of its "
-                "units), so it cannot be cut into pipeline stages")
+        return f"{what}: {NOT_A_SEQUENCE}"
     if stages > len(graph.layers):
-        return f"--layout {pin} needs {stages} stages of at least one unit, but the model has {len(graph.layers)} units"
+        return f"{what} needs {stages} stages of at least one unit, but the model has {len(graph.layers)} units"
     if len(ranked) < stages:
-        return f"--layout {pin} needs {stages} members; {len(ranked)} can train now"
+        return f"{what} needs {stages} members; {len(ranked)} can train now"
     speeds = cluster.speeds_for(graph.train_flops)
-    fastest = sorted(ranked, key=lambda m: (-speeds[m], ranked.index(m)))[:stages]
+    rank = {m: i for i, m in enumerate(ranked)}
+    fastest = sorted(ranked, key=lambda m: (-speeds[m], rank[m]))[:stages]
     members = _on_their_stages([m for m in ranked if m in fastest], before)
     found = best_pipeline(graph, stage_devices(cluster, graph, members), global_batch, link=cluster.link(members))
     if found is None:
         each = ", ".join(f"{m} has {cluster.devices[m].memory_bytes / 2**20:.1f} MiB" for m in members)
-        return (f"--layout {pin} does not fit: no cut of the model's {len(graph.layers)} units into {stages} stages "
+        return (f"{what} does not fit: no cut of the model's {len(graph.layers)} units into {stages} stages "
                 f"fits the members' memory (a stage holds its units' parameters, gradients and optimizer state, "
                 f"{static_bytes(graph.param_bytes, graph.optimizer_state_factor) / 2**20:.1f} MiB for the whole "
                 f"model, and the activations of up to {stages} micro-batches, "
@@ -78,16 +85,39 @@ def describe(plan: Plan, speeds: dict[str, float]) -> str:
 
 def moved_bytes(graph: Graph, before: Layout | None, holders: Collection[str], plan: Plan) -> int:
     """The state bytes (parameters and optimizer state) the reshard sends to take what `holders`
-    hold under `before` (their parts and the copies they keep) to what the pipeline `plan` gives
-    each member (its stage and the copy it keeps of another's: `plan.reshard.copy_ring`). One
-    stand-in tensor per unit, split as that unit's tensors are. An estimate: the rings are taken in
-    rank order (as on one host), since the hosts of members that left are not known here. Nothing
-    moves before anyone holds state."""
+    hold under `before` (their parts and the copies they keep) to what `plan` gives each member
+    (its part and the copy it keeps of another's: `plan.reshard.copy_ring`): what each member needs
+    and does not hold, where some holder has it (as `plan.reshard.plan_reshard` counts it, without
+    choosing the senders). One stand-in tensor per unit, split as that unit's tensors are; one for
+    the whole state when neither layout is a pipeline (every unit is then split alike). An
+    estimate: the rings are taken in rank order (as on one host), since the hosts of members that
+    left are not known here. Nothing moves before anyone holds state."""
     if before is None or not holders:
         return 0
-    shapes = [TensorShape(layer.name, ORDER_ROWS, ORDER_ROWS, unit=layer.name) for layer in graph.layers]
-    held = survivors(holdings(before, shapes, copy_ring(before)), holders)
     after = plan.layout
-    moves = plan_reshard(held, holdings(after, shapes, copy_ring(after)))
-    unit_bytes = {layer.name: layer.param_bytes * (1.0 + graph.optimizer_state_factor) for layer in graph.layers}
-    return round(sum(t.elements * unit_bytes[t.tensor] for t in moves.transfers) / ORDER_ROWS)
+    per_unit = {layer.name: layer.param_bytes * (1.0 + graph.optimizer_state_factor) for layer in graph.layers}
+    if before.pp == 1 and after.pp == 1:
+        per_unit = {"state": sum(per_unit.values())}
+        shapes = [TensorShape("state", ORDER_ROWS, ORDER_ROWS)]
+    else:
+        shapes = [TensorShape(layer.name, ORDER_ROWS, ORDER_ROWS, unit=layer.name) for layer in graph.layers]
+    need = holdings(after, shapes, copy_ring(after))
+    if before.whole_replicas:  # every holder holds it all: the others receive all they need
+        return round(sum((hi - lo) * per_unit[t] for m, parts in need.items() if m not in holders
+                         for t, ranges in parts.items() for lo, hi in ranges) / ORDER_ROWS)
+    held = _held(before, tuple(shapes), frozenset(holders))
+    moved = 0.0
+    for shape in shapes:
+        t = shape.name
+        # (what no holder has is missing, not moved: the caller resumes from a checkpoint)
+        missing = subtract([(0, shape.numel)], [r for h in held.values() for r in h.get(t, [])])
+        for member, parts in need.items():
+            lacking = subtract(subtract(parts.get(t, []), held.get(member, {}).get(t, [])), missing)
+            moved += sum(hi - lo for lo, hi in lacking) * per_unit[t]
+    return round(moved / ORDER_ROWS)
+
+
+@functools.lru_cache(maxsize=4)
+def _held(before: Layout, shapes: tuple[TensorShape, ...], holders: frozenset[str]) -> Holdings:
+    """What `holders` hold under `before` (read only): the same for every candidate of one re-plan."""
+    return survivors(holdings(before, shapes, copy_ring(before)), holders)

@@ -23,7 +23,8 @@ ties broken by the smaller sum; a stage whose units' state and in-flight activat
 device's memory is never formed (1F1B keeps up to p − s micro-batches' activations on stage s).
 Uneven cuts fall out of it: a slow or small device gets fewer units. `best_pipeline` tries every
 distinct order of the devices' classes (a slow device first or last changes which units it gets)
-and every micro-batch count, and keeps the fastest prediction.
+and every micro-batch count, and keeps the fastest prediction; a count whose floor (`step_floor`:
+what no order or cut of these devices can beat) is no faster than a pipeline found is not cut.
 
 **Micro-batches** (`micro_split`). A plan carries only each stage's largest micro-batch size b; the
 worker runs a share of n samples as ceil(n / b) micro-batches of sizes differing by at most one. Not
@@ -149,10 +150,15 @@ def cut_stages(graph: Graph, devices: Sequence[StageDevice], micro: int, *,
     Dynamic programming over (stages used, units placed), exact. (A greedy fill under a bound, the
     textbook check for equal devices, is not: a fast device that takes one unit more can leave a
     heavy unit to a slow one, since every stage must hold at least one unit.)"""
-    n, p = len(graph.layers), len(devices)
+    return _cut(_Sums.of(graph), devices, micro, link)
+
+
+def _cut(sums: _Sums, devices: Sequence[StageDevice], micro: int,
+         link: Link | None) -> tuple[tuple[int, ...], tuple[float, ...]] | None:
+    """`cut_stages` over the units' prefix sums (taken once per `best_pipeline`)."""
+    n, p = len(sums.boundary), len(devices)
     if p < 1 or p > n:
         return None
-    sums = _Sums.of(graph)
     inf = (math.inf, math.inf)
     # best[s][j]: (slowest, sum) over stages 0..s-1 holding units [0, j); back[s][j]: where stage s-1 began
     best = [[inf] * (n + 1) for _ in range(p + 1)]
@@ -188,17 +194,62 @@ def best_pipeline(graph: Graph, devices: Sequence[StageDevice], samples: int, *,
     of their classes), the micro-batches chosen with it; None when none fits in memory."""
     found: PipelinePlan | None = None
     sums = _Sums.of(graph)
-    splits = sorted({micro_split(samples, math.ceil(samples / count))
-                     for count in _counts(samples, min(samples, max_micro or MICRO_PER_STAGE * len(devices)))}, key=len)
+    splits = _splits(samples, len(devices), max_micro)
+    floors = [step_floor(graph, devices, samples, splits=[sizes]) for sizes in splits]  # (no order beats them)
     for order in _orders(devices):
-        for sizes in splits:
-            cut = cut_stages(graph, order, sizes[0], link=link)
+        for sizes, floor in zip(splits, floors):
+            if found is not None and floor >= found.step_s:
+                continue
+            cut = _cut(sums, order, sizes[0], link)
             if cut is None:
                 continue
             plan = _timed(sums, graph, order, [*cut[0], len(graph.layers)], sizes, link)
             if found is None or plan.step_s < found.step_s:
                 found = plan
     return found
+
+
+def step_floor(graph: Graph, devices: Sequence[StageDevice], samples: int, *, max_micro: int | None = None,
+               splits: Sequence[tuple[int, ...]] = ()) -> float:
+    """A lower bound on `best_pipeline`'s step over `devices`, whatever the order and the cut. A
+    stage of FLOPs share a on device d takes a · x_d(b) for a micro-batch of b samples, x_d(b) =
+    b / v_d + c_d; the shares sum to one, and the largest is at least A, the least largest share of
+    any cut of the units into that many stages. So the slowest stage takes at least
+    max(1 / Σ_d 1 / x_d(b), A · min_d x_d(b)), and the first micro-batch at least min_d x_d(b)
+    through every stage; the least over the micro-batch splits `best_pipeline` tries (or `splits`).
+    Sends only add."""
+    sums = _Sums.of(graph)
+    if sums.flops[-1] <= 0:  # (no FLOPs: every stage's compute counts as none)
+        return 0.0
+    least = _least_largest_share(sums, len(devices))
+    floor = math.inf
+    for sizes in splits or _splits(samples, len(devices), max_micro):
+        first = min(sizes[0] / d.samples_per_s + d.fixed_s for d in devices)
+        pace = {b: max(1.0 / sum(1.0 / (b / d.samples_per_s + d.fixed_s) for d in devices),
+                       least * min(b / d.samples_per_s + d.fixed_s for d in devices)) for b in set(sizes[1:])}
+        floor = min(floor, first + sum(pace[b] for b in sizes[1:]))
+    return floor
+
+
+def _least_largest_share(sums: _Sums, stages: int) -> float:
+    """The least, over the cuts of the units into `stages` contiguous runs of at least one, of the
+    largest run's share of the FLOPs (the linear partition problem; 1 when they cannot be cut so)."""
+    n, total = len(sums.boundary), sums.flops[-1]
+    if not 1 <= stages <= n:
+        return math.inf if stages > n else 1.0
+    # best[s][j]: the least largest run over cuts of units [0, j) into s runs
+    best = [[math.inf] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, stages + 1):
+        for j in range(s, n - (stages - s) + 1):
+            best[s][j] = min(max(best[s - 1][i], sums.flops[j] - sums.flops[i]) for i in range(s - 1, j))
+    return best[stages][n] / total
+
+
+def _splits(samples: int, stages: int, max_micro: int | None) -> list[tuple[int, ...]]:
+    """The micro-batch splits `best_pipeline` tries (fewest micro-batches first)."""
+    most = min(samples, max_micro or MICRO_PER_STAGE * stages)
+    return sorted({micro_split(samples, math.ceil(samples / count)) for count in _counts(samples, most)}, key=len)
 
 
 def time_pipeline(graph: Graph, devices: Sequence[StageDevice], stages: Sequence[Sequence[str]],
@@ -221,8 +272,10 @@ def _timed(sums: _Sums, graph: Graph, devices: Sequence[StageDevice], bounds: Se
     def per_stage(n: int, with_link: Link | None) -> tuple[float, ...]:
         return tuple(sums.stage_s(a, b, d, n, with_link) for (a, b), d in zip(spans, devices))
 
-    times = [per_stage(n, link) for n in sizes]
-    computes = [per_stage(n, None) for n in sizes]
+    timed = {n: per_stage(n, link) for n in set(sizes)}  # (at most two sizes: each timed once)
+    computed = {n: per_stage(n, None) for n in set(sizes)}
+    times = [timed[n] for n in sizes]
+    computes = [computed[n] for n in sizes]
     p = len(devices)
     return PipelinePlan(devices=tuple(d.name for d in devices),
                         stages=tuple(tuple(layer.name for layer in graph.layers[a:b]) for a, b in spans),

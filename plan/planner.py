@@ -1,67 +1,61 @@
-"""The global planner: which devices train, each one's share of the global batch, and why.
+"""The global planner: which devices train, in which layout, each one's share of the batch, and why.
 
-`make_plan(cluster, graph, previous, *, limits) -> PlanResult` is the one decision the coordinator
-asks for whenever the cluster changes (a join, a failure, a drain, a straggler):
+`make_plan(cluster, graph, previous, *, limits, holders, pin) -> PlanResult` is the one decision
+the coordinator asks for whenever the cluster changes (a join, a failure, a drain, a straggler).
+It is one pipeline:
 
-1. Device classes (`Cluster.classes`: same kind and memory cap, similar speed) go to the class-level
-   solver (`plan.milp.solve_dp`: an exact search over ring sizes, or the PuLP MILP on HiGHS), which picks how many devices of each class take part, minimising the
-   predicted step time plus the cost of moving state to devices that did not hold it, amortised
-   over `horizon_steps`. Candidate link scopes are enumerated outside the MILP: every device
-   (inter-host link if they span hosts) and, on a multi-host cluster, each of the few strongest
-   hosts alone (intra-host link).
-2. A cheap second step maps class counts to concrete devices, keeping members of the previous plan
-   first (no state moves to them), and splits the batch per device by real speed and overhead
-   (`assign`), so that every replica finishes compute + overhead together. Memory bounds no
-   share: a device that holds the state and one sample runs a larger share as micro-batches of
-   what fits (`micro_batched`); one that cannot hold the state is left out.
-3. A few plain alternatives are scored with the same cost model (keep the current members,
-   every device, the r fastest): the best of all wins, and the best one that differs is reported
-   as the runner-up, so `ctl plan --explain` can say why the plan beat it.
-4. Hysteresis: if the current plan, re-predicted with today's speeds, is within `MIN_GAIN` of the
-   winner, it is kept (the same assignment, so no new epoch): a re-plan that saves 1% of the step
-   but switches epochs, or moves the whole model, is not taken.
+1. The ready devices -> candidate layouts, enumerated outside any solve (`plan.candidates`):
+   replicated data parallel (the class-level solve with its plain alternatives,
+   `plan._replicated`), FSDP over k members, HSDP r x s, and pipelines pp=P when the model's units
+   form a sequence. A candidate that cannot run (memory, too few devices, a model that cannot be
+   cut) says why; the others are predicted by the cost model.
+2. Every candidate is scored by one objective: the predicted step plus the switch to it (forming
+   the group, moving state to devices that do not hold it) amortised over `horizon_steps`. A pin
+   (`--layout`) keeps only the candidates it admits (and adds the shape it names).
+3. The winner has the least objective. Hysteresis: if the current plan, re-predicted with
+   today's speeds, is within `MIN_GAIN` of the winner, it is kept (the same assignment, so no new
+   epoch): a re-plan that saves 1% of the step but switches epochs, or moves the whole model, is
+   not taken.
+4. The answer lists every candidate weighed (`PlanResult.candidates`: `ctl plan --explain` prints
+   them), the runner-up (the best plan that differs), and why each ready device left out is.
 
-Excluding a device is a legal answer (too slow to pay for its share of the all-reduce, or out of
-memory): it stays on standby and the reason says so. Without a graph of the model (its capture
-failed) the planner falls back to shares by speed over every device (status "heuristic").
-The `even` policy (benchmarks' baseline) splits the batch evenly over every usable device.
-A pinned pipeline (`--layout pp=P`) is planned on its own (`plan._pipeline_pin`): the P fastest
-devices, cut into stages by their speeds and memory; the current cut stays unless a new one gains
-`MIN_GAIN`.
+Excluding a device is a legal answer (too slow to pay for its share of the communication, out of
+memory, or every layout that uses it predicted slower than the winner): it stays on standby and
+the reason says so, naming the best layout that uses it. Before any step is measured the speeds
+are a guess: the replicated candidate takes every usable device and no pipeline is weighed
+unless nothing else fits. Without a graph of the model (its capture failed) the planner falls
+back to shares by speed over every device (status "heuristic"); the `even` policy (benchmarks'
+baseline) splits the batch evenly over every usable device; neither weighs layouts, and a pin cuts
+their members to its degrees.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+import math
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
+from plan._pipeline_pin import NOT_A_SEQUENCE
 from plan._pipeline_pin import describe as describe_pipeline
-from plan._pipeline_pin import moved_bytes, pipeline_plan
+from plan._replicated import Replicated, current, no_replica, replicated, standby_reason, usable
+from plan.candidates import (Alternative, Candidate, Ctx, Weighed, admitted, context, describe, kind, pipelines, sharded,
+                             whole)
 from plan.cluster import Cluster
-from plan.cost import max_micro_batch, samples_that_fit, sharded_static_bytes, static_bytes
+from plan.cost import samples_that_fit, sharded_static_bytes
 from plan.graph import Graph
 from plan.layout import LayoutPin
-from plan.milp import ENGINES, DeviceClass, DpCosts, map_to_devices, solve_dp
-from plan.prediction import MemberCost, Plan, micro_batched, micro_sizes, predict, predict_sharded, repredict
+from plan.milp import ENGINES
+from plan.prediction import MemberCost, Plan, micro_batched, micro_sizes, predict, predict_sharded
 from plan.reshard import least_moving_order
 from plan.shares import assign, split_shares
 
-__all__ = ["Alternative", "MemberCost", "Plan", "PlanLimits", "PlanResult", "assign", "make_plan", "predict",
-           "score_members", "split_shares"]
+__all__ = ["Alternative", "Candidate", "MemberCost", "Plan", "PlanLimits", "PlanResult", "assign", "make_plan",
+           "predict", "score_members", "split_shares"]
 
 MIN_GAIN = 0.03  # a new plan must beat the current one by 3% of step time (noise is a few %)
-HOST_CANDIDATES = 3  # single-host plans tried on a multi-host cluster
-MAX_PREFIX_CANDIDATES = 64  # "the r fastest" alternatives are scored up to this many devices
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Alternative:
-    """A plan the winner was compared with."""
-
-    description: str
-    plan: Plan
-    objective_s: float  # predicted step + amortised switch and migration cost
-    moved_bytes: int
+LEAST_MOVING_UP_TO = 64  # members of a sharded plan ranked where they move least (beyond: rank order)
+GUESSED = ("no step measured yet: pipelines are weighed once speeds are measured (a cut on guessed speeds "
+           "can be far off)")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -96,58 +90,26 @@ class PlanResult:
     standby: tuple[str, ...] = ()  # ready devices the plan leaves out
     standby_why: tuple[str, ...] = ()  # why, one per standby device
     moved_bytes: int = 0
+    candidates: tuple[Candidate, ...] = ()  # the layouts weighed (that a pin admits), the chosen one marked
 
 
-# --- the planner ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _Ctx:
-    cluster: Cluster
-    graph: Graph
-    previous: Plan | None
-    limits: PlanLimits
-    speeds: Mapping[str, float]
-    fixed: Mapping[str, float]  # compute per step that does not grow with the share
-    caps: Mapping[str, float | None]  # the most samples of a share (a member that fits one sample runs any share)
-    holders: frozenset[str]  # devices that hold the training state now
-    micro_caps: Mapping[str, float | None]  # the most samples trained at once beside the whole state
-
-    def ranked(self, members: Sequence[str]) -> list[str]:
-        return _ranked(self.previous, members)
-
-    def balanced(self, members: Sequence[str]) -> Plan | None:
-        members = self.ranked([m for m in members if (self.caps[m] or 0) >= 1])
-        d = self.cluster.devices
-        shares = assign([self.speeds[m] for m in members], [d[m].overhead_s + self.fixed[m] for m in members],
-                        [self.caps[m] or 0.0 for m in members], self.limits.global_batch)
-        if shares is None:
-            return None
-        kept = [(m, s) for m, s in zip(members, shares) if s > 0]
-        return predict(self.cluster, self.graph, [m for m, _ in kept], [s for _, s in kept])
-
-    def score(self, plan: Plan, description: str) -> Alternative:
-        """Predicted step + the switch to it (forming the group, moving state to devices that do
-        not hold it; nothing moves before any device holds state) spread over the horizon."""
-        plan = micro_batched(plan, self.graph, self.micro_caps)
-        moved = sum(m not in self.holders for m in plan.members) * self.graph.state_bytes if self.holders else 0
-        switch = 0.0 if plan.same_assignment(self.previous) else self.cluster.switch_s() + self.cluster.move_s(moved)
-        assert plan.predicted_step_s is not None
-        return Alternative(description=description, plan=plan, moved_bytes=moved,
-                           objective_s=plan.predicted_step_s + switch / self.limits.horizon_steps)
-
-
-def _context(cluster: Cluster, graph: Graph, previous: Plan | None, limits: PlanLimits,
-             holders: Collection[str] | None) -> _Ctx:
-    speeds = cluster.speeds_for(graph.train_flops)
-    micro_caps = {n: max_micro_batch(graph, d.memory_bytes, graph.optimizer_state_factor)
-                  for n, d in cluster.devices.items()}
-    # A replica that trains one sample at once beside its state runs any share, in micro-batches
-    # (`micro_batched`): memory bounds the micro-batch, speed the share.
-    caps = {n: float(limits.global_batch) if (c or 0) >= 1 else c for n, c in micro_caps.items()}
-    held = (previous.members if previous else ()) if holders is None else holders
-    holders = frozenset(m for m in held if m in cluster.devices)
-    return _Ctx(cluster, graph, previous, limits, speeds, cluster.fixed_compute(), caps, holders, micro_caps)
+def make_plan(cluster: Cluster, graph: Graph | None, previous: Plan | None, *, limits: PlanLimits,
+              holders: Collection[str] | None = None, pin: LayoutPin | None = None) -> PlanResult:
+    """The best plan for `cluster` (see the module comment). `holders`: the devices that hold the
+    training state (moving it elsewhere costs); default the previous plan's members. `pin`: layout
+    degrees the operator fixed (`--layout`)."""
+    if not cluster.devices:
+        return PlanResult(plan=None, status="infeasible", reason="no ready devices")
+    pipeline_pin = pin is not None and (pin.pp or 1) > 1
+    if graph is None:
+        if pin is not None and pipeline_pin:
+            return PlanResult(plan=None, status="infeasible", reason=f"--layout {pin.describe()}: {NOT_A_SEQUENCE}")
+        result = _by_speed(cluster, previous.members if previous else tuple(holders or ()), limits)
+        return _pinned(cluster, graph, result, pin, limits) if pin is not None and result.plan is not None else result
+    ctx = context(cluster, graph, previous, limits, holders)
+    if limits.policy == "even" and not pipeline_pin:
+        return _even(ctx, pin)
+    return _choose(ctx, pin)
 
 
 def score_members(cluster: Cluster, graph: Graph, previous: Plan | None, members: Sequence[str], *,
@@ -155,174 +117,236 @@ def score_members(cluster: Cluster, graph: Graph, previous: Plan | None, members
     """`members` with balanced shares, scored as the planner scores its candidates (predicted step
     plus the amortised switch and migration cost); None if they cannot hold the batch. For checking
     the planner against an enumeration of every subset on small clusters."""
-    ctx = _context(cluster, graph, previous, limits, holders)
+    ctx = context(cluster, graph, previous, limits, holders)
     plan = ctx.balanced(members)
     if plan is None or len(plan.members) != len(members):
         return None
     return ctx.score(plan, "enumerated")
 
 
-def make_plan(cluster: Cluster, graph: Graph | None, previous: Plan | None, *, limits: PlanLimits,
-              holders: Collection[str] | None = None, pin: LayoutPin | None = None) -> PlanResult:
-    """The best plan for `cluster` (see the module comment). `holders`: the devices that hold the
-    training state (moving it elsewhere costs); default the previous plan's members. `pin`: layout
-    degrees the operator fixed (`--layout`); the members are then cut to a number they divide, or,
-    for a pipeline, to its stages."""
-    if pin is not None and (pin.pp or 1) > 1:
-        return _pipelined(cluster, graph, previous, pin, limits, holders)
-    result = _make_plan(cluster, graph, previous, limits=limits, holders=holders)
-    if graph is None:
-        return _pinned(cluster, graph, result, pin, limits) if pin is not None and result.plan is not None else result
-    ctx = _context(cluster, graph, previous, limits, holders)
+# --- the choice ------------------------------------------------------------------------------------
+
+
+def _choose(ctx: Ctx, pin: LayoutPin | None) -> PlanResult:
+    """Enumerate, filter by the pin, take the least objective, keep the current plan unless the
+    winner gains MIN_GAIN (module comment)."""
+    guess = not any(d.samples_per_s for d in ctx.cluster.devices.values())
+    weighed: list[Weighed] = []
+    rep: Replicated | None = None
+    if pin is None or (pin.pp or 1) == 1:
+        rep = replicated(ctx)
+        best_rep = rep.best
+        weighed.append(Weighed(describe(best_rep.plan) if best_rep else "dp_replicate",
+                               (1, len(best_rep.plan.members) if best_rep else None, 1), best_rep,
+                               "" if best_rep else no_replica(ctx, rep.reason)))
+        weighed += sharded(ctx, pin=pin, same_as=best_rep.plan.members if best_rep else ())
+        weighed = [w for w in weighed if admitted(pin, w.shape)]
+    # Speeds that are only a guess: no pipeline (its cut rests on them) unless nothing else runs.
+    unless = GUESSED if guess and pin is None and any(w.scored for w in weighed) else ""
+    weighed += pipelines(ctx, pin=pin, unless=unless,
+                         above=min((w.scored.objective_s for w in weighed if w.scored is not None), default=math.inf))
+    weighed = _distinct(weighed)
+    rows = tuple(w.row() for w in weighed)
+    runnable = [w.scored for w in weighed if w.scored is not None]
+    if not runnable:
+        return PlanResult(plan=None, status="infeasible", reason=_none_runs(weighed, rep, pin), candidates=rows)
+
+    best = min(runnable, key=lambda a: a.objective_s)
+    chosen, kept = best, False
+    now = None if guess else current(ctx, rep.keep if rep is not None else None)
+    if (now is not None and admitted(pin, _shape(now.plan)) and not best.plan.same_assignment(now.plan)
+            and _gauge(best, rep) > _gauge(now, rep) * (1 - MIN_GAIN)):
+        chosen, kept = now, True
+    final = _least_moving(ctx, chosen)  # (a sharded plan's ranks where its members' shards move least)
+    rows = tuple(Weighed(w.layout, w.shape, final).row(chosen=True) if w.scored is chosen else w.row()
+                 for w in weighed)
+    if kept:
+        rows += (Weighed(describe(final.plan), _shape(final.plan), final).row(chosen=True),)
+    others = [a for a in (*runnable, *(rep.alternatives if rep else ())) if a is not chosen]
+    runner = best if kept else _runner_up(chosen, others)
+    standby = tuple(sorted(set(ctx.cluster.devices) - set(chosen.plan.members)))
+    using: dict[str, Alternative] = {}  # per device, the best candidate that uses it
+    for a in sorted(runnable, key=lambda a: -a.objective_s):
+        using.update((m, a) for m in a.plan.members)
+    why_out = tuple(_standby_why(ctx, n, chosen, using.get(n), pin, kept=kept) for n in standby)
+    reason = _reason(ctx, chosen, best, runnable, rep, pin, kept=kept)
+    if standby:
+        reason += "; on standby: " + ", ".join(f"{n} ({r})" for n, r in zip(standby, why_out))
+    status = rep.status if rep is not None and rep.best is not None else "optimal"
+    return PlanResult(plan=final.plan, status=status, reason=reason, objective_s=final.objective_s,
+                      runner_up=runner, standby=standby, standby_why=why_out, moved_bytes=final.moved_bytes,
+                      candidates=rows)
+
+
+def _distinct(weighed: list[Weighed]) -> list[Weighed]:
+    """`weighed` without a plan found twice (the same layout of the same devices), the first kept."""
+    seen: set[tuple[tuple[int, int | None, int], frozenset[str]]] = set()
+    out = []
+    for w in weighed:
+        key = (w.shape, frozenset(w.scored.plan.members if w.scored is not None else ()))
+        if w.scored is None or key not in seen:
+            seen.add(key)
+            out.append(w)
+    return out
+
+
+def _gauge(a: Alternative, rep: Replicated | None) -> float:
+    """What hysteresis compares: the objective; a pinned pipeline (no replicated candidate) weighs
+    its cut alone, by the predicted step, since the operator chose the layout."""
+    return a.objective_s if rep is not None else a.plan.predicted_step_s or 0.0
+
+
+def _shape(plan: Plan) -> tuple[int, int, int]:
+    """(pp, dp_replicate, dp_shard) of `plan` (without building its layout)."""
+    return plan.pp, len(plan.members) // (plan.pp * plan.dp_shard), plan.dp_shard
+
+
+def _none_runs(weighed: list[Weighed], rep: Replicated | None, pin: LayoutPin | None) -> str:
+    """Why nothing can train: the pinned shape's reason, else the replicated candidate's."""
     if pin is not None:
-        if result.plan is None and pin.dp_shard != 1:
-            # No replica fits, but the pin allows sharding: the members that can hold a shard.
-            sharded = _sharded(ctx)
-            if sharded is not None:
-                result = replace(result, plan=sharded, status="optimal", reason="no replica fits")
-        result = _pinned(cluster, graph, result, pin, limits) if result.plan is not None else result
-    elif limits.policy != "even":
-        result = _with_sharding(ctx, result)
-    if result.plan is not None and result.plan.dp_shard == 1:  # a replica's share in micro-batches
-        result = replace(result, plan=micro_batched(result.plan, graph, ctx.micro_caps))
-    elif result.plan is not None:
-        result = _least_moving(ctx, result)
-    return result
+        said = [w.why_not for w in weighed if w.why_not.startswith("--layout")] or [w.why_not for w in weighed]
+        return said[0] if said else f"--layout {pin.describe()}: no layout weighed has these degrees"
+    assert rep is not None
+    return rep.reason
 
 
-def _least_moving(ctx: _Ctx, result: PlanResult) -> PlanResult:
+def _runner_up(chosen: Alternative, others: list[Alternative]) -> Alternative | None:
+    """The best plan that differs from `chosen`: in its members or its layout where one does."""
+    mine = (set(chosen.plan.members), _shape(chosen.plan))
+    differ = [a for a in others if (set(a.plan.members), _shape(a.plan)) != mine]
+    differ = differ or [a for a in others if not a.plan.same_assignment(chosen.plan)]
+    return min(differ, key=lambda a: a.objective_s) if differ else None
+
+
+def _ms(a: Alternative) -> str:
+    assert a.plan.predicted_step_s is not None
+    return f"{a.plan.predicted_step_s * 1e3:.1f}"
+
+
+def _summary(a: Alternative) -> str:
+    return f"{a.description}: {len(a.plan.members)} devices, {a.plan.predicted_step_s:.4g} s/step"
+
+
+def _reason(ctx: Ctx, chosen: Alternative, best: Alternative, runnable: list[Alternative], rep: Replicated | None,
+            pin: LayoutPin | None, *, kept: bool) -> str:
+    plan, speeds = chosen.plan, dict(ctx.speeds)
+    pinned = f"layout pinned by --layout {pin.describe()}" if pin is not None else ""
+    if kept:
+        other = describe_pipeline(best.plan, speeds) if best.plan.pp > 1 else _summary(best)
+        text = (f"kept the current cut ({describe_pipeline(plan, speeds)}): the best other ({other})"
+                if plan.pp > 1 else f"kept {chosen.description}: the best other plan ({other})")
+        text += f" gains less than {MIN_GAIN:.0%} of a step"
+        return f"{pinned}: {text}" if pinned else text
+    if plan.pp > 1 and pinned:
+        return f"{pinned}: {describe_pipeline(plan, speeds)}"
+    solved = rep.reason if rep is not None else ""
+    replica = rep.best if rep is not None else None
+    if whole(plan):
+        text = solved
+        rest = [a for a in runnable if not whole(a.plan)]
+        if rest and not pinned:
+            fastest = min(rest, key=lambda a: a.objective_s)
+            text += f"; replicated: {fastest.description} would take {_ms(fastest)} ms/step"
+    elif replica is None:
+        state = ctx.graph.param_bytes * (2.0 + ctx.graph.optimizer_state_factor)
+        biggest = max(dev.memory_bytes for dev in ctx.cluster.devices.values())
+        text = (f"{kind(plan)}: no replica fits (parameters, gradients and optimizer state need "
+                f"{state / 2**20:.1f} MiB, the largest device has {biggest / 2**20:.1f} MiB); ")
+        if plan.pp > 1:
+            text += describe_pipeline(plan, speeds)
+        else:
+            copies = (" with a copy of another's shard" if len(plan.members) == plan.dp_shard
+                      else " (the other replicas hold the copies)")
+            text += f"each member holds {max(c.memory_bytes for c in plan.costs) / 2**20:.1f} MiB or less{copies}"
+        text += f" ({solved})"
+    else:
+        detail = f" ({describe_pipeline(plan, speeds)})" if plan.pp > 1 else ""
+        text = f"{kind(plan)}{detail}: predicted {_ms(chosen)} against {_ms(replica)} ms/step replicated"
+    return f"{text}; {pinned}: {describe(plan)}" if pinned else text
+
+
+def _standby_why(ctx: Ctx, name: str, chosen: Alternative, other: Alternative | None, pin: LayoutPin | None, *,
+                  kept: bool) -> str:
+    """Why `name` is left out: memory, --max-workers, the pin, hysteresis, or (a layout that is not
+    replicated) the best layout that uses it (`other`) and both predictions."""
+    if whole(chosen.plan):
+        why = standby_reason(ctx, name, chosen, kept=kept)
+        return "not in the pinned layout" if pin is not None and not why.startswith(("its memory", "no room")) else why
+    if pin is not None:
+        return "not in the pinned layout"
+    if ctx.limits.max_workers is not None and len(chosen.plan.members) >= ctx.limits.max_workers:
+        return f"--max-workers {ctx.limits.max_workers}"
+    if kept:
+        return f"the current members are kept: a plan with it gains less than {MIN_GAIN:.0%} of a step"
+    if other is None:
+        return "its memory holds no part of any layout weighed"
+    return (f"{describe(chosen.plan)} over {len(chosen.plan.members)} predicts {_ms(chosen)} ms/step "
+            f"(objective {chosen.objective_s * 1e3:.1f} ms); the best layout that uses it, "
+            f"{describe(other.plan)} over {len(other.plan.members)}, predicts {_ms(other)} ms/step "
+            f"(objective {other.objective_s * 1e3:.1f} ms)")
+
+
+def _least_moving(ctx: Ctx, chosen: Alternative) -> Alternative:
     """A sharded plan whose members changed, in the rank order that moves the fewest bytes from
     what the holders hold (`plan.reshard.least_moving_order`: e.g. a 4th member placed between two
     holders moves a seventh less of the state than one appended), with those bytes as its
     `moved_bytes`. The members, their shares and the prediction are unchanged: only who holds
     which chunk."""
-    plan, previous = result.plan, ctx.previous
-    assert plan is not None
-    if previous is None or (set(plan.members) == set(previous.members) and plan.dp_shard == previous.dp_shard):
-        return result
+    plan, previous = chosen.plan, ctx.previous
+    if (plan.dp_shard == 1 or plan.pp > 1 or previous is None or len(plan.members) > LEAST_MOVING_UP_TO
+            or (set(plan.members) == set(previous.members) and plan.dp_shard == previous.dp_shard)):
+        return chosen  # (beyond LEAST_MOVING_UP_TO the search, a reshard per position tried, is O(n^3))
     hosts = {n: d.host for n, d in ctx.cluster.devices.items()}
-    order, fraction = least_moving_order(previous.layout, ctx.holders, plan.members, dp_shard=plan.dp_shard,
-                                         hosts=hosts)
-    return replace(result, plan=plan.reordered(order), moved_bytes=round(fraction * ctx.graph.state_bytes))
+    order, fraction = least_moving_order(ctx.before, ctx.holders, plan.members, dp_shard=plan.dp_shard, hosts=hosts)
+    return replace(chosen, plan=plan.reordered(order), moved_bytes=round(fraction * ctx.graph.state_bytes))
 
 
-def _sharded(ctx: _Ctx) -> Plan | None:
-    """The best fully sharded plan (FSDP2 over every member, a ring of copies): the most devices
-    whose memory holds a member's shard, gathered unit and copy (fewer members hold bigger shards:
-    the set is shrunk until it is stable), shares balanced within what fits beside that; None
-    when fewer than two fit or they cannot hold the batch."""
-    g, d = ctx.graph, ctx.cluster.devices
-    members = sorted(d, key=lambda n: (-ctx.speeds[n], n))[: ctx.limits.max_workers or len(d)]
-    while len(members) >= 2:
-        static = sharded_static_bytes(g, len(members), optimizer_state_factor=g.optimizer_state_factor)
-        caps = {n: samples_that_fit(d[n].memory_bytes, static, g.activation_bytes) for n in members}
-        fit = [n for n in members if (caps[n] or 0) >= 1]
-        if len(fit) == len(members):
-            break
-        members = fit
-    if len(members) < 2:
-        return None
-    members = ctx.ranked(members)
-    # A member runs its share in micro-batches of what fits beside its shard: memory bounds the
-    # micro-batch, not the share.
-    shares = assign([ctx.speeds[m] for m in members], [d[m].overhead_s + ctx.fixed[m] for m in members],
-                    [float(ctx.limits.global_batch)] * len(members), ctx.limits.global_batch)
-    if shares is None:
-        return None
-    return predict_sharded(ctx.cluster, g, members, shares, micro_sizes(shares, [caps[m] for m in members]))
+# --- without the cost model's choice of layout --------------------------------------------------------
 
 
-def _hsdp(ctx: _Ctx) -> list[Plan]:
-    """HSDP plans, one per shard degree S: R >= 2 replicas of S >= 2 members each, FSDP2 within a
-    replica and each gradient shard summed across replicas. No ring of copies: every replica holds
-    every shard, so any single failure loses nothing and a member needs no room for another's
-    shard. The fastest devices that hold a shard beside one sample, as many whole replicas as
-    they fill, shares balanced by speed."""
-    g, d = ctx.graph, ctx.cluster.devices
-    ranked = sorted(d, key=lambda n: (-ctx.speeds[n], n))[: ctx.limits.max_workers or len(d)]
-    out: list[Plan] = []
-    for shards in range(2, len(ranked) // 2 + 1):
-        static = sharded_static_bytes(g, shards, copies=False, optimizer_state_factor=g.optimizer_state_factor)
-        caps = {n: samples_that_fit(d[n].memory_bytes, static, g.activation_bytes) for n in ranked}
-        fit = [n for n in ranked if (caps[n] or 0) >= 1]
-        replicas = len(fit) // shards
-        if replicas < 2:
-            continue
-        members = ctx.ranked(fit[: replicas * shards])
-        shares = assign([ctx.speeds[m] for m in members], [d[m].overhead_s + ctx.fixed[m] for m in members],
-                        [float(ctx.limits.global_batch)] * len(members), ctx.limits.global_batch)
-        if shares is not None:
-            out.append(predict_sharded(ctx.cluster, g, members, shares, micro_sizes(shares, [caps[m] for m in members]),
-                                       replicas=replicas))
-    return out
+def _even(ctx: Ctx, pin: LayoutPin | None) -> PlanResult:
+    """`--planner even`: every usable device (previous members first), the batch split evenly; a
+    pin cuts the members to its degrees."""
+    fits = usable(ctx)
+    keep = [m for m in (ctx.previous.members if ctx.previous else ()) if m in fits]
+    members = (keep + [n for n in fits if n not in keep])[: ctx.limits.max_workers or len(fits)]
+    shares = split_shares(ctx.limits.global_batch, [1.0] * len(members))
+    if not members or any(s > (ctx.caps[m] or 0) for m, s in zip(members, shares)):
+        return PlanResult(plan=None, status="infeasible", reason="an even split does not fit in memory")
+    plan = predict(ctx.cluster, ctx.graph, members, shares)
+    result = PlanResult(plan=plan, status="even", objective_s=plan.predicted_step_s,
+                        reason=f"even split over {len(members)} devices (--planner even)")
+    if pin is not None:
+        result = _pinned(ctx.cluster, ctx.graph, result, pin, ctx.limits)
+    if result.plan is None:
+        return result
+    if result.plan.dp_shard > 1:
+        assert result.objective_s is not None
+        ranked = _least_moving(ctx, Alternative(description="", plan=result.plan, objective_s=result.objective_s,
+                                                moved_bytes=result.moved_bytes))
+        return replace(result, plan=ranked.plan, moved_bytes=ranked.moved_bytes)
+    return replace(result, plan=micro_batched(result.plan, ctx.graph, ctx.micro_caps))
 
 
-def _sharded_kind(plan: Plan) -> str:
-    """How a sharded plan is named in reasons: "sharded over 3 members (FSDP2)" or "HSDP: 2 replicas
-    of 2 shards"."""
-    replicas = len(plan.members) // plan.dp_shard
-    if replicas == 1:
-        return f"sharded over {len(plan.members)} members (FSDP2)"
-    return f"HSDP: {replicas} replicas of {plan.dp_shard} shards"
-
-
-def _sharded_standby_reason(ctx: _Ctx, name: str, plan: Plan) -> str:
-    replicas = len(plan.members) // plan.dp_shard
-    g = ctx.graph
-    static = sharded_static_bytes(g, plan.dp_shard, copies=replicas == 1, optimizer_state_factor=g.optimizer_state_factor)
-    if (samples_that_fit(ctx.cluster.devices[name].memory_bytes, static, g.activation_bytes) or 0) < 1:
-        return "its memory cannot hold a shard"
-    if replicas > 1:
-        return f"HSDP takes whole replicas of {plan.dp_shard}: it would start another"
-    if ctx.limits.max_workers is not None and len(plan.members) >= ctx.limits.max_workers:
-        return f"--max-workers {ctx.limits.max_workers}"
-    return "left out of the sharded plan"
-
-
-def _with_sharding(ctx: _Ctx, replicated: PlanResult) -> PlanResult:
-    """The layout decision: the best sharded layout (fully sharded or HSDP, by the same objective)
-    exactly when it is faster than the replicated plan by the cost model (by MIN_GAIN) or when no
-    replicated plan fits; the reason says which, with the other as runner-up."""
-    candidates = [ctx.score(p, _sharded_kind(p)) for p in (_sharded(ctx), *_hsdp(ctx))
-                  if p is not None and p.predicted_step_s is not None]
-    if not candidates:
-        return replicated
-    alt = min(candidates, key=lambda a: a.objective_s)
-    sharded, kind = alt.plan, alt.description
-    assert sharded.predicted_step_s is not None
-    out = tuple(sorted(set(ctx.cluster.devices) - set(sharded.members)))
-    out_why = tuple(_sharded_standby_reason(ctx, n, sharded) for n in out)
-    copy_note = (" with a copy of another's shard" if len(sharded.members) == sharded.dp_shard
-                 else " (the other replicas hold the copies)")
-    state = ctx.graph.param_bytes * (2.0 + ctx.graph.optimizer_state_factor)
-    if replicated.plan is None:
-        biggest = max(dev.memory_bytes for dev in ctx.cluster.devices.values())
-        why = (f"{kind}: no replica fits (parameters, gradients and optimizer state need {state / 2**20:.1f} MiB, "
-               f"the largest device has {biggest / 2**20:.1f} MiB); each member holds "
-               f"{max(c.memory_bytes for c in sharded.costs) / 2**20:.1f} MiB or less{copy_note} ({replicated.reason})")
-        others = [a for a in candidates if a is not alt]
-        runner = min(others, key=lambda a: a.objective_s) if others else None
-        return PlanResult(plan=sharded, status="optimal", reason=why, objective_s=alt.objective_s, runner_up=runner,
-                          standby=out, standby_why=out_why)
-    assert replicated.objective_s is not None and replicated.plan.predicted_step_s is not None
-    if replicated.plan.dp_shard > 1:  # the planner kept the current (sharded) plan: a new one must beat it
-        if alt.objective_s < replicated.objective_s * (1 - MIN_GAIN) and not sharded.same_assignment(replicated.plan):
-            return replace(replicated, plan=sharded, objective_s=alt.objective_s, reason=f"{kind}, re-balanced")
-        return replicated
-    if alt.objective_s < replicated.objective_s * (1 - MIN_GAIN):
-        runner = Alternative(description="replicated", plan=replicated.plan, objective_s=replicated.objective_s,
-                             moved_bytes=replicated.moved_bytes)
-        why = (f"{kind}: predicted {sharded.predicted_step_s * 1e3:.1f} "
-               f"against {replicated.plan.predicted_step_s * 1e3:.1f} ms/step replicated")
-        return replace(replicated, plan=sharded, reason=why, objective_s=alt.objective_s, runner_up=runner,
-                       standby=out, standby_why=out_why)
-    return replace(replicated, reason=f"{replicated.reason}; replicated: {kind} "
-                                      f"would take {sharded.predicted_step_s * 1e3:.1f} ms/step")
+def _by_speed(cluster: Cluster, before: Sequence[str], limits: PlanLimits) -> PlanResult:
+    """No graph of the model: every device (up to max_workers) in, shares by speed; devices of
+    the previous plan (`before`) keep their ranks."""
+    speeds = cluster.speeds()
+    kept = [m for m in before if m in speeds][: limits.max_workers]
+    newcomers = sorted((n for n in speeds if n not in kept), key=lambda n: (-speeds[n], n))
+    if limits.max_workers is not None:
+        newcomers = newcomers[: max(limits.max_workers - len(kept), 0)]
+    members = kept + sorted(newcomers)
+    shares = split_shares(limits.global_batch, [speeds[m] for m in members])
+    plan = predict(cluster, None, members, shares)
+    return PlanResult(plan=plan, status="heuristic",
+                      reason=f"no graph of the model: {len(members)} replicas, shares by speed")
 
 
 def _pinned(cluster: Cluster, graph: Graph | None, result: PlanResult, pin: LayoutPin, limits: PlanLimits) -> PlanResult:
-    """`result` cut to the pinned degrees: the fastest members that fill replicas × shards, their
-    shares re-balanced (a sharded member may have none: it still holds its shard)."""
+    """`result` (made without weighing layouts: no graph, or `--planner even`) cut to the pinned
+    degrees: the fastest members that fill replicas × shards, their shares re-balanced (a sharded
+    member may have none: it still holds its shard)."""
     assert result.plan is not None
     members = list(result.plan.members)
     n = len(members)
@@ -367,245 +391,3 @@ def _pinned(cluster: Cluster, graph: Graph | None, result: PlanResult, pin: Layo
     why = f"{result.reason}; layout pinned by --layout {pin.describe()}: {plan.layout.describe()}"
     return replace(result, plan=plan, reason=why, standby=result.standby + cut,
                    standby_why=result.standby_why + ("not in the pinned layout",) * len(cut))
-
-
-def _pipelined(cluster: Cluster, graph: Graph | None, previous: Plan | None, pin: LayoutPin, limits: PlanLimits,
-               holders: Collection[str] | None) -> PlanResult:
-    """The pinned pipeline (`plan._pipeline_pin`) over the ready devices, every other one on standby;
-    the current cut, re-predicted, when the new one gains less than MIN_GAIN of a step."""
-    assert pin.pp is not None
-    before = previous.layout if previous else None
-    found = pipeline_plan(cluster, graph, _ranked(previous, list(cluster.devices)), before, pin.pp,
-                          global_batch=limits.global_batch, pin=pin.describe())
-    if isinstance(found, str):
-        return PlanResult(plan=None, status="infeasible", reason=found)
-    assert graph is not None and found.predicted_step_s is not None
-    speeds = cluster.speeds_for(graph.train_flops)
-    plan, why = found, f"layout pinned by --layout {pin.describe()}: {describe_pipeline(found, speeds)}"
-    if (previous is not None and previous.pp == found.pp and set(previous.members) <= set(cluster.devices)
-            and previous.global_batch == limits.global_batch and not found.same_assignment(previous)):
-        current = repredict(cluster, graph, previous)
-        assert current.predicted_step_s is not None
-        if found.predicted_step_s > current.predicted_step_s * (1 - MIN_GAIN):
-            plan, why = current, (f"layout pinned by --layout {pin.describe()}: kept the current cut "
-                                  f"({describe_pipeline(current, speeds)}): the best other "
-                                  f"({describe_pipeline(found, speeds)}) gains less than {MIN_GAIN:.0%} of a step")
-    held = (previous.members if previous else ()) if holders is None else holders
-    moved = moved_bytes(graph, before, [m for m in held if m in cluster.devices], plan)
-    switch = 0.0 if plan.same_assignment(previous) else cluster.switch_s() + cluster.move_s(moved)
-    assert plan.predicted_step_s is not None
-    standby = tuple(sorted(set(cluster.devices) - set(plan.members)))
-    return PlanResult(plan=plan, status="optimal", reason=why, moved_bytes=moved, standby=standby,
-                      objective_s=plan.predicted_step_s + switch / limits.horizon_steps,
-                      standby_why=("not in the pinned layout",) * len(standby))
-
-
-def _ranked(previous: Plan | None, members: Sequence[str]) -> list[str]:
-    """Rank order: members of the previous plan keep theirs, newcomers follow in name order."""
-    before = list(previous.members) if previous else []
-    return [m for m in before if m in members] + sorted(m for m in members if m not in before)
-
-
-def _make_plan(cluster: Cluster, graph: Graph | None, previous: Plan | None, *, limits: PlanLimits,
-               holders: Collection[str] | None = None) -> PlanResult:
-    if not cluster.devices:
-        return PlanResult(plan=None, status="infeasible", reason="no ready devices")
-    if graph is None:
-        return _by_speed(cluster, previous.members if previous else tuple(holders or ()), limits)
-    ctx = _context(cluster, graph, previous, limits, holders)
-    speeds = ctx.speeds
-    usable = sorted((n for n in cluster.devices if (ctx.caps[n] or 0) >= 1), key=lambda n: (-speeds[n], n))
-    if limits.policy == "even":
-        return _even(ctx, usable)
-    if not any(d.samples_per_s for d in cluster.devices.values()):
-        return _uncalibrated(ctx, usable)
-
-    solved: list[tuple[Alternative, str, str]] = []  # (scored plan, status, reason)
-    infeasible: list[str] = []
-    for scope in _scopes(cluster, usable, speeds):
-        outcome = _solve(ctx, scope)
-        if isinstance(outcome, str):
-            infeasible.append(outcome)
-        else:
-            solved.append(outcome)
-    if not solved:
-        reason = infeasible[0] if infeasible else _nothing_fits(ctx)
-        return PlanResult(plan=None, status="infeasible", reason=reason)
-
-    best, status, reason = min(solved, key=lambda s: s[0].objective_s)
-    keep = _keep_members(ctx, usable)
-    alternatives = [a for a, _, _ in solved if a is not best] + _alternatives(ctx, usable, keep)
-    for alt in alternatives:
-        if alt.objective_s < best.objective_s - 1e-12:  # a plain plan beat the class-level solve
-            best, reason = alt, f"{reason}; {alt.description} scored better"
-    runner = _runner_up(best, alternatives)
-    chosen, why = best, reason
-    current = _current(ctx, keep)
-    if (current is not None and not best.plan.same_assignment(current.plan)
-            and best.objective_s > current.objective_s * (1 - MIN_GAIN)):
-        chosen, runner = current, best
-        why = (f"kept {current.description}: the best other plan ({_summary(best)}) gains less than "
-               f"{MIN_GAIN:.0%} of a step")
-    standby = tuple(sorted(set(cluster.devices) - set(chosen.plan.members)))
-    reasons = tuple(_standby_reason(ctx, n, chosen, kept=chosen is not best) for n in standby)
-    if standby:
-        why += "; on standby: " + ", ".join(f"{n} ({r})" for n, r in zip(standby, reasons))
-    return PlanResult(plan=chosen.plan, status=status, reason=why, objective_s=chosen.objective_s,
-                      runner_up=runner, standby=standby, standby_why=reasons, moved_bytes=chosen.moved_bytes)
-
-
-def _scopes(cluster: Cluster, usable: list[str], speeds: Mapping[str, float]) -> list[list[str]]:
-    """Every usable device, and on a multi-host cluster each of the strongest hosts alone."""
-    scopes = [usable]
-    hosts: dict[str, list[str]] = {}
-    for n in usable:
-        hosts.setdefault(cluster.devices[n].host, []).append(n)
-    if len(hosts) > 1:
-        strongest = sorted(hosts.values(), key=lambda ns: -sum(speeds[n] for n in ns))
-        scopes += strongest[:HOST_CANDIDATES]
-    return scopes
-
-
-def _solve(ctx: _Ctx, scope: list[str]) -> tuple[Alternative, str, str] | str:
-    """The class-level solve over `scope`; returns the scored plan, or why nothing fits."""
-    if not scope:
-        return "no device can hold the model"
-    g, cluster = ctx.graph, ctx.cluster
-    groups = cluster.classes(ctx.speeds, ctx.caps, names=scope)
-    classes = [DeviceClass(name=cname, available=len(ms),
-                           samples_per_s=sum(ctx.speeds[m] for m in ms) / len(ms),
-                           memory_bytes=min(cluster.devices[m].memory_bytes for m in ms)) for cname, ms in groups]
-    # Every device in scope fits one sample beside its state, and runs a larger share as
-    # micro-batches: memory bounds no share here (the activations per sample count as none).
-    costs = replace(DpCosts.from_graph(g, cluster.link(scope), optimizer_state_factor=g.optimizer_state_factor),
-                    activation_bytes_per_sample=0.0)
-    previous_counts = ({cname: sum(m in ctx.holders for m in ms) for cname, ms in groups}
-                       if ctx.holders else None)
-    result = solve_dp(classes, costs, ctx.limits.global_batch, time_limit_s=ctx.limits.time_limit_s,
-                      previous_counts=previous_counts,
-                      migration_s_per_device=cluster.move_s(g.state_bytes),
-                      horizon_steps=ctx.limits.horizon_steps, max_devices=ctx.limits.max_workers,
-                      engine=ctx.limits.engine)
-    if result.status == "infeasible":
-        return result.reason
-    order = {cname: ms for cname, ms in groups}  # fastest first within a class
-    plan = ctx.balanced(map_to_devices(result.counts, order, ctx.ranked(list(ctx.holders))))
-    if plan is None:
-        return f"the solver's counts ({result.reason}) do not hold the batch per device"
-    return ctx.score(plan, "the solver's plan"), result.status, result.reason
-
-
-def _keep_members(ctx: _Ctx, usable: list[str]) -> Alternative | None:
-    """The devices that hold the state now (up to max_workers), re-balanced."""
-    cap = ctx.limits.max_workers or len(usable)
-    kept = ctx.ranked([m for m in ctx.holders if m in usable])[:cap]
-    p = ctx.balanced(kept) if kept else None
-    return ctx.score(p, f"keeping the current {len(kept)} members, re-balanced") if p is not None else None
-
-
-def _alternatives(ctx: _Ctx, usable: list[str], keep: Alternative | None) -> list[Alternative]:
-    """Plain plans scored with the same cost model (`keep` first)."""
-    cap = ctx.limits.max_workers or len(usable)
-    out: list[Alternative] = [keep] if keep is not None else []
-    kept = list(keep.plan.members) if keep is not None else []
-    everyone = kept + [n for n in usable if n not in kept]
-    if (p := ctx.balanced(everyone[:cap])) is not None:
-        out.append(ctx.score(p, f"every usable device ({min(cap, len(everyone))})"))
-    if len(usable) <= MAX_PREFIX_CANDIDATES:
-        for r in range(1, min(cap, len(usable))):
-            if (p := ctx.balanced(usable[:r])) is not None:
-                out.append(ctx.score(p, f"the {r} fastest devices"))
-    return out
-
-
-def _current(ctx: _Ctx, keep: Alternative | None) -> Alternative | None:
-    """What "not changing" means now: the current plan as it is when all its members are still
-    here, else (after a failure or a leave) its surviving members re-balanced."""
-    previous = ctx.previous
-    if (previous is not None and previous.global_batch == ctx.limits.global_batch
-            and set(previous.members) <= set(ctx.cluster.devices)):
-        return ctx.score(repredict(ctx.cluster, ctx.graph, previous), "the current plan")
-    return keep
-
-
-def _runner_up(best: Alternative, alternatives: list[Alternative]) -> Alternative | None:
-    others = [a for a in alternatives if set(a.plan.members) != set(best.plan.members)]
-    if not others:
-        others = [a for a in alternatives if not a.plan.same_assignment(best.plan)]
-    return min(others, key=lambda a: a.objective_s) if others else None
-
-
-def _summary(a: Alternative) -> str:
-    return f"{a.description}: {len(a.plan.members)} devices, {a.plan.predicted_step_s:.4g} s/step"
-
-
-def _standby_reason(ctx: _Ctx, name: str, chosen: Alternative, *, kept: bool) -> str:
-    cap = ctx.caps[name]
-    if cap is None:
-        return "its memory cannot hold the model's state"
-    if cap < 1:
-        return "no room for one sample's activations"
-    if ctx.limits.max_workers is not None and len(chosen.plan.members) >= ctx.limits.max_workers:
-        return f"--max-workers {ctx.limits.max_workers}"
-    if kept:
-        return "the current members are kept: a plan with it gains less than 3% of a step"
-    fixed = ctx.fixed.get(name, 0.0) + ctx.cluster.devices[name].overhead_s
-    per_step = f" after {fixed * 1e3:.0f} ms per step whatever its share" if fixed >= 1e-3 else ""
-    return f"too slow to pay for its part of the step's communication: {ctx.speeds[name]:.3g} samples/s{per_step}"
-
-
-def _too_small(ctx: _Ctx, usable: list[str]) -> str:
-    if not usable:
-        return _nothing_fits(ctx)
-    caps = {n: ctx.caps[n] or 0.0 for n in usable}
-    total = sum(min(c, float(ctx.limits.global_batch)) for c in caps.values())
-    each = "; ".join(f"{n}: {c:.0f} samples" for n, c in sorted(caps.items()))
-    return (f"global batch {ctx.limits.global_batch} does not fit in memory; a global batch of at most "
-            f"{total:.0f} would fit ({each})")
-
-
-def _nothing_fits(ctx: _Ctx) -> str:
-    static = static_bytes(ctx.graph.param_bytes, ctx.graph.optimizer_state_factor)
-    parts = [f"{n}: {d.memory_bytes / 2**20:.1f} MiB" for n, d in sorted(ctx.cluster.devices.items())]
-    return (f"no device can hold the model: parameters, gradients and optimizer state need "
-            f"{static / 2**20:.1f} MiB plus {ctx.graph.activation_bytes / 2**10:.1f} KiB per sample "
-            f"({'; '.join(parts)})")
-
-
-def _uncalibrated(ctx: _Ctx, usable: list[str]) -> PlanResult:
-    """Before any step is measured, FLOPs are all the cost model knows, and they can be off by
-    orders of magnitude for small models (Python overhead, unformulated kernels): no device is
-    left out on such a guess. Every usable device trains (up to max_workers), shares by calibrated
-    FLOP/s within memory; the measured steps that follow re-plan with the real speeds."""
-    plan = ctx.balanced(usable[: ctx.limits.max_workers or len(usable)])
-    if plan is None:
-        return PlanResult(plan=None, status="infeasible", reason=_too_small(ctx, usable))
-    return PlanResult(plan=plan, status="heuristic", objective_s=plan.predicted_step_s,
-                      reason=f"no step measured yet: every usable device ({len(plan.members)}), shares by "
-                             "calibrated FLOP/s; re-planned once steps are measured")
-
-
-def _even(ctx: _Ctx, usable: list[str]) -> PlanResult:
-    keep = [m for m in (ctx.previous.members if ctx.previous else ()) if m in usable]
-    members = (keep + [n for n in usable if n not in keep])[: ctx.limits.max_workers or len(usable)]
-    shares = split_shares(ctx.limits.global_batch, [1.0] * len(members))
-    if not members or any(s > (ctx.caps[m] or 0) for m, s in zip(members, shares)):
-        return PlanResult(plan=None, status="infeasible", reason="an even split does not fit in memory")
-    plan = predict(ctx.cluster, ctx.graph, members, shares)
-    return PlanResult(plan=plan, status="even", reason=f"even split over {len(members)} devices (--planner even)",
-                      objective_s=plan.predicted_step_s)
-
-
-def _by_speed(cluster: Cluster, before: Sequence[str], limits: PlanLimits) -> PlanResult:
-    """No graph of the model: every device (up to max_workers) in, shares by speed; devices of
-    the previous plan (`before`) keep their ranks."""
-    speeds = cluster.speeds()
-    kept = [m for m in before if m in speeds][: limits.max_workers]
-    newcomers = sorted((n for n in speeds if n not in kept), key=lambda n: (-speeds[n], n))
-    if limits.max_workers is not None:
-        newcomers = newcomers[: max(limits.max_workers - len(kept), 0)]
-    members = kept + sorted(newcomers)
-    shares = split_shares(limits.global_batch, [speeds[m] for m in members])
-    plan = predict(cluster, None, members, shares)
-    return PlanResult(plan=plan, status="heuristic",
-                      reason=f"no graph of the model: {len(members)} replicas, shares by speed")

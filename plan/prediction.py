@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from plan.cluster import Cluster
-from plan.cost import allreduce_s, memory_bytes, sharded_static_bytes, step_comm_s
+from plan.cost import allreduce_s, memory_bytes, sharded_static_bytes, static_bytes, step_comm_s
 from plan.graph import Graph
 from plan.layout import Layout
 from plan.pipeline import PipelinePlan, StageDevice, micro_split, time_pipeline
@@ -83,20 +83,19 @@ def predict(cluster: Cluster, graph: Graph | None, members: Sequence[str], share
     """The plan `members`/`shares` with the cost model's prediction of its step."""
     speeds = cluster.speeds_for(graph.train_flops if graph else 0.0)
     fixed = cluster.fixed_compute()
-    costs = []
-    busiest = 0.0
-    for name, share in zip(members, shares):
-        d = cluster.devices[name]
-        compute = fixed[name] + share / speeds[name] if share > 0 else 0.0
-        busiest = max(busiest, compute + d.overhead_s)
-        costs.append(MemberCost(name=name, samples=share, speed=speeds[name], compute_s=compute,
-                                overhead_s=d.overhead_s, wait_s=0.0, memory_bytes=0.0))
+    overheads = [cluster.devices[name].overhead_s for name in members]
+    computes = [fixed[name] + share / speeds[name] if share > 0 else 0.0 for name, share in zip(members, shares)]
+    busiest = max((c + o for c, o in zip(computes, overheads)), default=0.0)
     comm = None if graph is None else allreduce_s(graph.param_bytes, len(members), cluster.link(members))
-    costs = [replace(c, wait_s=busiest - c.compute_s - c.overhead_s,
-                     memory_bytes=0.0 if graph is None else memory_bytes(graph, c.samples, graph.optimizer_state_factor))
-             for c in costs]
+    # (memory_bytes(graph, share), its parts taken once: a thousand members sum the layers once)
+    static = 0.0 if graph is None else static_bytes(graph.param_bytes, graph.optimizer_state_factor)
+    per_sample = 0.0 if graph is None else graph.activation_bytes
+    costs = tuple(MemberCost(name=name, samples=share, speed=speeds[name], compute_s=compute, overhead_s=overhead,
+                             wait_s=busiest - compute - overhead,
+                             memory_bytes=0.0 if graph is None else static + per_sample * share)
+                  for name, share, compute, overhead in zip(members, shares, computes, overheads))
     return Plan(members=tuple(members), shares=tuple(shares),
-                predicted_step_s=None if comm is None else busiest + comm, comm_s=comm, costs=tuple(costs))
+                predicted_step_s=None if comm is None else busiest + comm, comm_s=comm, costs=costs)
 
 
 def predict_sharded(cluster: Cluster, graph: Graph, members: Sequence[str], shares: Sequence[int],
@@ -115,7 +114,9 @@ def predict_sharded(cluster: Cluster, graph: Graph, members: Sequence[str], shar
     static = sharded_static_bytes(graph, shards, copies=replicas == 1, optimizer_state_factor=graph.optimizer_state_factor)
     busiest = max((c.compute_s + c.overhead_s for c in base.costs), default=0.0)
     micro = tuple(micro) or (0,) * n
-    costs = tuple(replace(c, memory_bytes=static + graph.activation_bytes * (m or c.samples))
+    per_sample = graph.activation_bytes
+    costs = tuple(MemberCost(name=c.name, samples=c.samples, speed=c.speed, compute_s=c.compute_s,
+                             overhead_s=c.overhead_s, wait_s=c.wait_s, memory_bytes=static + per_sample * (m or c.samples))
                   for c, m in zip(base.costs, micro))
     return replace(base, predicted_step_s=busiest + comm, comm_s=comm, costs=costs, dp_shard=shards,
                    micro=micro if any(micro) else ())
@@ -140,14 +141,22 @@ def stage_devices(cluster: Cluster, graph: Graph, members: Sequence[str]) -> lis
 
 def pipelined(cluster: Cluster, graph: Graph, pipeline: PipelinePlan) -> Plan:
     """The plan of `pipeline`: its devices in rank order (rank r holds stage r), every member on the
-    whole batch in the pipeline's micro-batches. A member's compute is its stage's over the step; it
-    waits the rest (the bubble, its boundary sends: there is no all-reduce)."""
+    whole batch in the pipeline's micro-batches. A member's compute is its stage's over the step, then
+    its overhead (the optimizer step and gradient copies: its units' share of the parameters, of
+    what its device measured per step, as data parallelism counts it whole); it waits the rest (the
+    bubble, its boundary sends: there is no all-reduce). The step ends with the last overhead."""
     samples, p = sum(pipeline.micro), len(pipeline.devices)
     speeds = cluster.speeds_for(graph.train_flops)
-    costs = tuple(MemberCost(name=m, samples=samples, speed=speeds[m], compute_s=compute, overhead_s=0.0,
-                             wait_s=pipeline.step_s - compute, memory_bytes=memory)
-                  for m, compute, memory in zip(pipeline.devices, pipeline.compute_s, pipeline.memory_bytes))
-    return Plan(members=pipeline.devices, shares=(samples,) * p, predicted_step_s=pipeline.step_s, comm_s=0.0,
+    params = {layer.name: layer.param_bytes for layer in graph.layers}
+    whole = sum(params.values()) or 1
+    overheads = [cluster.devices[m].overhead_s * sum(params[u] for u in stage) / whole
+                 for m, stage in zip(pipeline.devices, pipeline.stages)]
+    step = pipeline.step_s + max(overheads, default=0.0)
+    costs = tuple(MemberCost(name=m, samples=samples, speed=speeds[m], compute_s=compute, overhead_s=overhead,
+                             wait_s=step - compute - overhead, memory_bytes=memory)
+                  for m, compute, overhead, memory in zip(pipeline.devices, pipeline.compute_s, overheads,
+                                                          pipeline.memory_bytes))
+    return Plan(members=pipeline.devices, shares=(samples,) * p, predicted_step_s=step, comm_s=0.0,
                 costs=costs, micro=(pipeline.micro[0],) * p, pp=p, stages=pipeline.stages)
 
 
@@ -171,7 +180,7 @@ def micro_batched(plan: Plan, graph: Graph | None, caps: Mapping[str, float | No
     """A replicated `plan` whose members run a share larger than their memory's cap (`caps`: the most
     samples a member trains at once beside its whole state) as micro-batches of that cap: the
     share is bounded by speed, the micro-batch by memory. (A pipeline's micro-batches are its own.)"""
-    if graph is None or not plan.layout.whole_replicas:
+    if graph is None or plan.pp > 1 or plan.dp_shard > 1:  # (not whole replicas; cheaper than plan.layout)
         return plan
     return _with_micro(plan, graph, micro_sizes(plan.shares, [caps.get(m) for m in plan.members]))
 
