@@ -65,7 +65,7 @@ from coordinator.state import (
 )
 from plan import Device, LayoutPin, PlanResult
 from plan.cost import step_comm_features
-from plan.prediction import reported_compute, repredict
+from plan.prediction import fits_comm, measured_overhead, reported_compute, repredict
 from transport import (ERR_NAME_TAKEN, ERR_STALE_EPOCH, PLANNED_EXITS, Abort, Ack, Checkpointed, CheckpointNow, Error,
                        Join, ResumeFailed, SaveModel, Slowdown, StepReport, Stop)
 
@@ -275,8 +275,8 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
     load = tracker.loads.get(host, 0.0) if calm and tracker is not None and tracker.epoch == r.epoch else 0.0
     cluster = state.cluster
     if not steps.settling(tracker, r):  # (an epoch's entry stretches its first steps: never fitted)
-        cluster = cluster.with_measurement(r.name, r.samples, r.compute_s,
-                                           overhead_s=max(0.0, r.step_s - r.compute_s - r.comm_s), load=load)
+        overhead = measured_overhead(state.plan if r.epoch == state.epoch else None, r.step_s, r.compute_s, r.comm_s)
+        cluster = cluster.with_measurement(r.name, r.samples, r.compute_s, overhead_s=overhead, load=load)
     effects: list[Effect] = []
     changes: list[str] = []
     if tracker is not None:
@@ -284,7 +284,7 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
         for f in findings:
             match f:
                 case steps.Measured(ranks=ranks, comm_s=comm_s, settled=True) if (
-                        state.graph is not None and (state.plan is None or state.plan.pp == 1)):
+                        state.graph is not None and fits_comm(state.plan)):
                     # The step's communication as the cost model has it: an all-reduce, or
                     # FSDP's gathers and scatters with the copies (the workers time those too).
                     # Never an epoch's first steps: a member still entering holds the others there.

@@ -163,7 +163,7 @@ def pipelined(cluster: Cluster, graph: Graph, pipeline: PipelinePlan) -> Plan:
 def reported_compute(plan: Plan, graph: Graph | None) -> dict[str, float]:
     """Per member, the compute seconds its step reports should show if the plan's prediction holds:
     its predicted compute, except that a pipeline stage reports its compute as the whole model's
-    (over its units' share of the training FLOPs, worker/step.py: so its speed reads as the device's),
+    (over its units' share of the training FLOPs, worker/parallel/staged.py: so its speed reads as the device's),
     and so is expected at that scale."""
     if plan.pp == 1 or graph is None:
         return {c.name: c.compute_s for c in plan.costs}
@@ -174,6 +174,22 @@ def reported_compute(plan: Plan, graph: Graph | None) -> dict[str, float]:
         mine = sum(flops[u] for u in stage_of[c.name])
         out[c.name] = c.compute_s * graph.train_flops / mine if mine > 0 else c.compute_s
     return out
+
+
+def measured_overhead(plan: Plan | None, step_s: float, compute_s: float, comm_s: float) -> float | None:
+    """The per-step overhead (outside compute and communication) one member's step report shows
+    under `plan`, for the cluster's fit; None where its reports cannot show it: a pipeline stage
+    reports its compute at the whole model's scale (`reported_compute`), beyond its step time."""
+    if plan is not None and plan.pp > 1:
+        return None
+    return max(0.0, step_s - compute_s - comm_s)
+
+
+def fits_comm(plan: Plan | None) -> bool:
+    """Whether a step's communication under `plan` is what the cost model's link fit models (an
+    all-reduce, or FSDP's gathers and scatters with the copies); a pipeline's sends between stages
+    are not."""
+    return plan is None or plan.pp == 1
 
 
 def micro_batched(plan: Plan, graph: Graph | None, caps: Mapping[str, float | None]) -> Plan:

@@ -67,12 +67,14 @@ KIND = {"dp_shard", "sharded", "dp_replicate", "pp", "tp", "stages", "FsdpExecut
 
 
 def _kind_tests(path: Path) -> list[str]:
-    """The conditions (of if, elif, while, a conditional expression, a comprehension's filter) in
+    """The conditions (of if, elif, while, a conditional expression, a comprehension's filter, a
+    case's guard) in
     `path` that read a layout kind's attribute (`layout.pp`, `plan.dp_shard`) or name an executor."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
         tests = ([node.test] if isinstance(node, (ast.If, ast.While, ast.IfExp))
-                 else node.ifs if isinstance(node, ast.comprehension) else [])
+                 else node.ifs if isinstance(node, ast.comprehension)
+                 else [node.guard] if isinstance(node, ast.match_case) and node.guard is not None else [])
         for test in tests:
             names = {n.attr for n in ast.walk(test) if isinstance(n, ast.Attribute)}
             names |= {n.id for n in ast.walk(test) if isinstance(n, ast.Name) and n.id.endswith("Executor")}

@@ -20,7 +20,7 @@ from plan import Cluster, Device, Graph, Plan, PlanLimits, make_plan
 from plan.graph import Layer
 from plan.layout import parse_pin
 from plan.pipeline import micro_split
-from plan.prediction import FIXED_PRIOR_SAMPLES, repredict
+from plan.prediction import FIXED_PRIOR_SAMPLES, fits_comm, measured_overhead, repredict
 from transport import SaveModel
 
 MB = 1_000_000
@@ -221,3 +221,14 @@ def test_a_member_that_leaves_a_pipeline_sends_its_stage_and_every_stage_saves()
     d = the_delta(effects)
     assert set(d.members) == {"a", "c"} and d.layout.pp == 2 and d.senders == ["b"], d
     assert "b" in deltas(effects) and d.from_sharded
+
+
+def test_a_stages_report_teaches_no_overhead_and_no_link() -> None:
+    """A stage reports its compute at the whole model's scale, beyond its step time: step - compute -
+    comm says nothing of its overhead (it would read 0 and drag the device's fit down), and its sends
+    between stages are no collective of the link fit."""
+    pipeline = make_plan(_cluster({"a": 100.0, "b": 100.0}), GRAPH, None, limits=LIMITS, pin=PP2).plan
+    replicated = make_plan(_cluster({"a": 100.0, "b": 100.0}), GRAPH, None, limits=LIMITS).plan
+    assert pipeline is not None and replicated is not None and replicated.pp == 1
+    assert measured_overhead(pipeline, 0.2, 0.3, 0.05) is None and not fits_comm(pipeline)
+    assert measured_overhead(replicated, 0.2, 0.1, 0.05) == pytest.approx(0.05) and fits_comm(replicated)
