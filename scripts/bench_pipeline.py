@@ -24,7 +24,7 @@ every `eval_every`-th step) are left out, as the torchrun baseline does not eval
 run also reports, from its workers' --trace-steps, the median shares of a member's step spent on the
 ring of copies (redundancy) and on waits and sends (comm). Every figure comes from the run. Prints a table, writes JSON.
 
-usage: python scripts/bench_pipeline.py [--quick] [--sections throughput,hetero] [--out FILE]
+usage: python scripts/bench_pipeline.py [--quick] [--repeats R] [--sections throughput,hetero] [--out FILE]
 """
 
 from __future__ import annotations
@@ -171,6 +171,20 @@ def hetero(job_ref: str, warmup: int, steps: int, microbatches: int, work: Path)
             "over_even": ours["samples_per_s"] / even["samples_per_s"]}
 
 
+def _median_rounds(rounds: list[dict[str, Any]], ratios: tuple[str, ...]) -> dict[str, Any]:
+    """R rounds of one section as one: the last round's runs with each system's median samples/s (its
+    every round kept in `rounds_samples_per_s`) and the median of each round's `ratios`."""
+    out = dict(rounds[-1])
+    for key, run in rounds[-1].items():
+        if isinstance(run, dict) and "samples_per_s" in run:
+            each = [r[key]["samples_per_s"] for r in rounds]
+            out[key] = {**run, "samples_per_s": statistics.median(each), "rounds_samples_per_s": each}
+    for key in ratios:
+        out[key] = statistics.median(r[key] for r in rounds)
+    out["rounds"] = len(rounds)
+    return out
+
+
 def _shares(run: dict[str, Any]) -> str:
     sh = run.get("step_shares") or {}
     return ", ".join(f"{k[:-2]} {v:.0%}" for k, v in sh.items() if v is not None) or "(no trace)"
@@ -179,7 +193,7 @@ def _shares(run: dict[str, Any]) -> str:
 def table(r: dict[str, Any]) -> str:
     s = r["settings"]
     lines = [f"pipeline benchmark: {s['job']}, {s['machine']}, {s['warmup']} warm-up + {s['steps']} timed steps, "
-             f"torchrun: Schedule1F1B, {s['date']}"]
+             f"torchrun: Schedule1F1B, {s['date']}, median of {s['repeats']} round(s)"]
     if "throughput" in r:
         lines += ["", f"{'stages':>6}  {'adaptrain pp':>13}  {'torchrun pp':>12}  {'ratio':>6}  {'adaptrain dp':>13}  "
                   f"cuts (both)  micro-batches (adaptrain; torchrun)", "-" * 100]
@@ -229,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--microbatches", type=int, default=0,
                    help="torchrun's micro-batches (must divide the batch; default 0: as many as adaptrain's plan)")
+    p.add_argument("--repeats", type=int, default=1, metavar="R",
+                   help="run each section R times and report each system's median samples/s and the median of "
+                        "the rounds' ratios (this 2-core machine's speed drifts by 2x between runs)")
     p.add_argument("--quick", action="store_true", help="fewer steps, 2 stages only (a smoke run)")
     p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "bench-pipeline.json")
     p.add_argument("--keep", type=Path, default=None, metavar="DIR", help="keep the runs' logs and events in DIR")
@@ -241,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     counts = [int(n) for n in a.stages.split(",")]
     job_ref = str((ROOT / a.job.split(":")[0]).resolve()) + ":" + a.job.split(":")[1]
     result: dict[str, Any] = {"settings": {"job": a.job, "stages": counts, "warmup": a.warmup, "steps": a.steps,
-                                           "microbatches": a.microbatches, "batch": _job_info(job_ref)[0], "sections": list(sections),
+                                           "microbatches": a.microbatches, "repeats": a.repeats, "batch": _job_info(job_ref)[0], "sections": list(sections),
                                            "machine": f"{os.cpu_count()} cores, torch threads 1",
                                            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}}
     with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp:
@@ -252,13 +269,18 @@ def main(argv: list[str] | None = None) -> int:
             for n in counts:
                 print(f"throughput, {n} stages ...", flush=True)
                 try:
-                    result["throughput"][n] = throughput(job_ref, n, a.warmup, a.steps, a.microbatches, work)
+                    result["throughput"][n] = _median_rounds(
+                        [throughput(job_ref, n, a.warmup, a.steps, a.microbatches, work / f"r{k}")
+                         for k in range(a.repeats)], ("ratio",))
                 except (RuntimeError, TimeoutError) as e:  # reported in the table; the rest still runs
                     result["throughput"][n] = {"error": str(e).splitlines()[0][:300]}
         if "hetero" in sections:
             print("hetero ...", flush=True)
             try:
-                result["hetero"] = hetero(job_ref, a.warmup, a.steps, a.microbatches, work)
+                h = _median_rounds([hetero(job_ref, a.warmup, a.steps, a.microbatches, work / f"r{k}")
+                                    for k in range(a.repeats)], ("of_ideal", "over_even"))
+                h["ideal_samples_per_s"] = 2.5 * h["one_worker"]["samples_per_s"]  # (from the median v)
+                result["hetero"] = h
             except (RuntimeError, TimeoutError) as e:
                 result["hetero"] = {"error": str(e).splitlines()[0][:300]}
     print(table(result))
