@@ -374,8 +374,10 @@ def pipelines(ctx: Ctx, *, pin: LayoutPin | None, unless: str = "", above: float
     cut of its devices is faster) is not below `above`, the best objective found, is not cut."""
     g = ctx.graph
     depths: list[int]
+    replicas = 1
     if pin is not None and pin.pp is not None and pin.pp > 1:
         depths, what = [pin.pp], f"--layout {pin.describe()}"
+        replicas = pin.dp_replicate or 1  # (replicated pipelines, dp x pp, only where pinned for now)
     else:
         if not g.sequential:
             return [Weighed("pp", (2, 1, 1), why_not=NOT_A_SEQUENCE)]
@@ -384,7 +386,7 @@ def pipelines(ctx: Ctx, *, pin: LayoutPin | None, unless: str = "", above: float
     names = ctx.ranked(list(ctx.cluster.devices))  # (pipeline_plan takes the fastest `p` of them)
     out = []
     for p in depths:
-        shape = (p, 1, 1)
+        shape = (p, replicas, 1)
         if not admitted(pin, shape):
             continue
         if unless:
@@ -401,7 +403,7 @@ def pipelines(ctx: Ctx, *, pin: LayoutPin | None, unless: str = "", above: float
                     f"({above * 1e3:.1f} ms)")))
                 continue
         found = pipeline_plan(ctx.cluster, g, names, ctx.before, p, global_batch=ctx.limits.global_batch,
-                              what=what or f"pp={p}")
+                              what=what or f"pp={p}", replicas=replicas)
         if isinstance(found, str):
             out.append(Weighed(f"pp={p}", shape, why_not=found))
         else:

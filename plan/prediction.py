@@ -139,25 +139,36 @@ def stage_devices(cluster: Cluster, graph: Graph, members: Sequence[str]) -> lis
                         fixed_s=fixed[m] if fixed[m] > 0 else FIXED_PRIOR_SAMPLES / speeds[m]) for m in members]
 
 
-def pipelined(cluster: Cluster, graph: Graph, pipeline: PipelinePlan) -> Plan:
+def pipelined(cluster: Cluster, graph: Graph, pipeline: PipelinePlan,
+              replicas: Sequence[Sequence[str]] = (), shares: Sequence[int] = ()) -> Plan:
     """The plan of `pipeline`: its devices in rank order (rank r holds stage r), every member on the
     whole batch in the pipeline's micro-batches. A member's compute is its stage's over the step, then
     its overhead (the optimizer step and gradient copies: its units' share of the parameters, of
     what its device measured per step, as data parallelism counts it whole); it waits the rest (the
-    bubble, its boundary sends: there is no all-reduce). The step ends with the last overhead."""
+    bubble, its boundary sends). The step ends with the last overhead.
+
+    Replicated pipelines (dp x pp): `replicas[s]` are stage s's devices, one per pipeline, and
+    `shares[r]` pipeline r's samples; `pipeline` is the cut on each stage's slowest device for the
+    largest share (every pipeline waits for the slowest at the step's end), and each stage's
+    gradients are all-reduced over its replicas before the step ends. Members are in mesh order:
+    stage-major, rank s·R + r."""
     samples, p = sum(pipeline.micro), len(pipeline.devices)
+    groups = [list(g) for g in replicas] or [[d] for d in pipeline.devices]
+    slots = list(shares) or [samples]
     speeds = cluster.speeds_for(graph.train_flops)
     params = {layer.name: layer.param_bytes for layer in graph.layers}
     whole = sum(params.values()) or 1
-    overheads = [cluster.devices[m].overhead_s * sum(params[u] for u in stage) / whole
-                 for m, stage in zip(pipeline.devices, pipeline.stages)]
-    step = pipeline.step_s + max(overheads, default=0.0)
-    costs = tuple(MemberCost(name=m, samples=samples, speed=speeds[m], compute_s=compute, overhead_s=overhead,
-                             wait_s=step - compute - overhead, memory_bytes=memory)
-                  for m, compute, overhead, memory in zip(pipeline.devices, pipeline.compute_s, overheads,
-                                                          pipeline.memory_bytes))
-    return Plan(members=pipeline.devices, shares=(samples,) * p, predicted_step_s=step, comm_s=0.0,
-                costs=costs, micro=(pipeline.micro[0],) * p, pp=p, stages=pipeline.stages)
+    stage_bytes = [sum(params[u] for u in stage) for stage in pipeline.stages]
+    sums = [allreduce_s(b, len(g), cluster.link(g)) for b, g in zip(stage_bytes, groups)]
+    overheads = [[cluster.devices[m].overhead_s * b / whole for m in g] for b, g in zip(stage_bytes, groups)]
+    step = pipeline.step_s + max(s + max(o) for s, o in zip(sums, overheads))
+    members = [m for g in groups for m in g]
+    costs = tuple(MemberCost(name=m, samples=slots[r], speed=speeds[m], compute_s=pipeline.compute_s[s],
+                             overhead_s=overheads[s][r], wait_s=step - pipeline.compute_s[s] - overheads[s][r],
+                             memory_bytes=pipeline.memory_bytes[s])
+                  for s, g in enumerate(groups) for r, m in enumerate(g))
+    return Plan(members=tuple(members), shares=tuple(slots) * p, predicted_step_s=step, comm_s=max(sums),
+                costs=costs, micro=(pipeline.micro[0],) * len(members), pp=p, stages=pipeline.stages)
 
 
 def reported_compute(plan: Plan, graph: Graph | None) -> dict[str, float]:
@@ -219,10 +230,14 @@ def repredict(cluster: Cluster, graph: Graph | None, plan: Plan) -> Plan:
     if plan.pp > 1:
         if graph is None:
             return plan
-        devices = stage_devices(cluster, graph, plan.members)
-        timed = time_pipeline(graph, devices, plan.stages, micro_split(plan.global_batch, plan.micro[0]),
+        r = len(plan.members) // plan.pp  # (replicated pipelines: a stage's members are consecutive ranks)
+        groups = [plan.members[s * r:(s + 1) * r] for s in range(plan.pp)]
+        devices = [min(stage_devices(cluster, graph, g), key=lambda d: d.samples_per_s) for g in groups]
+        timed = time_pipeline(graph, devices, plan.stages, micro_split(max(plan.shares), plan.micro[0]),
                               link=cluster.link(plan.members))
-        return pipelined(cluster, graph, timed)
+        if r == 1:
+            return pipelined(cluster, graph, timed)
+        return pipelined(cluster, graph, timed, replicas=groups, shares=plan.shares[:r])
     if plan.dp_shard > 1 and graph is not None:
         return predict_sharded(cluster, graph, plan.members, plan.shares, plan.micro,
                                replicas=len(plan.members) // plan.dp_shard)

@@ -113,3 +113,27 @@ def test_a_slow_worker_gets_a_smaller_stage(tmp_path: Path) -> None:
         stage_flops = {m: sum(flops[u] for u in stage) for m, stage in zip(layout["members"], layout["stages"])}
         assert stage_flops["w3"] < min(stage_flops["w1"], stage_flops["w2"]), (layout["stages"], stage_flops)
         assert "w3" in recut["detail"], recut["detail"]
+
+
+@pytest.mark.timeout(400)
+def test_replicated_pipelines_are_exact(tmp_path: Path) -> None:
+    """`--layout pp=2,dp=2`: two pipelines of two stages, each on half the batch, each stage's
+    gradients summed over its replicas: every step's loss, learning rate and gradient norm equal
+    the single-process recipe's, and the model written at the end is the whole trained model."""
+    trained: dict[str, Any] = {}
+    reference = single_process(trained)
+    with LocalJob(JOB, tmp_path, min_workers=4, coordinator_args=["--layout", "pp=2,dp=2"]) as job:
+        job.start()
+        for name in ("w1", "w2", "w3", "w4"):
+            job.add_worker(name)
+        exits = job.wait_workers(300)
+        assert exits == {"w1": 0, "w2": 0, "w3": 0, "w4": 0}, job.tails(exits)
+        assert job.wait_coordinator(30) == 0
+        events = job.events()
+        _assert_exact(events, reference)
+        for plan in _plans(job):
+            layout = plan["layout"]
+            assert (layout["pp"], layout["dp_replicate"], layout["dp_shard"]) == (2, 2, 1), layout
+            assert layout["shares"] == [8, 8, 8, 8], layout
+        finished = [e for e in events if e["kind"] == "finished"]
+        _check_the_trained_model(tmp_path, finished, job.tail("coordinator.out", 100_000), trained)

@@ -141,7 +141,7 @@ def test_the_flag_waits_for_p_workers_and_refuses_what_cannot_run(capsys: pytest
     config, _ = parse_args([*base, "--layout", "pp=3"])
     assert config.layout == parse_pin("pp=3") and workers_needed(config.layout, config.min_workers) == 3
     assert "--layout pp=3 needs 3 members: training starts once 3 workers are ready" in capsys.readouterr().err
-    for bad, said in ((["--layout", "pp=2,dp=2"], "pp with dp or fsdp above 1 is not supported yet: pin pp alone"),
+    for bad, said in ((["--layout", "pp=2,fsdp=2"], "pp with fsdp above 1 is not supported yet: pin pp alone or with dp"),
                       (["--layout", "pp=3", "--max-workers", "2"], "needs 3 members, but --max-workers is 2")):
         with pytest.raises(SystemExit) as exit_info:
             parse_args([*base, *bad])
@@ -232,3 +232,24 @@ def test_a_stages_report_teaches_no_overhead_and_no_link() -> None:
     assert pipeline is not None and replicated is not None and replicated.pp == 1
     assert measured_overhead(pipeline, 0.2, 0.3, 0.05) is None and not fits_comm(pipeline)
     assert measured_overhead(replicated, 0.2, 0.1, 0.05) == pytest.approx(0.05) and fits_comm(replicated)
+
+
+def test_replicated_pipelines_pair_like_devices_per_stage_and_split_the_batch() -> None:
+    """`--layout pp=2,dp=2` over four devices, two fast and two at half speed: each stage position
+    gets two devices of like speed (the fast pair and the slow pair, rank = stage x 2 + replica), the
+    slow pair's stage holds fewer FLOPs, and each pipeline computes half the batch."""
+    pin = parse_pin("pp=2,dp=2")
+    assert pin.members == 4
+    c = _cluster({"a": 100.0, "b": 50.0, "c": 100.0, "d": 50.0})
+    result = make_plan(c, GRAPH, None, limits=LIMITS, pin=pin)
+    plan = result.plan
+    assert plan is not None, result.reason
+    layout = plan.layout
+    assert (layout.pp, layout.dp_replicate, layout.dp_shard) == (2, 2, 1)
+    by_stage = [set(plan.members[0:2]), set(plan.members[2:4])]
+    assert {"a", "c"} in by_stage and {"b", "d"} in by_stage, plan.members
+    slow = by_stage.index({"b", "d"})
+    flops = [sum(layer.train_flops for layer in GRAPH.layers if layer.name in stage) for stage in plan.stages]
+    assert flops[slow] < flops[1 - slow], plan.stages
+    assert plan.shares == (8, 8, 8, 8) and layout.global_batch == 16
+    assert "2 pipelines" in result.reason, result.reason
