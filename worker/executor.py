@@ -159,6 +159,57 @@ class Executor(ABC):
         if self._buffers is not None:
             self._buffers.restore()
 
+    # --- the end of a step whose vote is one all-reduce (sharded and pipeline layouts) ------------------
+
+    def _votes(self, t: Loop, g: Group, loss_sum: torch.Tensor, squares: torch.Tensor
+               ) -> tuple[torch.Tensor, PlanDelta | None]:
+        """The step's last all-reduce, float64: this member's loss sum, its squared gradient norm
+        (over the replicas: each distinct parameter once), the switch vote (a planned delta held,
+        asked now: one that arrived during the compute is voted on in this step), a `ctl save` and a
+        checkpoint this member was asked for (writing either is a collective: all of them take it at
+        the same step boundary); and the delta voted for."""
+        pause_for_plan(t, g)
+        pending = t.agent.pending_planned(g.epoch)
+        flags = [pending is not None, t.agent.save_waiting(), t.agent.checkpoint_waiting()]
+        buf = torch.stack([loss_sum.double().cpu(), squares.cpu() / g.layout.dp_replicate,
+                           *(torch.tensor(1.0 if f else 0.0, dtype=torch.float64) for f in flags)])
+        return buf.to(t.device), pending
+
+    def _apply(self, t: Loop, grads: list[torch.Tensor], grad_norm: float, step: Callable[[], None]) -> float:
+        """Clip as `torch.nn.utils.clip_grad_norm_` does in one process (the global norm), set the
+        schedule's learning rate, `step()` the optimizer, and the same update on the copy kept of
+        another member (`worker.parallel.copies`); returns the learning rate."""
+        coefficient = 1.0
+        if t.job.grad_clip is not None:
+            coefficient = min(1.0, t.job.grad_clip / (grad_norm + 1e-6))
+            for gr in grads:
+                gr.mul_(coefficient)
+        lr, multiplier = set_lr(t, self.optimizer)
+        step()
+        t_copies = time.perf_counter()
+        self.copies.update(t.job.optimizer, t.shapes, lambda i: t.base_lrs[i] * multiplier, coefficient)
+        self.redundancy_s += time.perf_counter() - t_copies
+        self.pending, self.coefficient = False, coefficient
+        return lr
+
+    def _end(self, t: Loop, g: Group, buf: torch.Tensor, pending: PlanDelta | None, samples: int,
+             times: tuple[float, float, float], lr: float, grad_norm: float) -> PlanDelta | None:
+        """The step is applied: count it, report it (`times`: compute, communication, the whole step),
+        write the whole model at the job's end and where every member was asked to (each layout
+        gathers its way: `save`), a checkpoint that is due; the delta every member voted for, if any."""
+        t.step += 1
+        members = len(g.members)
+        agreed = round(float(buf[2])) == members and pending is not None
+        t.after_step(g, float(buf[0]) / t.job.global_batch, samples, *times, lr, grad_norm, switching=agreed)
+        if t.step == t.job.num_steps and t.config.final_dir:
+            self.save(t, g, t.config.final_dir, final=True)
+        if round(float(buf[3])) == members:
+            requested = t.agent.take_save()
+            if requested is not None:
+                self.save(t, g, requested, final=False)
+        t.checkpoint_if_due(g, asked=round(float(buf[4])) == members)
+        return pending if agreed else None
+
     def on_meta(self) -> bool:
         """The model is still the structure a worker starts with, never materialised."""
         return any(p.is_meta for p in self.model.parameters())

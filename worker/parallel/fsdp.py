@@ -39,7 +39,7 @@ from plan.layout import Layout
 from transport import PlanDelta
 from worker import group as groups
 from worker.comm import Superseded
-from worker.executor import Executor, Loop, is_comm_error, local_grad, pause, pause_for_plan, set_lr, sleep, squared_norm
+from worker.executor import Executor, Loop, is_comm_error, local_grad, pause, sleep, squared_norm
 from worker.group import Group
 from worker.job import Job, sample_ids
 from worker.parallel.copies import Copies
@@ -484,12 +484,7 @@ class FsdpExecutor(Executor):
         squares = sum((squared_norm(gr) for gr in grads), torch.zeros((), dtype=torch.float64, device=t.device))
         # The vote: the switch to a planned delta, and a `ctl save` and a checkpoint every member has
         # (writing either is a collective: all of them take it at the same step boundary).
-        pause_for_plan(t, g)
-        pending = t.agent.pending_planned(g.epoch)
-        buf = torch.stack([loss_sum.cpu(), squares.cpu() / g.layout.dp_replicate,
-                           torch.tensor(1.0 if pending is not None else 0.0, dtype=torch.float64),
-                           torch.tensor(1.0 if t.agent.save_waiting() else 0.0, dtype=torch.float64),
-                           torch.tensor(1.0 if t.agent.checkpoint_waiting() else 0.0, dtype=torch.float64)]).to(t.device)
+        buf, pending = self._votes(t, g, loss_sum, squares)
         votes = len(buf)
         if buffers:  # (the members' updates of the model's buffers this step, weighted by their shares)
             buf = torch.cat([buf, buffers.deltas(len(ids), G)])
@@ -503,26 +498,5 @@ class FsdpExecutor(Executor):
         if t.config.pause_at == ("abandon", t.step + 1):
             t.log(f"abandoning step {t.step + 1} after its all-reduce (--pause-at)")
             raise Superseded
-        coefficient = 1.0
-        if job.grad_clip is not None:
-            coefficient = min(1.0, job.grad_clip / (grad_norm + 1e-6))
-            for gr in grads:
-                gr.mul_(coefficient)
-        lr, multiplier = set_lr(t, sharded.optimizer)
-        sharded.stepper.step()  # (on the shards' local tensors: no DTensor dispatch)
-        t_copies = time.perf_counter()
-        self.copies.update(job.optimizer, t.shapes, lambda i: t.base_lrs[i] * multiplier, coefficient)
-        self.redundancy_s += time.perf_counter() - t_copies
-        self.pending, self.coefficient = False, coefficient
-        t.step += 1
-        agreed = round(float(buf[2])) == len(g.members) and pending is not None
-        t.after_step(g, float(buf[0]) / G, len(ids), compute_s, comm_s, time.perf_counter() - t0, lr, grad_norm,
-                     switching=agreed)
-        if t.step == job.num_steps and t.config.final_dir:  # every member gathers; rank 0 writes
-            self.save(t, g, t.config.final_dir, final=True)
-        if round(float(buf[3])) == len(g.members):
-            requested = t.agent.take_save()
-            if requested is not None:
-                self.save(t, g, requested, final=False)
-        t.checkpoint_if_due(g, asked=round(float(buf[4])) == len(g.members))
-        return pending if agreed else None
+        lr = self._apply(t, grads, grad_norm, sharded.stepper.step)  # (the shards' local tensors: no DTensor dispatch)
+        return self._end(t, g, buf, pending, len(ids), (compute_s, comm_s, time.perf_counter() - t0), lr, grad_norm)

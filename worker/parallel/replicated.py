@@ -21,7 +21,7 @@ from worker.executor import Executor, Loop, autocast, pause, pause_for_plan, set
 from worker.group import Group
 from worker.job import Job, sample_ids, share_slice
 from worker.parallel.meta import meta_model
-from worker.parallel.slices import PARAM, LocalState, from_module
+from worker.parallel.slices import LocalState, from_module, to_module
 from worker.save import save_model
 
 __all__ = ["GradBuckets", "Replica", "ReplicaExecutor", "apply_replicated", "extract_replicated"]
@@ -36,23 +36,7 @@ class Replica:
 def apply_replicated(job: Job, local: LocalState, device: torch.device) -> Replica:
     """The job's whole model and optimizer on `device`, loaded from `local` (which holds every element)."""
     model = meta_model(job)
-    model.to_empty(device=device)
-    with torch.no_grad():
-        for fqn, p in model.named_parameters():
-            local.copy_to(fqn, PARAM, 0, p.numel(), p.view(-1))
-        for name, buf in model.named_buffers():
-            if name in local.buffers:
-                buf.copy_(local.buffers[name])
-    optimizer = job.optimizer(model.parameters())
-    for group, hyper in zip(optimizer.param_groups, local.hyper):
-        group.update(hyper)
-    for fqn, p in model.named_parameters():
-        state: dict[str, Any] = {key: local.fresh(fqn, key, 0, p.numel(), device).view_as(p)
-                                 for key in local.keys.get(fqn, ()) if key != PARAM}
-        state.update({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in local.scalars.get(fqn, {}).items()})
-        if state:
-            optimizer.state[p] = state
-    return Replica(model=model, optimizer=optimizer)
+    return Replica(model=model, optimizer=to_module(local, model, job.optimizer, device))
 
 
 def extract_replicated(replica: Replica, step: int) -> LocalState:

@@ -206,6 +206,30 @@ def from_module(step: int, model: torch.nn.Module, optimizer: torch.optim.Optimi
     return local
 
 
+def to_module(local: LocalState, module: torch.nn.Module,
+              optimizer_factory: Callable[[Any], torch.optim.Optimizer], device: torch.device) -> torch.optim.Optimizer:
+    """The inverse of `from_module`: `module` (built on the meta device) materialised on `device`
+    and filled from `local`, which holds every element of its parameters (and its buffers), and its
+    optimizer (`optimizer_factory`, the job's) with the hyper-parameters and state `local` carries."""
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for fqn, p in module.named_parameters():
+            local.copy_to(fqn, PARAM, 0, p.numel(), p.view(-1))
+        for name, buf in module.named_buffers():
+            if name in local.buffers:
+                buf.copy_(local.buffers[name])
+    optimizer = optimizer_factory(module.parameters())
+    for group, hyper in zip(optimizer.param_groups, local.hyper):
+        group.update(hyper)
+    for fqn, p in module.named_parameters():
+        state: dict[str, Any] = {key: local.fresh(fqn, key, 0, p.numel(), device).view_as(p)
+                                 for key in local.keys.get(fqn, ()) if key != PARAM}
+        state.update({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in local.scalars.get(fqn, {}).items()})
+        if state:
+            optimizer.state[p] = state
+    return optimizer
+
+
 # --- executing a reshard ---------------------------------------------------------------------------------
 
 

@@ -35,13 +35,13 @@ from plan.pipeline import micro_split
 from transport import PlanDelta
 from worker import comm, state
 from worker.comm import Superseded
-from worker.executor import Executor, Loop, is_comm_error, pause, pause_for_plan, set_lr, sleep, squared_norm
+from worker.executor import Executor, Loop, is_comm_error, pause, sleep, squared_norm
 from worker.group import Group
 from worker.job import Job, sample_ids
 from worker.parallel.copies import Copies
 from worker.parallel.meta import meta_model
 from worker.parallel.pipeline import StageStep, one_f_one_b, recv_tensor, send_tensor
-from worker.parallel.slices import PARAM, LocalState
+from worker.parallel.slices import LocalState, to_module
 from worker.save import save_state
 
 Wait = Callable[[Any, torch.Tensor | None], None]  # the trainer's abortable wait (raises when superseded)
@@ -74,23 +74,8 @@ def apply_stage(job: Job, layout: Layout, rank: int, local: LocalState, device: 
     stage = layout.coords(rank)[0]
     model = meta_model(job)
     module = nn.Sequential(OrderedDict((unit, model.get_submodule(unit)) for unit in layout.stages[stage]))
-    module.to_empty(device=device)
-    with torch.no_grad():
-        for fqn, p in module.named_parameters():
-            local.copy_to(fqn, PARAM, 0, p.numel(), p.view(-1))
-        for name, buf in module.named_buffers():
-            if name in local.buffers:
-                buf.copy_(local.buffers[name])
-    optimizer = job.optimizer(module.parameters())
-    for group, hyper in zip(optimizer.param_groups, local.hyper):
-        group.update(hyper)
-    for fqn, p in module.named_parameters():
-        kept: dict[str, Any] = {key: local.fresh(fqn, key, 0, p.numel(), device).view_as(p)
-                                for key in local.keys.get(fqn, ()) if key != PARAM}
-        kept.update({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in local.scalars.get(fqn, {}).items()})
-        if kept:
-            optimizer.state[p] = kept
-    return Stage(module=module, optimizer=optimizer, stage=stage, stages=layout.pp)
+    return Stage(module=module, optimizer=to_module(local, module, job.optimizer, device), stage=stage,
+                 stages=layout.pp)
 
 
 def evaluate_stage(stage: Stage, layout: Layout, rank: int, pg: Any, wait: Wait, job: Job, ids: torch.Tensor,
@@ -305,40 +290,14 @@ class StageExecutor(Executor):
         self.pending = True
         grads = [gr for p in stage.module.parameters() if (gr := p.grad) is not None]
         squares = sum((squared_norm(gr) for gr in grads), torch.zeros((), dtype=torch.float64, device=t.device))
-        pause_for_plan(t, g)
-        pending = t.agent.pending_planned(g.epoch)
-        buf = torch.stack([loss_sum.double().cpu(), squares.cpu() / g.layout.dp_replicate,
-                           torch.tensor(1.0 if pending is not None else 0.0, dtype=torch.float64),
-                           torch.tensor(1.0 if t.agent.save_waiting() else 0.0, dtype=torch.float64),
-                           torch.tensor(1.0 if t.agent.checkpoint_waiting() else 0.0, dtype=torch.float64)]).to(t.device)
+        buf, pending = self._votes(t, g, loss_sum, squares)
         t_comm = time.perf_counter()
         t.wait(g, g.pg.allreduce([buf]), buf)
         comm_s = time.perf_counter() - t_comm + waited[0]
         grad_norm = float(buf[1].sqrt())
         pause(t, g, "optimizer")
-        coefficient = 1.0
-        if job.grad_clip is not None:
-            coefficient = min(1.0, job.grad_clip / (grad_norm + 1e-6))
-            for gr in grads:
-                gr.mul_(coefficient)
-        lr, multiplier = set_lr(t, stage.optimizer)
-        stage.optimizer.step()
-        t_copies = time.perf_counter()
-        self.copies.update(job.optimizer, t.shapes, lambda i: t.base_lrs[i] * multiplier, coefficient)
-        self.redundancy_s += time.perf_counter() - t_copies
-        self.pending, self.coefficient = False, coefficient
-        t.step += 1
-        agreed = round(float(buf[2])) == len(g.members) and pending is not None
-        t.after_step(g, float(buf[0]) / G, len(ids), compute_s, comm_s, time.perf_counter() - t0, lr, grad_norm,
-                     switching=agreed)
-        if t.step == job.num_steps and t.config.final_dir:  # every stage sends its part; the first writes
-            self.save(t, g, t.config.final_dir, final=True)
-        if round(float(buf[3])) == len(g.members):
-            requested = t.agent.take_save()
-            if requested is not None:
-                self.save(t, g, requested, final=False)
-        t.checkpoint_if_due(g, asked=round(float(buf[4])) == len(g.members))
-        return pending if agreed else None
+        lr = self._apply(t, grads, grad_norm, stage.optimizer.step)
+        return self._end(t, g, buf, pending, len(ids), (compute_s, comm_s, time.perf_counter() - t0), lr, grad_norm)
 
 
 def _flops_fraction(t: Loop, stage: Stage) -> float:
