@@ -8,6 +8,7 @@ import itertools
 import random
 
 import pytest
+from bench_make_plan import gpt_10m
 from test_membership import Sim
 from test_phase import _ask
 
@@ -23,18 +24,6 @@ from plan.prediction import Plan, predict_sharded
 from plan.reshard import ORDER_ROWS, copy_ring, holdings, plan_reshard, survivors
 
 MB, MIB = 1_000_000, 2**20
-
-
-def gpt_10m(*, sequential: bool = True) -> Graph:
-    """examples/gpt.py:job_10m as worker.graph.capture_graph measures it: 43 MB of parameters in an
-    embedding, 6 blocks and a head; 164.4 MiB of parameters, gradients and AdamW state."""
-    layers = [Layer(name="0", kind="Embed", forward_flops=0.0, param_bytes=351744, activation_bytes=1536,
-                    boundary_bytes=196608)]
-    layers += [Layer(name=str(i), kind="Block", forward_flops=478150656.0, param_bytes=7097856,
-                     activation_bytes=3549184, boundary_bytes=196608) for i in range(1, 7)]
-    layers.append(Layer(name="7", kind="Head", forward_flops=9928704.0, param_bytes=158208, activation_bytes=394240,
-                        boundary_bytes=51712))
-    return Graph(tuple(layers), optimizer_state_bytes=86194484, sequential=sequential)
 
 
 def small(*, sequential: bool = True) -> Graph:
