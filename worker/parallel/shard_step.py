@@ -1,7 +1,7 @@
 """The sharded executor's optimizer step, taken on each shard's local tensor instead of its DTensor.
 
 FSDP2 leaves the job's optimizer over DTensor parameters with DTensor state, which is what torch's
-state-dict functions read (`Trainer.save_gathered`, `worker.checkpoint`) and what `extract` hands to
+state-dict functions read (`FsdpExecutor.save`, `worker.checkpoint`) and what `extract` hands to
 the next epoch. Stepping it sends every op through DTensor's dispatch, which on the 10M GPT (77
 tensors, AdamW, one thread) costs about 13 ms a step beside 21 ms of arithmetic, and does not shrink
 with the shard.
