@@ -93,8 +93,9 @@ def test_a_stage_holder_killed_mid_step_loses_nothing(tmp_path: Path, phase: str
 @pytest.mark.timeout(400)
 def test_a_slow_worker_gets_a_smaller_stage(tmp_path: Path) -> None:
     """Three workers, one at --slowdown 2, pinned to --layout pp=3: once their speeds are measured
-    the stages are re-cut so that the slow worker's holds fewer FLOPs than each fast one's (the cut
-    moves live: the stages' tensors go to their new holders), and every step stays the recipe's."""
+    the stages are re-cut so that the slow worker's stage is the smallest (no more FLOPs than either
+    fast worker's, fewer than the busiest's; the cut moves live: the stages' tensors go to their new
+    holders), and every step stays the recipe's."""
     reference = single_process()
     with LocalJob(JOB, tmp_path, min_workers=3, coordinator_args=["--layout", "pp=3"]) as job:
         job.start()
@@ -111,7 +112,9 @@ def test_a_slow_worker_gets_a_smaller_stage(tmp_path: Path) -> None:
         _assert_exact(events, reference)
         layout = recut["layout"]
         stage_flops = {m: sum(flops[u] for u in stage) for m, stage in zip(layout["members"], layout["stages"])}
-        assert stage_flops["w3"] < min(stage_flops["w1"], stage_flops["w2"]), (layout["stages"], stage_flops)
+        # (units are whole blocks: 4 blocks in 3 stages leave one fast worker with as few FLOPs as the slow one)
+        fast = (stage_flops["w1"], stage_flops["w2"])
+        assert stage_flops["w3"] <= min(fast) and stage_flops["w3"] < max(fast), (layout["stages"], stage_flops)
         assert "w3" in recut["detail"], recut["detail"]
 
 
