@@ -34,8 +34,7 @@ from plan.layout import Layout
 from plan.pipeline import micro_split
 from transport import PlanDelta
 from worker import comm, state
-from worker.comm import Superseded
-from worker.executor import Executor, Loop, is_comm_error, pause, sleep, squared_norm
+from worker.executor import Executor, Loop, pause, sleep, squared_norm
 from worker.group import Group
 from worker.job import Job, sample_ids
 from worker.parallel.copies import Copies
@@ -169,9 +168,11 @@ class StageExecutor(Executor):
     its gradients over their own group (the stage's replica group, formed with the epoch) before
     the step's all-reduce; a replica is then every stage's redundancy, and no copies are kept."""
 
-    def __init__(self, stage: Stage, at: tuple[Layout, int], copies: Copies, replicas: Any = None) -> None:
+    def __init__(self, stage: Stage, at: tuple[Layout, int], copies: Copies, fraction: float,
+                 replicas: Any = None) -> None:
         super().__init__(stage.module, stage.optimizer, at, copies)
         self.stage = stage
+        self.fraction = fraction  # the stage's units' share of the model's training FLOPs
         self.replicas = replicas  # the raw group of this stage's replicas (None: one pipeline)
 
     @staticmethod
@@ -187,7 +188,8 @@ class StageExecutor(Executor):
             replicas = comm.form_group(g.store, g.epoch, ranks.index(g.rank), len(ranks), t.device,
                                        timeout_s=t.config.group_timeout_s,
                                        superseded=lambda: t.agent.superseded(g.epoch), part=f"stage{stage.stage}/")
-        return cls(stage, (g.layout, g.rank), Copies.of(g.layout, t.name, local, t.tensors), replicas)
+        return cls(stage, (g.layout, g.rank), Copies.of(g.layout, t.name, local, t.tensors),
+                   _flops_fraction(t, stage), replicas)
 
     def _sum_over_replicas(self, t: Loop, g: Group) -> None:
         """The stage's gradients summed over its replicas (every pipeline computed its own slice of
@@ -255,22 +257,16 @@ class StageExecutor(Executor):
                         inputs=[job.dataset[c][0] for c in chunks] if before is None else (),
                         targets=[job.dataset[c][1] for c in chunks] if after is None else (),
                         loss=job.loss, global_batch=G)
-        t.computing = g.epoch
+        t.computing = g.epoch  # (a send that fails with its peer is the loop's Superseded: `Trainer._train_step`)
         try:
             pause(t, g, "forward")  # (before its first forward: its neighbours wait for it point to point)
             loss_sum = one_f_one_b(run)
-        except Superseded:
-            raise
-        except Exception as e:
-            if is_comm_error(e) or t.agent.superseded(g.epoch):
-                raise Superseded(f"the pipeline's sends failed: {str(e).splitlines()[0][:200]}") from None
-            raise
         finally:
             t.computing = 0
         # This stage's compute, reported as the whole model's for these samples (the coordinator reads
         # a member's speed in whole-model samples/s): the stage's time less its waits, over its units'
         # share of the model's FLOPs.
-        compute_s = (time.perf_counter() - t0 - waited[0]) / _flops_fraction(t, stage)
+        compute_s = (time.perf_counter() - t0 - waited[0]) / self.fraction
         factor = t.agent.slowdown
         if factor > 1.0 and len(ids):  # the --slowdown test knob: this stage's compute stretched (the
             # pipeline waits for it at its next step's boundaries, as for a slow device)
