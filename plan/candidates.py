@@ -19,8 +19,10 @@ same objective and takes the least; this module builds and scores them.
   sequence (`Graph.sequential`; otherwise one row says why none can be cut): the P fastest devices
   cut into stages by `plan.pipeline.best_pipeline` (`plan._pipeline_pin`). Pure pipelines only
   (dp = 1): the workers run no dp x pp yet.
-* A pin (`--layout`) adds the shape it names (`_pinned_shape`, e.g. `fsdp=3`: FSDP over the 3
-  fastest), and the planner keeps the candidates it admits (`admitted`).
+* A pin (`--layout`) of data-parallel degrees weighs the one shape it names over every ready
+  device (`_pinned_shape`: a degree left free fills them, `dp=1` is FSDP over all, `fsdp=2` over 5
+  is 2 replicas of 2; over fewer where memory leaves some out) in place of the FSDP and HSDP
+  candidates, and the planner keeps the candidates it admits (`admitted`).
 
 Invariants: a candidate's members are ready devices, at most --max-workers of them, each holding
 what the layout gives it beside at least one sample (a larger share runs in micro-batches); one
@@ -257,7 +259,11 @@ def sharded(ctx: Ctx, *, pin: LayoutPin | None, same_as: Sequence[str] = ()) -> 
                 out.append(Weighed(pin.describe(), (1, pin.dp_replicate, pin.dp_shard or 1),
                                    why_not=f"--layout {pin.describe()} {pinned}"))
         elif pinned is not None:
-            shapes.insert(0, pinned)
+            assert pin is not None
+            if note:  # a pin's shape fills every ready device (`--layout dp=1`: FSDP over all of them)
+                continue
+            out.append(_pinned_weighed(ctx, pool, pin, pinned))
+            continue
         for shape in dict.fromkeys(shapes):
             if not admitted(pin, (1, *shape)):
                 continue
@@ -325,6 +331,33 @@ def _pinned_shape(pin: LayoutPin, n: int) -> tuple[int, int] | str | None:
         return f"needs {max(size, replicas or shards or 1)} members; {n} can train now"
     return (replicas if replicas is not None else size // (shards or 1),
             shards if shards is not None else size // (replicas or size))
+
+
+def _pinned_weighed(ctx: Ctx, pool: list[str], pin: LayoutPin, pinned: tuple[int, int]) -> Weighed:
+    """The pinned shape over `pool`; where a degree left free cannot fill every device for memory,
+    over the most devices that hold a member's part (the free degree shrinks until it is stable)."""
+    what = f"--layout {pin.describe()}"
+    first = weighed = _shaped(ctx, pool, *pinned, what=what)
+    shape = pinned
+    for _ in range(8):  # (each round fits fewer devices; a few rounds settle it)
+        if weighed.scored is not None or (pin.dp_replicate is not None and pin.dp_shard is not None):
+            break
+        fit = _fitting(ctx, pool, *shape)
+        smaller = _pinned_shape(pin, fit) if fit < shape[0] * shape[1] else None
+        if not isinstance(smaller, tuple) or smaller == shape:
+            break
+        shape = smaller
+        weighed = _shaped(ctx, pool, *shape, what=what)
+    return weighed if weighed.scored is not None else first
+
+
+def _fitting(ctx: Ctx, pool: list[str], replicas: int, shards: int) -> int:
+    """How many devices of `pool` hold what `replicas` x `shards` gives a member beside one sample."""
+    if shards == 1:
+        return sum((ctx.caps[m] or 0) >= 1 for m in pool)
+    g, d = ctx.graph, ctx.cluster.devices
+    static = sharded_static_bytes(g, shards, copies=replicas == 1, optimizer_state_factor=g.optimizer_state_factor)
+    return sum((samples_that_fit(d[m].memory_bytes, static, g.activation_bytes) or 0) >= 1 for m in pool)
 
 
 def _shaped(ctx: Ctx, pool: list[str], replicas: int, shards: int, *, what: str, note: str = "") -> Weighed:

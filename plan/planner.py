@@ -154,7 +154,7 @@ def _choose(ctx: Ctx, pin: LayoutPin | None) -> PlanResult:
     best = min(runnable, key=lambda a: a.objective_s)
     chosen, kept = best, False
     now = None if guess else current(ctx, rep.keep if rep is not None else None)
-    if (now is not None and admitted(pin, _shape(now.plan)) and not best.plan.same_assignment(now.plan)
+    if (now is not None and _still_pinned(pin, now, runnable) and not best.plan.same_assignment(now.plan)
             and _gauge(best, rep) > _gauge(now, rep) * (1 - MIN_GAIN)):
         chosen, kept = now, True
     final = _least_moving(ctx, chosen)  # (a sharded plan's ranks where its members' shards move least)
@@ -176,6 +176,17 @@ def _choose(ctx: Ctx, pin: LayoutPin | None) -> PlanResult:
     return PlanResult(plan=final.plan, status=status, reason=reason, objective_s=final.objective_s,
                       runner_up=runner, standby=standby, standby_why=why_out, moved_bytes=final.moved_bytes,
                       candidates=rows)
+
+
+def _still_pinned(pin: LayoutPin | None, now: Alternative, runnable: list[Alternative]) -> bool:
+    """Whether the current plan may be kept under `pin`: the pin admits its degrees and, beyond
+    whole replicas (how many the solve decides), a degree the pin leaves free still fills the ready
+    devices as a candidate does (`--layout dp=1` over 4 devices is FSDP over 4: FSDP over 3 is no
+    longer the pinned layout once a fourth joins)."""
+    shape = _shape(now.plan)
+    if not admitted(pin, shape):
+        return False
+    return pin is None or whole(now.plan) or any(_shape(a.plan) == shape for a in runnable)
 
 
 def _distinct(weighed: list[Weighed]) -> list[Weighed]:

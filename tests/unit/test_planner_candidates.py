@@ -171,6 +171,30 @@ def test_a_pin_keeps_the_candidates_it_admits() -> None:
     assert [r.layout for r in pp.candidates] == ["pp=3"] and pp.candidates[0].chosen
 
 
+def test_a_pin_of_dp_alone_shards_over_every_device_and_a_joiner_is_planned_in() -> None:
+    """`--layout dp=1` is FSDP over every ready device: a fourth that joins FSDP over three is
+    planned in even where it gains less than hysteresis asks (a slow one: the three-member plan is
+    no longer the pinned layout, so hysteresis does not keep it). Seen: the joiner sat on standby,
+    "not in the pinned layout". `fsdp=2` over 5 likewise fills: 2 replicas of 2."""
+    limits = PlanLimits(global_batch=12)
+    three = cluster({"w1": 100.0, "w2": 100.0, "w3": 100.0})
+    first = make_plan(three, small(), None, limits=limits, pin=parse_pin("dp=1"))
+    assert first.plan is not None and first.plan.layout.describe() == "dp_shard=3", first.reason
+    four = three.with_device(Device(name="w4", host="h", kind="cpu", flops=1e9, memory_bytes=1 << 34,
+                                    samples_per_s=5.0))
+    joined = make_plan(four, small(), first.plan, limits=limits, pin=parse_pin("dp=1"))
+    assert joined.plan is not None and joined.plan.layout.describe() == "dp_shard=4", joined.reason
+    assert set(joined.plan.members) == {"w1", "w2", "w3", "w4"} and joined.standby == ()
+    rows = [r for r in joined.candidates if r.objective_s is not None and r.layout.startswith("dp_shard")]
+    assert [r.layout for r in rows] == ["dp_shard=4"], joined.candidates
+    # Memory that leaves one device out: the free degree fills the devices that hold a shard.
+    small_one = four.with_device(Device(name="w4", host="h", kind="cpu", flops=1e9, memory_bytes=MB,
+                                        samples_per_s=100.0))
+    short = make_plan(small_one, small(), first.plan, limits=limits, pin=parse_pin("dp=1"))
+    assert short.plan is not None and short.plan.layout.describe() == "dp_shard=3", short.reason
+    assert short.standby == ("w4",)
+
+
 def test_moved_bytes_counts_what_the_reshard_sends() -> None:
     """`moved_bytes` counts, without choosing senders, what `plan_reshard` sends: between sharded,
     HSDP, replicated and pipeline layouts, survivors or not."""
