@@ -64,8 +64,9 @@ def test_the_steps_freed_memory_serves_the_next_step() -> None:
     # Ten steps of three 14 MB blocks after a warm-up touch 102,000 pages: none is faulted in again.
     # (glibc's defaults fault all 102,000 in again in some runs and none in others, as whatever
     # lies above the blocks on the heap lets its top be given back or not; the worker measured
-    # ~11,000 a step before, ~1,000 after.)
-    assert kept["faults"] < 2_000, kept
+    # ~11,000 a step before, ~1,000 after; the probe counts 1,000-3,500 here, with what else the
+    # interpreter touches, so the bound is a tenth of the blocks' pages.)
+    assert kept["faults"] < 10_000, kept
 
 
 def test_a_users_own_malloc_setting_wins() -> None:
