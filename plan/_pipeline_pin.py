@@ -36,22 +36,24 @@ NOT_A_SEQUENCE = ("the model's units do not form a sequence (it is not an nn.Seq
 
 
 def pipeline_plan(cluster: Cluster, graph: Graph | None, ranked: Sequence[str], before: Layout | None,
-                  stages: int, *, global_batch: int, what: str, replicas: int = 1) -> Plan | str:
+                  stages: int, *, global_batch: int, what: str, replicas: int = 1, shards: int = 1) -> Plan | str:
     """The pipeline of `stages` stages over the fastest of `ranked` (the ready devices in rank
     order; `before`: the layout in force), or why there is none (`what` opens the reason: the
     operator's "--layout pp=2", or the candidate's "pp=2"). `replicas` > 1: that many pipelines
-    (dp x pp, `_replicated_pipelines`)."""
+    (dp x pp); `shards` > 1: each stage sharded over that many members (FSDP x pp): both
+    `_data_parallel_pipelines`."""
     if graph is None or not graph.sequential:
         return f"{what}: {NOT_A_SEQUENCE}"
     if stages > len(graph.layers):
         return f"{what} needs {stages} stages of at least one unit, but the model has {len(graph.layers)} units"
-    if len(ranked) < stages * replicas:
-        return f"{what} needs {stages * replicas} members; {len(ranked)} can train now"
+    size = stages * replicas * shards
+    if len(ranked) < size:
+        return f"{what} needs {size} members; {len(ranked)} can train now"
     speeds = cluster.speeds_for(graph.train_flops)
     rank = {m: i for i, m in enumerate(ranked)}
-    fastest = sorted(ranked, key=lambda m: (-speeds[m], rank[m]))[:stages * replicas]
-    if replicas > 1:
-        return _replicated_pipelines(cluster, graph, fastest, stages, replicas, global_batch, what)
+    fastest = sorted(ranked, key=lambda m: (-speeds[m], rank[m]))[:size]
+    if replicas * shards > 1:
+        return _data_parallel_pipelines(cluster, graph, fastest, stages, replicas, shards, global_batch, what)
     members = _on_their_stages([m for m in ranked if m in fastest], before)
     found = best_pipeline(graph, stage_devices(cluster, graph, members), global_batch, link=cluster.link(members))
     if found is None:
@@ -64,26 +66,31 @@ def pipeline_plan(cluster: Cluster, graph: Graph | None, ranked: Sequence[str], 
     return pipelined(cluster, graph, found)
 
 
-def _replicated_pipelines(cluster: Cluster, graph: Graph, fastest: list[str], stages: int, replicas: int,
-                          global_batch: int, what: str) -> Plan | str:
-    """`replicas` pipelines of `stages` stages (dp x pp) over `fastest` (fastest first): each stage
-    position gets `replicas` devices of like speed (the fastest R, the next R, ...), and the cut is
-    the best for the slowest device of each position, at the largest share (the pipelines wait for
-    each other at the step's end: each stage's gradients are summed over its replicas). The batch
-    is split evenly between the pipelines."""
-    groups = [fastest[i * replicas:(i + 1) * replicas] for i in range(stages)]
+def _data_parallel_pipelines(cluster: Cluster, graph: Graph, fastest: list[str], stages: int, replicas: int,
+                             shards: int, global_batch: int, what: str) -> Plan | str:
+    """`replicas` x `shards` pipelines of `stages` stages over `fastest` (fastest first): dp x pp,
+    FSDP x pp, or both. Each stage position gets replicas x shards devices of like speed (the
+    fastest R·S, the next R·S, ...); a stage's shards split its units' state (each member also
+    keeping a copy of another's shard where there is one replica); the cut is the best for the
+    slowest device of each position, at the largest share (the pipelines wait for each other at
+    every step's end, and a stage's shards at each of its units). The batch is split evenly
+    between the data-parallel slots. Members are in mesh order: stage-major, then replica, then
+    shard."""
+    width = replicas * shards
+    groups = [fastest[i * width:(i + 1) * width] for i in range(stages)]
     devices = stage_devices(cluster, graph, fastest)
     by_name = {d.name: d for d in devices}
+    held = 1.0 if shards == 1 else (2.0 if replicas == 1 else 1.0) / shards  # (a shard and its copy, or a shard)
     slowest = [StageDevice(name=str(i), samples_per_s=min(by_name[m].samples_per_s for m in g),
                            memory_bytes=min(by_name[m].memory_bytes for m in g),
-                           fixed_s=max(by_name[m].fixed_s for m in g)) for i, g in enumerate(groups)]
-    shares = split_shares(global_batch, [1.0] * replicas)
+                           fixed_s=max(by_name[m].fixed_s for m in g), state_fraction=held) for i, g in enumerate(groups)]
+    shares = split_shares(global_batch, [1.0] * width)
     found = best_pipeline(graph, slowest, max(shares), link=cluster.link(fastest))
     if found is None:
         return (f"{what} does not fit: no cut of the model's {len(graph.layers)} units into {stages} stages fits "
                 "the members' memory")
     ordered = [groups[int(name)] for name in found.devices]
-    return pipelined(cluster, graph, found, replicas=ordered, shares=shares)
+    return pipelined(cluster, graph, found, replicas=ordered, shares=shares, shards=shards)
 
 
 def _on_their_stages(members: list[str], before: Layout | None) -> list[str]:
@@ -102,14 +109,16 @@ def _on_their_stages(members: list[str], before: Layout | None) -> list[str]:
 def describe(plan: Plan, speeds: dict[str, float]) -> str:
     """e.g. "pp=2, stages [0 1 2 3] on w1 (210 samples/s), [4 5] on w2 (98 samples/s), 4 micro-batches
     of 4, predicted 120.0 ms/step"."""
-    r = len(plan.members) // plan.pp  # (replicated pipelines: a stage's members are consecutive ranks)
+    r = len(plan.members) // plan.pp  # (dp x pp, FSDP x pp: a stage's members are consecutive ranks)
     on = ", ".join(f"[{' '.join(stage)}] on " + " and ".join(f"{m} ({speeds[m]:.3g} samples/s)"
                                                              for m in plan.members[s * r:(s + 1) * r])
                    for s, stage in enumerate(plan.stages))
     sizes = micro_split(plan.shares[0], plan.micro[0])  # (as the worker splits its share)
     of = f"{sizes[0]}" if sizes[0] == sizes[-1] else f"{sizes[0]} or {sizes[-1]}"
     step = f", predicted {plan.predicted_step_s * 1e3:.1f} ms/step" if plan.predicted_step_s is not None else ""
-    copies = f"{r} pipelines, " if r > 1 else ""
+    shards = plan.dp_shard
+    copies = (f"{r // shards} pipelines, " if r // shards > 1 else "") + (f"each stage sharded over {shards}, "
+                                                                           if shards > 1 else "")
     return (f"pp={plan.pp}, {copies}stages {on}, {len(sizes)} micro-batch{'es' if len(sizes) > 1 else ''} of "
             f"{of}{step}")
 

@@ -17,8 +17,8 @@ same objective and takes the least; this module builds and scores them.
   state (sharding them moves least), where those are other devices.
 * Pipelines pp=P, P = 2 .. min(devices, units, --max-workers), when the model's units form a
   sequence (`Graph.sequential`; otherwise one row says why none can be cut): the P fastest devices
-  cut into stages by `plan.pipeline.best_pipeline` (`plan._pipeline_pin`). Pure pipelines only
-  (dp = 1): the workers run no dp x pp yet.
+  cut into stages by `plan.pipeline.best_pipeline` (`plan._pipeline_pin`). Pure pipelines only:
+  dp x pp and FSDP x pp are weighed where pinned (`--layout pp=2,dp=2`, `pp=2,fsdp=2`).
 * A pin (`--layout`) of data-parallel degrees weighs the one shape it names over every ready
   device (`_pinned_shape`: a degree left free fills them, `dp=1` is FSDP over all, `fsdp=2` over 5
   is 2 replicas of 2; over fewer where memory leaves some out) in place of the FSDP and HSDP
@@ -267,8 +267,7 @@ def sharded(ctx: Ctx, *, pin: LayoutPin | None, same_as: Sequence[str] = ()) -> 
         for shape in dict.fromkeys(shapes):
             if not admitted(pin, (1, *shape)):
                 continue
-            what = f"--layout {pin.describe()}" if pin is not None and shape == pinned else shape_text(*shape)
-            weighed = _shaped(ctx, pool, *shape, what=what, note=note)
+            weighed = _shaped(ctx, pool, *shape, what=shape_text(*shape), note=note)
             key = (*shape, frozenset(weighed.scored.plan.members if weighed.scored else ()))
             if key not in seen and (weighed.scored is not None or not note):
                 seen.add(key)
@@ -407,10 +406,11 @@ def pipelines(ctx: Ctx, *, pin: LayoutPin | None, unless: str = "", above: float
     cut of its devices is faster) is not below `above`, the best objective found, is not cut."""
     g = ctx.graph
     depths: list[int]
-    replicas = 1
+    replicas = shards = 1
     if pin is not None and pin.pp is not None and pin.pp > 1:
         depths, what = [pin.pp], f"--layout {pin.describe()}"
-        replicas = pin.dp_replicate or 1  # (replicated pipelines, dp x pp, only where pinned for now)
+        replicas = pin.dp_replicate or 1  # (dp x pp and FSDP x pp only where pinned, for now)
+        shards = pin.dp_shard or 1
     else:
         if not g.sequential:
             return [Weighed("pp", (2, 1, 1), why_not=NOT_A_SEQUENCE)]
@@ -419,26 +419,27 @@ def pipelines(ctx: Ctx, *, pin: LayoutPin | None, unless: str = "", above: float
     names = ctx.ranked(list(ctx.cluster.devices))  # (pipeline_plan takes the fastest `p` of them)
     out = []
     for p in depths:
-        shape = (p, replicas, 1)
+        shape = (p, replicas, shards)
+        name = shape_text(replicas, shards, p)
         if not admitted(pin, shape):
             continue
         if unless:
-            out.append(Weighed(f"pp={p}", shape, why_not=unless))
+            out.append(Weighed(name, shape, why_not=unless))
             continue
         if not what and p <= len(names) and above < math.inf:
             rank = {m: i for i, m in enumerate(names)}
             fastest = sorted(names, key=lambda m: (-ctx.speeds[m], rank[m]))[:p]  # (as pipeline_plan takes them)
             floor = step_floor(g, stage_devices(ctx.cluster, g, fastest), ctx.limits.global_batch)
             if floor >= above:
-                out.append(Weighed(f"pp={p}", shape, why_not=(
+                out.append(Weighed(name, shape, why_not=(
                     f"not cut: on its {p} fastest devices no cut takes less than {floor * 1e3:.1f} ms a step (their "
                     f"compute of the batch's micro-batches at best spread), no less than the best found "
                     f"({above * 1e3:.1f} ms)")))
                 continue
         found = pipeline_plan(ctx.cluster, g, names, ctx.before, p, global_batch=ctx.limits.global_batch,
-                              what=what or f"pp={p}", replicas=replicas)
+                              what=what or f"pp={p}", replicas=replicas, shards=shards)
         if isinstance(found, str):
-            out.append(Weighed(f"pp={p}", shape, why_not=found))
+            out.append(Weighed(name, shape, why_not=found))
         else:
-            out.append(Weighed(f"pp={p}", shape, ctx.score(found, kind(found))))
+            out.append(Weighed(name, shape, ctx.score(found, kind(found))))
     return out

@@ -55,6 +55,7 @@ class StageDevice:
     samples_per_s: float
     memory_bytes: float = math.inf
     fixed_s: float = 0.0
+    state_fraction: float = 1.0  # of its stage's state it holds (FSDP over s members with copies: 2 / s)
 
     def __post_init__(self) -> None:
         if self.samples_per_s <= 0:
@@ -112,11 +113,13 @@ class _Sums:
                      boundary=tuple(float(x.boundary_bytes) for x in layers),
                      optimizer_state_factor=graph.optimizer_state_factor)
 
-    def memory(self, lo: int, hi: int, in_flight: int, micro: int) -> float:
-        """Bytes of units [lo, hi) as one stage: parameters, gradients and optimizer state, and the
-        activations of `in_flight` micro-batches of `micro` samples."""
+    def memory(self, lo: int, hi: int, in_flight: int, micro: int, state_fraction: float = 1.0) -> float:
+        """Bytes of units [lo, hi) as one stage: parameters, gradients and optimizer state (the
+        `state_fraction` of them a member holds), and the activations of `in_flight` micro-batches of
+        `micro` samples."""
         params = self.params[hi] - self.params[lo]
-        return static_bytes(params, self.optimizer_state_factor) + (self.acts[hi] - self.acts[lo]) * micro * in_flight
+        return (static_bytes(params, self.optimizer_state_factor) * state_fraction
+                + (self.acts[hi] - self.acts[lo]) * micro * in_flight)
 
     def stage_s(self, lo: int, hi: int, device: StageDevice, micro: int, link: Link | None) -> float:
         """Seconds for one micro-batch of `micro` samples through units [lo, hi) on `device`, forward
@@ -170,7 +173,7 @@ def _cut(sums: _Sums, devices: Sequence[StageDevice], micro: int,
         for j in range(s, n - (p - s) + 1):  # leave at least one unit to every later stage
             for i in range(s - 1, j):
                 prev = prev_row[i]
-                if prev[0] == math.inf or sums.memory(i, j, in_flight, micro) > device.memory_bytes:
+                if prev[0] == math.inf or sums.memory(i, j, in_flight, micro, device.state_fraction) > device.memory_bytes:
                     continue
                 t = sums.stage_s(i, j, device, micro, link)
                 cand = (prev[0] if prev[0] > t else t, prev[1] + t)
@@ -281,7 +284,8 @@ def _timed(sums: _Sums, graph: Graph, devices: Sequence[StageDevice], bounds: Se
                         stages=tuple(tuple(layer.name for layer in graph.layers[a:b]) for a, b in spans),
                         micro=sizes, stage_s=times[0], step_s=sum(times[0]) + sum(max(t) for t in times[1:]),
                         compute_s=tuple(sum(t[s] for t in computes) for s in range(p)),
-                        memory_bytes=tuple(sums.memory(a, b, p - s, sizes[0]) for s, (a, b) in enumerate(spans)))
+                        memory_bytes=tuple(sums.memory(a, b, p - s, sizes[0], d.state_fraction)
+                                          for s, ((a, b), d) in enumerate(zip(spans, devices))))
 
 
 def _counts(samples: int, most: int) -> list[int]:

@@ -140,7 +140,7 @@ def stage_devices(cluster: Cluster, graph: Graph, members: Sequence[str]) -> lis
 
 
 def pipelined(cluster: Cluster, graph: Graph, pipeline: PipelinePlan,
-              replicas: Sequence[Sequence[str]] = (), shares: Sequence[int] = ()) -> Plan:
+              replicas: Sequence[Sequence[str]] = (), shares: Sequence[int] = (), shards: int = 1) -> Plan:
     """The plan of `pipeline`: its devices in rank order (rank r holds stage r), every member on the
     whole batch in the pipeline's micro-batches. A member's compute is its stage's over the step, then
     its overhead (the optimizer step and gradient copies: its units' share of the parameters, of
@@ -151,7 +151,11 @@ def pipelined(cluster: Cluster, graph: Graph, pipeline: PipelinePlan,
     `shares[r]` pipeline r's samples; `pipeline` is the cut on each stage's slowest device for the
     largest share (every pipeline waits for the slowest at the step's end), and each stage's
     gradients are all-reduced over its replicas before the step ends. Members are in mesh order:
-    stage-major, rank s·R + r."""
+    stage-major, rank s·R + r. `shards` > 1 (FSDP x pp): `replicas[s]` are stage s's devices in
+    (replica, shard) order, each stage's state split over its shards, which gather its units'
+    parameters in every micro-batch's forward and backward and reduce-scatter their gradients (the
+    sharded step's communication, at the stage's share of the parameters, once per micro-batch, on
+    top of the pipeline's step: an upper bound where it overlaps the compute)."""
     samples, p = sum(pipeline.micro), len(pipeline.devices)
     groups = [list(g) for g in replicas] or [[d] for d in pipeline.devices]
     slots = list(shares) or [samples]
@@ -159,7 +163,11 @@ def pipelined(cluster: Cluster, graph: Graph, pipeline: PipelinePlan,
     params = {layer.name: layer.param_bytes for layer in graph.layers}
     whole = sum(params.values()) or 1
     stage_bytes = [sum(params[u] for u in stage) for stage in pipeline.stages]
-    sums = [allreduce_s(b, len(g), cluster.link(g)) for b, g in zip(stage_bytes, groups)]
+    if shards > 1:
+        m = len(pipeline.micro)
+        sums = [m * step_comm_s(graph, len(g), shards, cluster.link(g)) * b / whole for b, g in zip(stage_bytes, groups)]
+    else:
+        sums = [allreduce_s(b, len(g), cluster.link(g)) for b, g in zip(stage_bytes, groups)]
     overheads = [[cluster.devices[m].overhead_s * b / whole for m in g] for b, g in zip(stage_bytes, groups)]
     step = pipeline.step_s + max(s + max(o) for s, o in zip(sums, overheads))
     members = [m for g in groups for m in g]
@@ -168,7 +176,7 @@ def pipelined(cluster: Cluster, graph: Graph, pipeline: PipelinePlan,
                              memory_bytes=pipeline.memory_bytes[s])
                   for s, g in enumerate(groups) for r, m in enumerate(g))
     return Plan(members=tuple(members), shares=tuple(slots) * p, predicted_step_s=step, comm_s=max(sums),
-                costs=costs, micro=(pipeline.micro[0],) * len(members), pp=p, stages=pipeline.stages)
+                costs=costs, micro=(pipeline.micro[0],) * len(members), pp=p, stages=pipeline.stages, dp_shard=shards)
 
 
 def reported_compute(plan: Plan, graph: Graph | None) -> dict[str, float]:
@@ -230,14 +238,14 @@ def repredict(cluster: Cluster, graph: Graph | None, plan: Plan) -> Plan:
     if plan.pp > 1:
         if graph is None:
             return plan
-        r = len(plan.members) // plan.pp  # (replicated pipelines: a stage's members are consecutive ranks)
+        r = len(plan.members) // plan.pp  # (dp x pp, FSDP x pp: a stage's members are consecutive ranks)
         groups = [plan.members[s * r:(s + 1) * r] for s in range(plan.pp)]
         devices = [min(stage_devices(cluster, graph, g), key=lambda d: d.samples_per_s) for g in groups]
         timed = time_pipeline(graph, devices, plan.stages, micro_split(max(plan.shares), plan.micro[0]),
                               link=cluster.link(plan.members))
         if r == 1:
             return pipelined(cluster, graph, timed)
-        return pipelined(cluster, graph, timed, replicas=groups, shares=plan.shares[:r])
+        return pipelined(cluster, graph, timed, replicas=groups, shares=plan.shares[:r], shards=plan.dp_shard)
     if plan.dp_shard > 1 and graph is not None:
         return predict_sharded(cluster, graph, plan.members, plan.shares, plan.micro,
                                replicas=len(plan.members) // plan.dp_shard)

@@ -83,8 +83,10 @@ def _through_the_pipeline(t: Loop, g: Group, stage: Stage) -> torch.Tensor:
     for i, n in zip(busy, split_shares(len(t.job.eval_dataset), [float(max(slots[i], 1)) for i in busy])):
         counts[i] = n
     part = share_slice(counts, layout.dp_index(g.rank))
+    # (a sharded stage's members gather at every chunk: each runs as many as the slot with the most)
+    passes = max(-(-n // EVAL_CHUNK) for n in counts) if layout.sharded else 0
     loss, samples = evaluate_stage(stage, layout, g.rank, g.pg, lambda work, buf: t.wait(g, work, buf), t.job,
-                                   torch.arange(part.start, part.stop), EVAL_CHUNK, t.device)
+                                   torch.arange(part.start, part.stop), EVAL_CHUNK, t.device, passes=passes)
     return torch.tensor([loss, float(samples)], dtype=torch.float64, device=t.device)
 
 

@@ -80,7 +80,7 @@ class Executor(ABC):
     `fits`, `build`, `step`, `save` and, where they hold part of the state, `local_state`."""
 
     whole: ClassVar[bool] = False  # this executor holds the whole model as a plain module (a replica)
-    owns_default_group: ClassVar[bool] = False  # it registered the epoch's group as c10d's default (FSDP2)
+    owns_default_group = False  # it registered the epoch's group as c10d's default (FSDP2)
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, at: tuple[Layout, int] | None = None,
                  copies: Copies | None = None) -> None:

@@ -81,16 +81,19 @@ class ShardMesh:
 
 def mesh(g: Group, device: torch.device, registered: list[dist.ProcessGroup], *, timeout_s: float,
          superseded: Callable[[], bool]) -> ShardMesh:
-    """The mesh of a sharded layout over the epoch's group: 1-D over the members, or for HSDP 1-D
-    over this member's shard group, with its replica group beside it. Appends every group it
+    """The mesh of a sharded layout over the epoch's group: 1-D over the members, or for HSDP and a
+    sharded pipeline stage 1-D over this member's shard group (with HSDP's replica group beside it). Appends every group it
     registers to `registered` (the whole group first), as it registers it."""
     prefixed = dist.PrefixStore(f"epoch{g.epoch}/", g.store)  # type: ignore[attr-defined]
     whole = meshes.register(g.pg, prefixed, g.rank, len(g.members), g.epoch, device)
     registered.append(whole)
-    if g.layout.dp_replicate == 1:
+    if g.layout.dp_shard == len(g.members):  # FSDP over every member: the whole group is the shard group
         return ShardMesh(meshes.mesh_of(whole, device, g.epoch))
     subs: dict[str, dist.ProcessGroup] = {}
-    for part, ranks in (("replicate", g.layout.replicate_group(g.rank)), ("shard", g.layout.shard_group(g.rank))):
+    axes = [("shard", g.layout.shard_group(g.rank))]  # (a pipeline stage's shards: FSDP x pp)
+    if g.layout.dp_replicate > 1:
+        axes.insert(0, ("replicate", g.layout.replicate_group(g.rank)))
+    for part, ranks in axes:
         name = f"{part}{ranks[0]}"
         raw = comm.form_group(g.store, g.epoch, ranks.index(g.rank), len(ranks), device,
                               timeout_s=timeout_s, superseded=superseded, part=f"{name}/")
@@ -98,7 +101,7 @@ def mesh(g: Group, device: torch.device, registered: list[dist.ProcessGroup], *,
         subs[part] = meshes.register(raw, sub_store, ranks.index(g.rank), len(ranks), g.epoch, device,
                                      part=name, ranks=ranks)
         registered.append(subs[part])
-    return ShardMesh(meshes.mesh_of(subs["shard"], device, g.epoch), replicate=subs["replicate"])
+    return ShardMesh(meshes.mesh_of(subs["shard"], device, g.epoch), replicate=subs.get("replicate"))
 
 
 def forget(registered: list[dist.ProcessGroup]) -> None:

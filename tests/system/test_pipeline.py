@@ -9,6 +9,8 @@ as 1F1B micro-batches passed point to point.
   (it sends its stage's tensors as a sender, then leaves), and the curve stays the recipe's.
 - SIGKILL of a stage's member in the forward or the backward: the standby worker takes its stage
   from the copy the other stage keeps (a ring of copies covers stages); nothing is lost.
+- Replicated pipelines (`pp=2,dp=2`) and sharded ones (`pp=2,fsdp=2`: FSDP2 within each stage) are
+  exact too, their held-out loss and final model the single-process model's.
 """
 
 from __future__ import annotations
@@ -18,10 +20,27 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from localjob import LocalJob
-from test_recipe import JOB, _check_the_trained_model, single_process
+from test_recipe import GPT, JOB, _check_the_trained_model, single_process
 from test_sharded import _assert_exact, _wait_for_log
 
+from worker.job import load_job
+
+
+
+WITH_EVAL = """\
+import dataclasses
+import importlib.util
+
+spec = importlib.util.spec_from_file_location("gpt_example", {gpt!r})
+gpt = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gpt)
+
+
+def job():
+    return dataclasses.replace(gpt.job_short(), eval_every=40, eval_dataset=gpt.job().eval_dataset)
+"""
 
 
 def _plans(job: LocalJob) -> list[dict[str, Any]]:
@@ -140,3 +159,40 @@ def test_replicated_pipelines_are_exact(tmp_path: Path) -> None:
             assert layout["shares"] == [8, 8, 8, 8], layout
         finished = [e for e in events if e["kind"] == "finished"]
         _check_the_trained_model(tmp_path, finished, job.tail("coordinator.out", 100_000), trained)
+
+
+@pytest.mark.timeout(400)
+def test_sharded_pipelines_are_exact(tmp_path: Path) -> None:
+    """`--layout pp=2,fsdp=2` (FSDP x pp): two stages, each sharded with FSDP2 over its two
+    members, every member on its own slice of the batch: every step's loss, learning rate and
+    gradient norm equal the single-process recipe's, the held-out loss is reported, and the model
+    written at the end (each stage gathered from its shards, then to the first stage) is the whole
+    trained model."""
+    trained: dict[str, Any] = {}
+    reference = single_process(trained)
+    path = tmp_path / "gpt_eval.py"  # (job_short with the held-out set, evaluated after the last step)
+    path.write_text(WITH_EVAL.format(gpt=str(GPT)))
+    with LocalJob(f"{path}:job", tmp_path, min_workers=4, coordinator_args=["--layout", "pp=2,fsdp=2"]) as job:
+        job.start()
+        for name in ("w1", "w2", "w3", "w4"):
+            job.add_worker(name)
+        exits = job.wait_workers(300)
+        assert exits == {"w1": 0, "w2": 0, "w3": 0, "w4": 0}, job.tails(exits)
+        assert job.wait_coordinator(30) == 0
+        events = job.events()
+        _assert_exact(events, reference)
+        for plan in _plans(job):
+            layout = plan["layout"]
+            assert (layout["pp"], layout["dp_replicate"], layout["dp_shard"]) == (2, 1, 2), layout
+            assert layout["shares"] == [8, 8, 8, 8], layout
+        finished = [e for e in events if e["kind"] == "finished"]
+        _check_the_trained_model(tmp_path, finished, job.tail("coordinator.out", 100_000), trained)
+    # The held-out loss went through the sharded stages: the single-process model's, on every sample.
+    [evaluated] = [e for e in events if e["kind"] == "eval"]
+    model, held_out = trained["model"], load_job(path.read_text(), "job", filename=str(path)).eval_dataset
+    model.eval()
+    with torch.no_grad():
+        x, y = held_out[torch.arange(len(held_out))]
+        expected = trained["job"].loss(model(x), y).item() / len(held_out)
+    assert evaluated["step"] == 40 and evaluated["samples"] == len(held_out), evaluated
+    assert abs(evaluated["loss"] - expected) / expected <= 1e-4, (evaluated["loss"], expected)

@@ -69,7 +69,7 @@ def test_a_pin_parses_and_refuses_what_cannot_run() -> None:
     assert not parse_pin("fsdp=3").admits(Layout.replicated(["a", "b", "c"], [1, 1, 1]))
     for bad, why in [("dp=0", ">= 1"), ("zero=2", "NAME=N"), ("dp=2,dp=3", "twice"),
                      ("tp=2", "tensor parallelism \\(tp\\) is not planned yet"), ("dp=x", "NAME=N"),
-                     ("pp=2,fsdp=2", "pp with fsdp above 1 is not supported yet: pin pp alone or with dp")]:
+                     ("pp=2,dp=2,fsdp=2", "pp with both dp and fsdp above 1 is not supported yet")]:
         with pytest.raises(LayoutError, match=why):
             parse_pin(bad)
 

@@ -50,7 +50,8 @@ from worker.save import save_state
 
 Wait = Callable[[Any, torch.Tensor | None], None]  # the trainer's abortable wait (raises when superseded)
 
-__all__ = ["AbortableAllReduce", "CommTime", "FsdpExecutor", "KeptShard", "Sharded", "apply_fsdp", "extract"]
+__all__ = ["AbortableAllReduce", "CommTime", "FsdpExecutor", "KeptShard", "Sharded", "apply_fsdp", "extract",
+           "shard_module"]
 
 
 @dataclass(slots=True)
@@ -136,8 +137,19 @@ def apply_fsdp(job: Job, units: Sequence[str], layout: Layout, rank: int, mesh: 
                device: torch.device, *, replicate: dist.ProcessGroup | None = None,
                mp_policy: MixedPrecisionPolicy | None = None, wait: Wait | None = None,
                give_up: Callable[[], None] | None = None, keep: int | None = None) -> Sharded:
-    """The job's model, each of `units` (module paths: the graph's layers but the root) sharded on
-    its own and then the root, over `mesh`, and loaded with this member's slices of `local`. HSDP:
+    """The job's model sharded (`shard_module`), built on the meta device."""
+    return shard_module(job, meta_model(job), units, layout, rank, mesh, local, device, replicate=replicate,
+                        mp_policy=mp_policy, wait=wait, give_up=give_up, keep=keep)
+
+
+def shard_module(job: Job, model: nn.Module, units: Sequence[str], layout: Layout, rank: int, mesh: DeviceMesh,
+                 local: LocalState, device: torch.device, *, replicate: dist.ProcessGroup | None = None,
+                 mp_policy: MixedPrecisionPolicy | None = None, wait: Wait | None = None,
+                 give_up: Callable[[], None] | None = None, keep: int | None = None) -> Sharded:
+    """`model` (on the meta device: the job's whole model, or a pipeline stage of it whose parameters
+    keep the whole model's names), each of `units` (module paths: the graph's layers but the root)
+    sharded on its own and then the root, over `mesh`, and loaded with this member's slices of
+    `local`, with the job's optimizer over the shards. HSDP:
     `mesh` is this member's shard group and `replicate` its replica group, over which every reduced
     gradient shard is summed. `wait` (the trainer's abortable wait) waits for every collective;
     without it they are waited for plainly. `give_up` is called before each collective is issued
@@ -149,7 +161,6 @@ def apply_fsdp(job: Job, units: Sequence[str], layout: Layout, rank: int, mesh: 
     parameters', and the copies exchange their gradients instead: `Sharded.reduced_everywhere`)."""
     if (replicate is not None) != (layout.dp_replicate > 1):
         raise ValueError(f"{layout.describe()}: a replica group is needed exactly when dp_replicate > 1")
-    model = meta_model(job)
     kwargs: dict[str, Any] = {"mesh": mesh}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy

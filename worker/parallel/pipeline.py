@@ -64,6 +64,7 @@ class StageStep:
     targets: Sequence[torch.Tensor] = ()
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # summed over samples
     global_batch: int = 1
+    weights: Sequence[float] = ()  # per micro-batch, what its loss counts (0: a stand-in pass; default 1)
 
     @property
     def first(self) -> bool:
@@ -110,7 +111,9 @@ def _forward(s: StageStep, k: int, sent: list[tuple[Any, torch.Tensor]]) -> tupl
         out = s.module(inp)
     if s.last:
         assert s.loss is not None
-        return inp, s.loss(out, s.targets[k].to(s.device)) / s.global_batch
+        weight = s.weights[k] if s.weights else 1.0
+        loss = s.loss(out, s.targets[k].to(s.device))
+        return inp, loss / s.global_batch if weight == 1.0 else loss * (weight / s.global_batch)
     assert s.next_rank is not None
     _send(s, out.detach(), s.next_rank, 2 * k, sent)
     return inp, out

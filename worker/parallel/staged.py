@@ -11,6 +11,13 @@ member's units under their own names, so its parameters' names are the whole mod
 on the stage that holds unit "3"): the reshard, the checkpoint and `from_module` see the same names
 in every layout. Nothing of the other stages is ever materialised.
 
+FSDP x pp (`dp_shard` > 1): the stage is built on the meta device and sharded with FSDP2 over the
+stage's shard group (`worker.parallel.fsdp.shard_module`, each unit and then the stage), the
+pipeline's order composed as torchtitan composes it (split, then shard each part). FSDP2 gathers
+and reduce-scatters at every unit of every micro-batch, so the members of a stage's shard group
+(each in a pipeline of its own) run the same number of micro-batches (`_even_micro_batches`) and,
+evaluating, the same number of chunks.
+
 Also here: the held-out loss through the pipeline (`evaluate_stage`: activations passed forward
 only, the last stage sums the loss), and the whole state gathered to the first stage's rank for the
 final model and `ctl save` (`gather_state`: each stage packs its part, `worker.state`, and sends it
@@ -30,14 +37,20 @@ from torch import nn
 import dataclasses
 import time
 
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+
 from plan.layout import Layout
-from plan.pipeline import micro_split
+from plan.pipeline import micro_batches, micro_split
 from transport import PlanDelta
 from worker import comm, state
-from worker.executor import Executor, Loop, pause, sleep, squared_norm
+from worker import group as groups
+from worker.executor import Executor, Loop, local_grad, pause, sleep, squared_norm
 from worker.group import Group
 from worker.job import Job, sample_ids
 from worker.parallel.copies import Copies
+from worker.parallel.fsdp import Sharded, extract, shard_module
 from worker.parallel.meta import meta_model
 from worker.parallel.pipeline import StageStep, one_f_one_b, recv_tensor, send_tensor
 from worker.parallel.slices import LocalState, to_module
@@ -78,19 +91,22 @@ def apply_stage(job: Job, layout: Layout, rank: int, local: LocalState, device: 
 
 
 def evaluate_stage(stage: Stage, layout: Layout, rank: int, pg: Any, wait: Wait, job: Job, ids: torch.Tensor,
-                   chunk: int, device: torch.device) -> tuple[float, int]:
+                   chunk: int, device: torch.device, *, passes: int = 0) -> tuple[float, int]:
     """This stage's part of the held-out loss over samples `ids` (its data-parallel slot's part), in
     chunks of `chunk`: the first stage reads the inputs, every stage passes its output on, and the
-    last one sums the loss; (loss sum, samples) on the last stage, (0, 0) elsewhere."""
+    last one sums the loss; (loss sum, samples) on the last stage, (0, 0) elsewhere. `passes`: at
+    least this many chunks (a sharded stage's members gather together at every chunk): those past
+    the slot's samples carry one held-out sample whose loss is not counted."""
     before, after = neighbours(layout, rank)
     send = lambda t, dst, tag: pg.send([t], dst, tag)  # noqa: E731
     recv = lambda t, src, tag: pg.recv([t], src, tag)  # noqa: E731
     total, count = 0.0, 0
+    real = -(-len(ids) // chunk)
     stage.module.eval()
     try:
         with torch.no_grad():
-            for k, start in enumerate(range(0, len(ids), chunk)):
-                part = ids[start:start + chunk]
+            for k in range(max(real, passes)):
+                part = ids[k * chunk:(k + 1) * chunk] if k < real else torch.arange(1)
                 inputs, targets = job.eval_dataset[part]
                 x = inputs.to(device) if before is None else recv_tensor(recv, wait, before, k, device)
                 out = stage.module(x)
@@ -99,7 +115,7 @@ def evaluate_stage(stage: Stage, layout: Layout, rank: int, pg: Any, wait: Wait,
                     send_tensor(send, out, after, k, device, sent)
                     for work, tensor in sent:
                         wait(work, tensor)
-                else:
+                elif k < real:
                     total += float(job.loss(out, targets.to(device)))
                     count += len(part)
     finally:
@@ -108,13 +124,15 @@ def evaluate_stage(stage: Stage, layout: Layout, rank: int, pg: Any, wait: Wait,
 
 
 def gather_state(stage: Stage, step: int, rank: int, ranks: Sequence[int], pg: Any, wait: Wait,
-                 device: torch.device) -> list[dict[str, Any]] | None:
+                 device: torch.device, *, whole: tuple[dict[str, Any], dict[str, Any]] | None = None
+                 ) -> list[dict[str, Any]] | None:
     """Every stage's whole state (`{"model": state_dict, "optimizer": {fqn: state}, "hyper": [...]}`),
     gathered to `ranks[0]` (the first stage of one pipeline), in stage order; None on the others.
-    For the final model and `ctl save`: the file holds the whole model, as in every layout."""
-    mine = {"step": step, "model": stage.module.state_dict(),
-            "optimizer": _optimizer_by_name(stage), "hyper": [{k: v for k, v in g.items() if k != "params"}
-                                                             for g in stage.optimizer.param_groups]}
+    For the final model and `ctl save`: the file holds the whole model, as in every layout. `whole`:
+    this stage's (model state dict, optimizer state by name), where it is sharded and gathered first."""
+    model, by_name = whole if whole is not None else (stage.module.state_dict(), _optimizer_by_name(stage))
+    mine = {"step": step, "model": model, "optimizer": by_name,
+            "hyper": [{k: v for k, v in g.items() if k != "params"} for g in stage.optimizer.param_groups]}
     if rank != ranks[0]:
         packed = state.pack(mine, device)
         size = torch.tensor([packed.skeleton.numel()], dtype=torch.int64, device=device)
@@ -164,23 +182,31 @@ def _optimizer_by_name(stage: Stage) -> dict[str, Any]:
 
 
 class StageExecutor(Executor):
-    """A stage of a pipeline, and of replicated pipelines (dp x pp): the replicas of a stage sum
-    its gradients over their own group (the stage's replica group, formed with the epoch) before
-    the step's all-reduce; a replica is then every stage's redundancy, and no copies are kept."""
+    """A stage of a pipeline, of replicated pipelines (dp x pp: the replicas of a stage sum its
+    gradients over their own group, the stage's replica group formed with the epoch, before the
+    step's all-reduce; a replica is then every stage's redundancy, and no copies are kept), and of
+    sharded pipelines (FSDP x pp: the stage sharded over its shard group, a ring of copies of the
+    shards)."""
 
     def __init__(self, stage: Stage, at: tuple[Layout, int], copies: Copies, fraction: float,
-                 replicas: Any = None) -> None:
+                 replicas: Any = None, sharded: Sharded | None = None,
+                 registered: list[dist.ProcessGroup] | None = None) -> None:
         super().__init__(stage.module, stage.optimizer, at, copies)
         self.stage = stage
         self.fraction = fraction  # the stage's units' share of the model's training FLOPs
         self.replicas = replicas  # the raw group of this stage's replicas (None: one pipeline)
+        self.sharded = sharded  # the stage's FSDP2 state (None: the stage whole on this member)
+        self.registered = registered or []  # its groups as registered with c10d (FSDP x pp)
+        self.owns_default_group = sharded is not None
 
     @staticmethod
     def fits(layout: Layout) -> bool:
-        return layout.pp > 1 and layout.dp_shard == 1 and layout.tp == 1
+        return layout.pp > 1 and layout.tp == 1 and not (layout.dp_shard > 1 and layout.dp_replicate > 1)
 
     @classmethod
     def build(cls, t: Loop, g: Group, local: LocalState) -> Executor:
+        if g.layout.sharded:
+            return cls._build_sharded(t, g, local)
         stage = apply_stage(t.job, g.layout, g.rank, local, t.device)
         replicas = None
         if g.layout.dp_replicate > 1:
@@ -190,6 +216,41 @@ class StageExecutor(Executor):
                                        superseded=lambda: t.agent.superseded(g.epoch), part=f"stage{stage.stage}/")
         return cls(stage, (g.layout, g.rank), Copies.of(g.layout, t.name, local, t.tensors),
                    _flops_fraction(t, stage), replicas)
+
+    @classmethod
+    def _build_sharded(cls, t: Loop, g: Group, local: LocalState) -> Executor:
+        """The stage on the meta device, sharded with FSDP2 over its shard group (registered first,
+        as `FsdpExecutor.build` does: forming it can be superseded, and then nothing is left
+        registered)."""
+        registered: list[dist.ProcessGroup] = []
+        try:
+            on = groups.mesh(g, t.device, registered, timeout_s=t.config.group_timeout_s,
+                             superseded=lambda: t.agent.superseded(g.epoch))
+            index = g.layout.coords(g.rank)[0]
+            units = g.layout.stages[index]
+            model = meta_model(t.job)
+            module = nn.Sequential(OrderedDict((unit, model.get_submodule(unit)) for unit in units))
+            mp = (MixedPrecisionPolicy(param_dtype=getattr(torch, t.job.compute_dtype), reduce_dtype=torch.float32)
+                  if t.job.compute_dtype else None)
+            sharded = shard_module(t.job, module, units, g.layout, g.rank, on.mesh, local, t.device, mp_policy=mp,
+                                   wait=lambda work, buf: t.wait(g, work, buf), give_up=t.give_up_if_superseded)
+        except BaseException:
+            groups.forget(registered)
+            raise
+        stage = Stage(module=module, optimizer=sharded.optimizer, stage=index, stages=g.layout.pp)
+        return cls(stage, (g.layout, g.rank), Copies.of(g.layout, t.name, local, t.tensors),
+                   _flops_fraction(t, stage), sharded=sharded, registered=registered)
+
+    def close(self) -> None:
+        super().close()
+        groups.forget(self.registered)  # (their backends end on their own)
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The parameters this member steps: its stage's, or its shards of them."""
+        if self.sharded is not None:
+            return [p for p in self.sharded.params.values() if p.requires_grad]
+        return [p for p in self.stage.module.parameters() if p.requires_grad]
 
     def _sum_over_replicas(self, t: Loop, g: Group) -> None:
         """The stage's gradients summed over its replicas (every pipeline computed its own slice of
@@ -204,6 +265,10 @@ class StageExecutor(Executor):
             at += p.numel()
 
     def local_state(self, step: int) -> LocalState:
+        if self.sharded is not None:
+            assert self.at is not None
+            layout, rank = self.at
+            return self._with_redundancy(extract(self.sharded, layout, rank, step), self.sharded.params.items())
         return self._with_redundancy(super().local_state(step), self.model.named_parameters())
 
     def evaluate(self, t: Loop, g: Group) -> None:
@@ -215,14 +280,31 @@ class StageExecutor(Executor):
         """Gather every stage's state to the pipeline's first rank (every member), which writes the
         whole model (`gather_state`)."""
         assert g is not None, "the stages are gathered over the epoch's group"
+        whole = self._gathered() if self.sharded is not None else None  # (every shard of the stage takes part)
         ranks = [g.layout.rank_of(p, 0, 0, 0) for p in range(g.layout.pp)]
-        if g.rank not in ranks:  # (another replica of the pipeline: the first one writes)
+        if g.rank not in ranks:  # (another replica or shard of the pipeline: the first one writes)
             return
-        parts = gather_state(self.stage, t.step, g.rank, ranks, g.pg, lambda work, buf: t.wait(g, work, buf), t.device)
+        parts = gather_state(self.stage, t.step, g.rank, ranks, g.pg, lambda work, buf: t.wait(g, work, buf), t.device,
+                             whole=whole)
         if parts is None:
             return
         model_state, optimizer_state = whole_state(parts, list(t.shapes))
         t.write(directory, final, lambda path: save_state(model_state, optimizer_state, path))
+
+    def _gathered(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The sharded stage's whole model and optimizer state (by parameter name), gathered from its
+        shards: a collective of the stage's shard group."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
+        # (no cpu_offload: with it only the default group's rank 0 gets the state, and every stage's
+        # first shard needs its own)
+        options = StateDictOptions(full_state_dict=True)
+        model = get_model_state_dict(self.stage.module, options=options)
+        by_name: dict[str, Any] = dict(get_optimizer_state_dict(self.stage.module, self.stage.optimizer, options=options))
+        cpu = lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v  # noqa: E731
+        return ({k: cpu(v) for k, v in model.items()},
+                {fqn: {k: cpu(v) for k, v in st.items()} for fqn, st in by_name["state"].items()})
 
     def step(self, t: Loop, g: Group) -> PlanDelta | None:
         """One exact step of a pipeline stage: its data-parallel slot's samples as contiguous
@@ -239,9 +321,16 @@ class StageExecutor(Executor):
         start, stop = g.layout.batch_slice(g.rank)
         ids = sample_ids(job.seed, t.step, len(job.dataset), G)[start:stop]
         stage.optimizer.zero_grad(set_to_none=True)
-        sizes = micro_split(len(ids), g.micro[g.rank] or len(ids)) if len(ids) else ()  # (as the planner predicted)
+        sharded = self.sharded
+        if sharded is None:
+            sizes = micro_split(len(ids), g.micro[g.rank] or len(ids)) if len(ids) else ()  # (as the planner predicted)
+        else:
+            sizes = _even_micro_batches(g, len(ids))
+            sharded.comm.take()  # (FSDP2's gathers and scatters of this step from here on)
         bounds = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
-        chunks = [ids[a:b] for a, b in zip(bounds, bounds[1:])]
+        # (a micro-batch of no samples, where a shard's slot has fewer than its group's count: one
+        # sample whose loss weighs nothing, so that its gathers still run)
+        chunks = [ids[a:b] if b > a else ids[:1] if len(ids) else torch.arange(1) for a, b in zip(bounds, bounds[1:])]
         before, after = neighbours(g.layout, g.rank)
         waited = [0.0]  # seconds spent waiting for the neighbours (the bubble, their sends): not compute
 
@@ -256,7 +345,7 @@ class StageExecutor(Executor):
                         recv=lambda x, src, tag: g.pg.recv([x], src, tag), wait=wait, sizes=sizes, device=t.device,
                         inputs=[job.dataset[c][0] for c in chunks] if before is None else (),
                         targets=[job.dataset[c][1] for c in chunks] if after is None else (),
-                        loss=job.loss, global_batch=G)
+                        loss=job.loss, global_batch=G, weights=[1.0 if n else 0.0 for n in sizes])
         t.computing = g.epoch  # (a send that fails with its peer is the loop's Superseded: `Trainer._train_step`)
         try:
             pause(t, g, "forward")  # (before its first forward: its neighbours wait for it point to point)
@@ -266,6 +355,8 @@ class StageExecutor(Executor):
         # This stage's compute, reported as the whole model's for these samples (the coordinator reads
         # a member's speed in whole-model samples/s): the stage's time less its waits, over its units'
         # share of the model's FLOPs.
+        if sharded is not None:  # (FSDP2's collectives, where it also waited for its slowest shard: communication)
+            waited[0] += sharded.comm.take()
         compute_s = (time.perf_counter() - t0 - waited[0]) / self.fraction
         factor = t.agent.slowdown
         if factor > 1.0 and len(ids):  # the --slowdown test knob: this stage's compute stretched (the
@@ -280,11 +371,15 @@ class StageExecutor(Executor):
         # Every member gets its copy's gradients (its source's stage): from here on the step may be
         # rolled forward.
         t_copies = time.perf_counter()
-        self.copies.exchange(((p, p.grad) for p in stage.module.parameters()), g.members, g.pg, wait, t.device)
+        if sharded is not None:
+            self.copies.exchange(((p.to_local() if isinstance(p, DTensor) else p, local_grad(p))
+                                  for p in sharded.params.values()), g.members, g.pg, wait, t.device)
+        else:
+            self.copies.exchange(((p, p.grad) for p in stage.module.parameters()), g.members, g.pg, wait, t.device)
         self.redundancy_s = time.perf_counter() - t_copies
         pause(t, g, "exchange")
         self.pending = True
-        grads = [gr for p in stage.module.parameters() if (gr := p.grad) is not None]
+        grads = [gr for p in self.params if (gr := local_grad(p)) is not None]
         squares = sum((squared_norm(gr) for gr in grads), torch.zeros((), dtype=torch.float64, device=t.device))
         buf, pending = self._votes(t, g, loss_sum, squares)
         t_comm = time.perf_counter()
@@ -292,8 +387,18 @@ class StageExecutor(Executor):
         comm_s = time.perf_counter() - t_comm + waited[0]
         grad_norm = float(buf[1].sqrt())
         pause(t, g, "optimizer")
-        lr = self._apply(t, grads, grad_norm, stage.optimizer.step)
+        lr = self._apply(t, grads, grad_norm, sharded.stepper.step if sharded is not None else stage.optimizer.step)
         return self._end(t, g, buf, pending, len(ids), (compute_s, comm_s, time.perf_counter() - t0), lr, grad_norm)
+
+
+def _even_micro_batches(g: Group, samples: int) -> tuple[int, ...]:
+    """This member's `samples` as as many micro-batches as the member of its shard group that
+    runs the most (`micro_split` of each one's share by its micro-batch size): FSDP2 gathers each
+    unit for every micro-batch, so every shard of a stage runs the same count. Sizes differ by at
+    most one; a slot with fewer samples than the count gets empty micro-batches at the end."""
+    count = max(len(micro_split(share, micro or share)) if share else 1
+                for share, micro in ((g.shares[r], g.micro[r]) for r in g.layout.shard_group(g.rank)))
+    return micro_batches(samples, count) if samples >= count else (1,) * samples + (0,) * (count - samples)
 
 
 def _flops_fraction(t: Loop, stage: Stage) -> float:
