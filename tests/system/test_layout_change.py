@@ -71,3 +71,38 @@ def test_a_running_job_moves_from_replicas_to_a_pipeline_to_fsdp_and_back(tmp_pa
         changes = [(e["layout"], e["previous"], e["source"]) for e in events if e["kind"] == "layout"]
         assert changes == [("pp=2", "auto", "ctl"), ("fsdp=2", "pp=2", "ctl"), ("auto", "fsdp=2", "ctl")], changes
         _assert_exact(events, reference)
+
+
+@pytest.mark.timeout(400)
+def test_a_pipeline_is_sharded_live_and_a_killed_shard_is_replaced_from_its_copy(tmp_path: Path) -> None:
+    """Five workers under `--layout pp=2` (two train, three wait); `ctl layout pp=2,fsdp=2` shards
+    each stage over two members live (the stage holders keep their part, two newcomers receive the
+    other); SIGKILL of a member of a sharded stage: the fifth worker takes its shard from the copy
+    its ring neighbour keeps. Every step's loss, learning rate and gradient norm stay the
+    single-process recipe's; no step is lost; the survivors train again within the liveness bound."""
+    reference = single_process()
+    with LocalJob(JOB, tmp_path, min_workers=2, coordinator_args=["--layout", "pp=2"]) as job:
+        job.start()
+        for name in ("w1", "w2", "w3", "w4", "w5"):
+            job.add_worker(name, "--slowdown", "2")  # (margin for two changes before step 40)
+        job.wait_step(3, 180)
+
+        seen = len(job.events())
+        assert job.ctl("layout", "pp=2,fsdp=2") == {"layout": "pp=2,fsdp=2"}
+        sharded = _relaid(job, "pp=2,fsdp=2", seen)
+        layout = sharded["layout"]
+        assert (layout["pp"], layout["dp_replicate"], layout["dp_shard"]) == (2, 1, 2), layout
+        assert len(layout["members"]) == 4 and len(layout["stages"]) == 2, layout
+
+        victim = layout["members"][1]  # (stage 0's second shard)
+        job.kill(victim)
+        replaced = job.wait_event(lambda e: e["kind"] == "plan" and e.get("layout") and e["epoch"] > sharded["epoch"]
+                                  and victim not in e["layout"]["members"], 120, "a plan without the killed member")
+        assert (replaced["layout"]["pp"], replaced["layout"]["dp_shard"]) == (2, 2), replaced["layout"]
+        assert len(replaced["layout"]["members"]) == 4, replaced["layout"]
+
+        exits = job.wait_workers(300)
+        assert {n: c for n, c in exits.items() if n != victim} == {n: 0 for n in exits if n != victim}, job.tails(exits)
+        assert job.wait_coordinator(30) == 0
+        events = job.events()
+        _assert_exact(events, reference)
