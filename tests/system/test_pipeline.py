@@ -9,6 +9,8 @@ as 1F1B micro-batches passed point to point.
   (it sends its stage's tensors as a sender, then leaves), and the curve stays the recipe's.
 - SIGKILL of a stage's member in the forward or the backward: the standby worker takes its stage
   from the copy the other stage keeps (a ring of copies covers stages); nothing is lost.
+- SIGSTOP of a stage's member past its lease: it is planned out, its stage taken from the copy,
+  and it is fenced when it wakes.
 - Replicated pipelines (`pp=2,dp=2`) and sharded ones (`pp=2,fsdp=2`: FSDP2 within each stage) are
   exact too, their held-out loss and final model the single-process model's.
 """
@@ -107,6 +109,37 @@ def test_a_stage_holder_killed_mid_step_loses_nothing(tmp_path: Path, phase: str
         events = job.events()
         assert not [e for e in events if e["kind"] == "state_lost"]
         _assert_exact(events, reference)
+
+
+@pytest.mark.timeout(400)
+def test_a_stage_holder_stopped_past_its_lease_is_replaced_and_fenced(tmp_path: Path) -> None:
+    """SIGSTOP of a stage's member for longer than the lease: its neighbour, waiting for it point to
+    point, is released when the coordinator plans it out; the standby worker takes its stage from
+    the copy the other stage keeps and training goes on within the liveness bound; after SIGCONT
+    the stopped worker is fenced and comes back as a newcomer. The curve is the single-process one."""
+    reference = single_process()
+    with LocalJob(JOB, tmp_path, min_workers=2, lease_s=1.0, coordinator_args=["--layout", "pp=2"]) as job:
+        job.start()
+        job.add_worker("w1")
+        job.add_worker("w2")
+        job.wait_step(2, 180)
+        job.add_worker("w3")
+        job.wait_event(lambda e: e["kind"] == "standby" and e.get("worker") == "w3", 120, "w3 on standby")
+        job.wait_step(8, 180)
+        job.signal("w2", signal.SIGSTOP)
+        failed = job.wait_event(lambda e: e["kind"] == "failed", 30, "failed")
+        assert (failed["worker"], failed["detected_by"]) == ("w2", "lease")
+        plan = job.wait_event(lambda e: e["kind"] == "plan" and e["reason"] == "failure", 10, "failure plan")
+        assert sorted(plan["layout"]["members"]) == ["w1", "w3"] and plan["layout"]["pp"] == 2, plan["layout"]
+        job.wait_event(lambda e: e["kind"] == "step" and e["epoch"] == plan["epoch"], 30, "a step without w2")
+        job.signal("w2", signal.SIGCONT)
+        exits = job.wait_workers(300)
+        assert exits == {"w1": 0, "w2": 0, "w3": 0}, job.tails(exits)
+        assert job.wait_coordinator(30) == 0
+        events = job.events()
+        assert not [e for e in events if e["kind"] == "state_lost"]
+        _assert_exact(events, reference)
+        assert "fenced" in job.tail("w2", 200)
 
 
 @pytest.mark.timeout(400)
