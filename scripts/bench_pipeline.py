@@ -19,12 +19,22 @@ side in one run on this machine (gloo over loopback, one torch thread per proces
                model (measured: a one-worker adaptrain run in the same session). Goals: re-cut
                >= 0.9 x ideal and >= 1.3 x even cuts.
 
+  live         4 workers, `--layout dp=3` (3 replicas, 1 on standby), then `ctl layout pp=3` (replicas
+               to a pipeline), `ctl layout pp=2` (3 stages to 2), then SIGKILL of a stage holder:
+               each change's pause (the members' last step of the old epoch to the start of their
+               first step in the new one) and the bytes resharded; the kill's time to training again
+               (the new epoch's `reshard` event: the standby worker holds the dead member's stage).
+               Against torchrun elastic + FSDP2 (bench_parallel.torchrun_kill, 3 workers): SIGKILL
+               -> every worker restarted and the DCP checkpoint loaded, which is the least a change of
+               layout costs done the torchrun way (it also saves first). Goals: pause <= 1 s,
+               torchrun >= 25x longer; kill -> training again <= 0.5 s.
+
 Both systems are timed on training steps alone: the gaps that hold adaptrain's evaluation (after
 every `eval_every`-th step) are left out, as the torchrun baseline does not evaluate. Each adaptrain
 run also reports, from its workers' --trace-steps, the median shares of a member's step spent on the
 ring of copies (redundancy) and on waits and sends (comm). Every figure comes from the run. Prints a table, writes JSON.
 
-usage: python scripts/bench_pipeline.py [--quick] [--repeats R] [--sections throughput,hetero] [--out FILE]
+usage: python scripts/bench_pipeline.py [--quick] [--repeats R] [--sections throughput,hetero,live] [--out FILE]
 """
 
 from __future__ import annotations
@@ -42,11 +52,11 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_parallel import _job_info  # noqa: E402
+from bench_parallel import _job_info, torchrun_kill  # noqa: E402
 from localjob import LocalJob, read_jsonl  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ("throughput", "hetero")
+SECTIONS = ("throughput", "hetero", "live")
 
 
 def _steady(steps: list[dict[str, Any]], warmup: int, batch: int, eval_every: int | None) -> float:
@@ -171,6 +181,50 @@ def hetero(job_ref: str, warmup: int, steps: int, microbatches: int, work: Path)
             "over_even": ours["samples_per_s"] / even["samples_per_s"]}
 
 
+def _pause(job: LocalJob, plan: dict[str, Any]) -> dict[str, Any]:
+    """A change's pause for the members of `plan`'s epoch: from the old epoch's last committed step to
+    the start of the new epoch's first step (its commit less its step time), and the reshard's bytes."""
+    first = job.wait_event(lambda e: e["kind"] == "step" and e["epoch"] == plan["epoch"], 600, "a step of the new epoch")
+    events = job.events()
+    last_old = max(e["ts"] for e in events if e["kind"] == "step" and e["epoch"] < plan["epoch"])
+    reshard = next((e for e in events if e["kind"] == "reshard" and e["epoch"] == plan["epoch"]), {})
+    return {"pause_s": first["ts"] - first["step_s"] - last_old, "bytes": reshard.get("bytes"),
+            "layout": plan["layout"], "epoch": plan["epoch"]}
+
+
+def live(job_ref: str, work: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with LocalJob(job_ref, work / "live", min_workers=3, coordinator_args=["--layout", "dp=3"]) as job:
+        job.start()
+        for name in ("w1", "w2", "w3", "w4"):
+            job.add_worker(name)
+        job.wait_step(5, 900)
+        for spec, key in (("pp=3", "dp_to_pp3"), ("pp=2", "pp3_to_pp2")):
+            seen = len(job.events())
+            job.ctl("layout", spec)
+            plan = job.wait_until(lambda ev: next((e for e in ev[seen:] if e["kind"] == "plan" and e.get("layout")
+                                                   and e["reason"] == "layout"), None), 600, f"the plan for {spec}")
+            out[key] = _pause(job, plan)
+            job.wait_step(max(job.steps()) + 3, 600)
+        last = max(job.steps())
+        victim = out["pp3_to_pp2"]["layout"]["members"][-1]
+        t_kill = time.time()
+        job.kill(victim)
+        nxt = job.wait_event(lambda e: e["kind"] == "step" and e["step"] > last and e["ts"] > t_kill, 600,
+                             "the next committed step")
+        resumed = job.wait_event(lambda e: e["kind"] == "reshard" and e["epoch"] == nxt["epoch"], 60, "reshard")
+        failed = job.wait_event(lambda e: e["kind"] == "failed", 60, "failed")
+        out["kill"] = {"victim": victim, "failure_noticed_s": failed["ts"] - t_kill,
+                       "kill_to_resumed_s": resumed["ts"] - t_kill, "kill_to_next_step_s": nxt["ts"] - t_kill,
+                       "step_s": nxt["step_s"], "lost": any(e["kind"] == "state_lost" for e in job.events())}
+        job.ctl("stop")
+        job.wait_coordinator(60)
+    out["torchrun_restart"] = torchrun_kill(job_ref, 3, work / "torchrun-restart")
+    worst = max(out["dp_to_pp3"]["pause_s"], out["pp3_to_pp2"]["pause_s"])
+    out["torchrun_over_pause"] = out["torchrun_restart"]["kill_to_resumed_s"] / worst
+    return out
+
+
 def _median_rounds(rounds: list[dict[str, Any]], ratios: tuple[str, ...]) -> dict[str, Any]:
     """R rounds of one section as one: the last round's runs with each system's median samples/s (its
     every round kept in `rounds_samples_per_s`) and the median of each round's `ratios`."""
@@ -231,6 +285,24 @@ def table(r: dict[str, Any]) -> str:
                       f"{h['torchrun_even']['samples_per_s']:.1f} samples/s",
                       f"  re-cut / ideal = {h['of_ideal']:.2f} (goal >= 0.9); re-cut / even = {h['over_even']:.2f} "
                       f"(goal >= 1.3)"]
+    if "live" in r:
+        v = r["live"]
+        if "error" in v:
+            lines.append(f"\nlive: error: {v['error']}")
+        else:
+            t = v["torchrun_restart"]
+            lines += ["", "live layout changes: 4 workers, --layout dp=3, then ctl layout pp=3, pp=2, then a kill"]
+            for key, what in (("dp_to_pp3", "dp=3 -> pp=3"), ("pp3_to_pp2", "pp=3 -> pp=2")):
+                c = v[key]
+                lines.append(f"  {what}: members' pause {c['pause_s']:.2f} s (goal <= 1 s), "
+                             f"{(c['bytes'] or 0) / 1e6:.1f} MB resharded, stages {_cuts(c['layout'])}")
+            k = v["kill"]
+            lines.append(f"  SIGKILL of {k['victim']} (a stage holder): noticed {k['failure_noticed_s'] * 1e3:.0f} ms, "
+                         f"training again {k['kill_to_resumed_s']:.2f} s (goal <= 0.5 s), next committed step "
+                         f"{k['kill_to_next_step_s']:.2f} s; {'state LOST' if k['lost'] else 'nothing lost'}")
+            lines.append(f"  torchrun elastic + FSDP2 (3 workers): kill -> every worker restarted and the checkpoint "
+                         f"loaded {t['kill_to_resumed_s']:.2f} s, next new step {t['kill_to_next_step_s']:.2f} s: "
+                         f"{v['torchrun_over_pause']:.0f}x the longer pause (goal >= 25x)")
     return "\n".join(lines)
 
 
@@ -283,6 +355,12 @@ def main(argv: list[str] | None = None) -> int:
                 result["hetero"] = h
             except (RuntimeError, TimeoutError) as e:
                 result["hetero"] = {"error": str(e).splitlines()[0][:300]}
+        if "live" in sections:
+            print("live ...", flush=True)
+            try:
+                result["live"] = live(job_ref, work)
+            except (RuntimeError, TimeoutError) as e:
+                result["live"] = {"error": str(e).splitlines()[0][:300]}
     print(table(result))
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1))
