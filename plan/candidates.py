@@ -17,8 +17,9 @@ same objective and takes the least; this module builds and scores them.
   state (sharding them moves least), where those are other devices.
 * Pipelines pp=P, P = 2 .. min(devices, units, --max-workers), when the model's units form a
   sequence (`Graph.sequential`; otherwise one row says why none can be cut): the P fastest devices
-  cut into stages by `plan.pipeline.best_pipeline` (`plan._pipeline_pin`). Pure pipelines only:
-  dp x pp and FSDP x pp are weighed where pinned (`--layout pp=2,dp=2`, `pp=2,fsdp=2`).
+  cut into stages by `plan.pipeline.best_pipeline` (`plan._pipeline_pin`); and each depth as W
+  pipelines (dp x pp) and with each stage sharded over W (FSDP x pp), for the widths W `_widths`
+  gives (2, 4, ..., the widest the devices allow).
 * A pin (`--layout`) of data-parallel degrees weighs the one shape it names over every ready
   device (`_pinned_shape`: a degree left free fills them, `dp=1` is FSDP over all, `fsdp=2` over 5
   is 2 replicas of 2; over fewer where memory leaves some out) in place of the FSDP and HSDP
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
     from plan.planner import PlanLimits
 
 MAX_HSDP_DEGREES = 6  # HSDP shard degrees weighed when more fit (1,024 devices: up to 511); up to 6, all
+MAX_PIPELINE_WIDTHS = 4  # data-parallel widths of each pipeline depth weighed (dp x pp, FSDP x pp)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -401,45 +403,58 @@ def _shaped(ctx: Ctx, pool: list[str], replicas: int, shards: int, *, what: str,
 
 
 def pipelines(ctx: Ctx, *, pin: LayoutPin | None, unless: str = "", above: float = math.inf) -> list[Weighed]:
-    """The pipeline candidates (module comment): the pinned depth, or every depth worth weighing;
-    `unless`: why none is weighed now (each depth says so). A depth whose floor (`step_floor`: no
-    cut of its devices is faster) is not below `above`, the best objective found, is not cut."""
+    """The pipeline candidates (module comment): the pinned shape, or every depth worth weighing,
+    alone and as dp x pp and FSDP x pp of the widths `_widths` gives; `unless`: why none is weighed
+    now (each says so). A shape whose floor (`step_floor` on its fastest devices with one
+    pipeline's samples: no cut of its devices is faster) is not below `above`, the best objective
+    found, is not cut."""
     g = ctx.graph
-    depths: list[int]
-    replicas = shards = 1
+    shapes: list[tuple[int, int, int]]
     if pin is not None and pin.pp is not None and pin.pp > 1:
-        depths, what = [pin.pp], f"--layout {pin.describe()}"
-        replicas = pin.dp_replicate or 1  # (dp x pp and FSDP x pp only where pinned, for now)
-        shards = pin.dp_shard or 1
+        shapes, what = [(pin.pp, pin.dp_replicate or 1, pin.dp_shard or 1)], f"--layout {pin.describe()}"
     else:
         if not g.sequential:
             return [Weighed("pp", (2, 1, 1), why_not=NOT_A_SEQUENCE)]
-        most = min(len(ctx.cluster.devices), ctx.limits.max_workers or len(g.layers), len(g.layers))
-        depths, what = list(range(2, max(most, 2) + 1)), ""
-    names = ctx.ranked(list(ctx.cluster.devices))  # (pipeline_plan takes the fastest `p` of them)
+        devices = min(len(ctx.cluster.devices), ctx.limits.max_workers or len(ctx.cluster.devices))
+        most = min(devices, len(g.layers))
+        shapes, what = [(p, 1, 1) for p in range(2, max(most, 2) + 1)], ""
+        for p in range(2, most + 1):
+            for w in _widths(devices // p):
+                shapes += [(p, w, 1), (p, 1, w)]
+    names = ctx.ranked(list(ctx.cluster.devices))  # (pipeline_plan takes the fastest of them)
+    rank = {m: i for i, m in enumerate(names)}
+    by_speed = sorted(names, key=lambda m: (-ctx.speeds[m], rank[m]))  # (as pipeline_plan takes them)
     out = []
-    for p in depths:
-        shape = (p, replicas, shards)
+    for shape in shapes:
+        p, replicas, shards = shape
         name = shape_text(replicas, shards, p)
         if not admitted(pin, shape):
             continue
         if unless:
             out.append(Weighed(name, shape, why_not=unless))
             continue
-        if not what and p <= len(names) and above < math.inf:
-            rank = {m: i for i, m in enumerate(names)}
-            fastest = sorted(names, key=lambda m: (-ctx.speeds[m], rank[m]))[:p]  # (as pipeline_plan takes them)
-            floor = step_floor(g, stage_devices(ctx.cluster, g, fastest), ctx.limits.global_batch)
+        if not what and p * replicas * shards <= len(names) and above < math.inf:
+            samples = -(-ctx.limits.global_batch // (replicas * shards))  # (one pipeline's share)
+            floor = step_floor(g, stage_devices(ctx.cluster, g, by_speed[:p]), samples)
             if floor >= above:
                 out.append(Weighed(name, shape, why_not=(
                     f"not cut: on its {p} fastest devices no cut takes less than {floor * 1e3:.1f} ms a step (their "
-                    f"compute of the batch's micro-batches at best spread), no less than the best found "
+                    f"compute of {samples} samples' micro-batches at best spread), no less than the best found "
                     f"({above * 1e3:.1f} ms)")))
                 continue
         found = pipeline_plan(ctx.cluster, g, names, ctx.before, p, global_batch=ctx.limits.global_batch,
-                              what=what or f"pp={p}", replicas=replicas, shards=shards)
+                              what=what or name, replicas=replicas, shards=shards)
         if isinstance(found, str):
             out.append(Weighed(name, shape, why_not=found))
         else:
             out.append(Weighed(name, shape, ctx.score(found, kind(found))))
     return out
+
+
+def _widths(most: int) -> list[int]:
+    """The data-parallel widths of pipelines weighed (replicas, or shards per stage): 2 and 4, the
+    powers of two between, and `most` (the widest the devices allow), at most MAX_PIPELINE_WIDTHS."""
+    if most < 2:
+        return []
+    powers = [w for w in (2 ** k for k in range(1, most.bit_length())) if w <= most]
+    return sorted(set(powers[:MAX_PIPELINE_WIDTHS - 1] + [most]))

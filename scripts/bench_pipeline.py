@@ -105,7 +105,15 @@ def adaptrain_run(job_ref: str, layout: str, workers: dict[str, list[str]], warm
     # (redundancy_s) and its waits and sends (comm_s), as shares of its step (medians over members x steps).
     share = {k: statistics.median(t[k] / t["step_s"] for t in traced) if traced else None
              for k in ("redundancy_s", "comm_s")}
+    # The cost model against the run: each timed step's prediction (the plan's, as the step event
+    # carries it) beside its measured step time.
+    timed_steps = run[warmup + 1:warmup + steps + 1]
+    errors = [abs(e["step_s"] - e["predicted_s"]) / e["step_s"] for e in timed_steps if e.get("predicted_s")]
     return {"samples_per_s": _steady(run[:warmup + steps + 1], warmup, batch, _eval_every(job_ref)),
+            "step_s": statistics.median(e["step_s"] for e in timed_steps),
+            "predicted_step_s": statistics.median(e["predicted_s"] for e in timed_steps if e.get("predicted_s"))
+            if errors else None,
+            "cost_model_error": statistics.median(errors) if errors else None,
             "step_shares": share, "epoch": plan["epoch"],
             "layout": plan["layout"], "micro_batch": plan.get("micro_batch"), "detail": plan.get("detail"),
             "steps_timed": steps}
@@ -241,7 +249,25 @@ def _median_rounds(rounds: list[dict[str, Any]], ratios: tuple[str, ...]) -> dic
 
 def _shares(run: dict[str, Any]) -> str:
     sh = run.get("step_shares") or {}
-    return ", ".join(f"{k[:-2]} {v:.0%}" for k, v in sh.items() if v is not None) or "(no trace)"
+    text = ", ".join(f"{k[:-2]} {v:.0%}" for k, v in sh.items() if v is not None) or "(no trace)"
+    if run.get("cost_model_error") is not None:
+        text += (f"; step {run['step_s'] * 1e3:.1f} ms, predicted {run['predicted_step_s'] * 1e3:.1f} ms "
+                 f"(error {run['cost_model_error']:.0%})")
+    return text
+
+
+def _cost_model_errors(r: dict[str, Any]) -> list[tuple[str, float]]:
+    """(run, the cost model's median error over its timed steps) for every adaptrain run in `r`."""
+    out = []
+    for p, t in r.get("throughput", {}).items():
+        for key in ("adaptrain_pp", "adaptrain_dp"):
+            if isinstance(t.get(key), dict) and t[key].get("cost_model_error") is not None:
+                out.append((f"{key.removeprefix('adaptrain_')} on {p}", t[key]["cost_model_error"]))
+    h = r.get("hetero", {})
+    for key in ("one_worker", "adaptrain_recut"):
+        if isinstance(h.get(key), dict) and h[key].get("cost_model_error") is not None:
+            out.append((f"hetero {key}", h[key]["cost_model_error"]))
+    return out
 
 
 def table(r: dict[str, Any]) -> str:
@@ -260,6 +286,7 @@ def table(r: dict[str, Any]) -> str:
                      f"{_cuts(t['adaptrain_pp']['layout']):<11}  {t['adaptrain_pp']['micro_batch']}; "
                      f"{t['torchrun_pp']['microbatches']} of {r['settings']['batch'] // t['torchrun_pp']['microbatches']}")
         lines.append(f"{'':>6}  adaptrain pp step shares: {_shares(t['adaptrain_pp'])}")
+        lines.append(f"{'':>6}  adaptrain dp: {_shares(t['adaptrain_dp'])}")
     if "throughput" in r:
         lines.append("(samples/s; ratio = adaptrain pp / torchrun pp, goal >= 0.95; dp = --layout fsdp=1 on the "
                      "same workers, for reference)")
@@ -285,6 +312,10 @@ def table(r: dict[str, Any]) -> str:
                       f"{h['torchrun_even']['samples_per_s']:.1f} samples/s",
                       f"  re-cut / ideal = {h['of_ideal']:.2f} (goal >= 0.9); re-cut / even = {h['over_even']:.2f} "
                       f"(goal >= 1.3)"]
+    errors = _cost_model_errors(r)
+    if errors:
+        lines += ["", f"cost model: median error over the layouts run {statistics.median(e for _, e in errors):.0%} "
+                      f"(goal <= 10%): " + ", ".join(f"{name} {e:.0%}" for name, e in errors)]
     if "live" in r:
         v = r["live"]
         if "error" in v:
