@@ -151,10 +151,19 @@ def moved_bytes(graph: Graph, before: Layout | None, holders: Collection[str], p
         t = shape.name
         # (what no holder has is missing, not moved: the caller resumes from a checkpoint)
         missing = subtract([(0, shape.numel)], [r for h in held.values() for r in h.get(t, [])])
+        # (ranges are shared by the members of one stage and shard, `holdings`: what a pair of them
+        # lacks is counted once; every list is alive through the loop, so its id names it)
+        counted: dict[tuple[int, int], int] = {}
         for member, parts in need.items():
-            lacking = subtract(subtract(parts.get(t, []), held.get(member, {}).get(t, [])), missing)
-            moved += sum(hi - lo for lo, hi in lacking) * per_unit[t]
+            wanted, had = parts.get(t, _NONE), held.get(member, {}).get(t, _NONE)
+            n = counted.get((id(wanted), id(had)))
+            if n is None:
+                n = counted[(id(wanted), id(had))] = sum(hi - lo for lo, hi in subtract(subtract(wanted, had), missing))
+            moved += n * per_unit[t]
     return round(moved / ORDER_ROWS)
+
+
+_NONE: list[tuple[int, int]] = []  # (no ranges: one shared list, never changed)
 
 
 @functools.lru_cache(maxsize=4)

@@ -244,7 +244,9 @@ def sharded(ctx: Ctx, *, pin: LayoutPin | None, same_as: Sequence[str] = ()) -> 
     pools = [("", fastest)]
     for note, names in ((" of the replicated plan's devices", set(same_as)),
                         (" of the devices that hold the state", set(ctx.holders))):
-        if len(names) >= 2 and all(names != {*pool} for _, pool in pools):
+        # (a pool within a twentieth of one already weighed, as 1,021 holders of 1,022 devices, adds
+        # candidates that differ by a device or so: not weighed again)
+        if len(names) >= 2 and all(len(names ^ {*pool}) > len(pool) // 20 for _, pool in pools):
             pools.append((note, [n for n in fastest if n in names]))
     cap = ctx.limits.max_workers
     out: list[Weighed] = []
@@ -434,11 +436,14 @@ def pipelines(ctx: Ctx, *, pin: LayoutPin | None, unless: str = "", above: float
             out.append(Weighed(name, shape, why_not=unless))
             continue
         if not what and p * replicas * shards <= len(names) and above < math.inf:
-            samples = -(-ctx.limits.global_batch // (replicas * shards))  # (one pipeline's share)
-            floor = step_floor(g, stage_devices(ctx.cluster, g, by_speed[:p]), samples)
+            width = replicas * shards
+            samples = -(-ctx.limits.global_batch // width)  # (one pipeline's share)
+            # (each stage's devices are the next `width` by speed, and the cut is for their slowest)
+            slowest = [by_speed[(i + 1) * width - 1] for i in range(p)]
+            floor = step_floor(g, stage_devices(ctx.cluster, g, slowest), samples)
             if floor >= above:
                 out.append(Weighed(name, shape, why_not=(
-                    f"not cut: on its {p} fastest devices no cut takes less than {floor * 1e3:.1f} ms a step (their "
+                    f"not cut: on its {p * width} fastest devices no cut takes less than {floor * 1e3:.1f} ms a step (their "
                     f"compute of {samples} samples' micro-batches at best spread), no less than the best found "
                     f"({above * 1e3:.1f} ms)")))
                 continue
@@ -446,8 +451,15 @@ def pipelines(ctx: Ctx, *, pin: LayoutPin | None, unless: str = "", above: float
                               what=what or name, replicas=replicas, shards=shards)
         if isinstance(found, str):
             out.append(Weighed(name, shape, why_not=found))
+        elif not what and found.predicted_step_s is not None and found.predicted_step_s >= above:
+            # (its objective is its step and more: not worth scoring the switch, a reshard of every member)
+            out.append(Weighed(name, shape, why_not=(
+                f"predicts {found.predicted_step_s * 1e3:.1f} ms a step, no less than the best found "
+                f"({above * 1e3:.1f} ms)")))
         else:
-            out.append(Weighed(name, shape, ctx.score(found, kind(found))))
+            scored = ctx.score(found, kind(found))
+            out.append(Weighed(name, shape, scored))
+            above = min(above, scored.objective_s)
     return out
 
 

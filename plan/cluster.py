@@ -101,6 +101,9 @@ class Cluster:
     inter_host: TwoTermFit = field(default_factory=_fit(INTER_HOST_PRIOR))
     migration: TwoTermFit = field(default_factory=_fit(MIGRATION_PRIOR))
     gamma: dict[str, float] = field(default_factory=dict)  # learned contention exponent per host
+    # speeds and fixed costs as computed once (a cluster is never changed: `replace` builds a new one,
+    # with an empty memo); the planner asks for them hundreds of times at a thousand devices
+    _memo: dict[str, dict[str, float]] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     # --- devices ---------------------------------------------------------------------------------
 
@@ -230,20 +233,25 @@ class Cluster:
 
     def fixed_compute(self) -> dict[str, float]:
         """Every device's fixed compute per step; unmeasured devices get the median of the measured."""
-        measured = [d.compute_fixed_s for d in self.devices.values() if d.samples_per_s]
-        guess = statistics.median(measured) if measured else 0.0
-        return {n: d.compute_fixed_s if d.samples_per_s else guess for n, d in self.devices.items()}
+        if (memo := self._memo.get("fixed")) is None:
+            measured = [d.compute_fixed_s for d in self.devices.values() if d.samples_per_s]
+            guess = statistics.median(measured) if measured else 0.0
+            memo = self._memo["fixed"] = {n: d.compute_fixed_s if d.samples_per_s else guess
+                                          for n, d in self.devices.items()}
+        return dict(memo)
 
     def speeds(self) -> dict[str, float]:
         """Estimated samples/s of every device, on one scale (see the module comment). A device not
         measured yet is taken to be no faster than the slowest measured one: its speed is a guess
         from a matmul, and a guess must not displace a device that holds the state (once it has
         trained a few steps its measured speed takes over)."""
-        measured = {n: d.samples_per_s for n, d in self.devices.items() if d.samples_per_s}
-        per_flop = statistics.median(v / self.devices[n].flops for n, v in measured.items()) if measured else 1.0
-        slowest = min(measured.values(), default=math.inf)
-        return {name: measured[name] if name in measured else min(d.flops * per_flop, slowest)
-                for name, d in self.devices.items()}
+        if (memo := self._memo.get("speeds")) is None:
+            measured = {n: d.samples_per_s for n, d in self.devices.items() if d.samples_per_s}
+            per_flop = statistics.median(v / self.devices[n].flops for n, v in measured.items()) if measured else 1.0
+            slowest = min(measured.values(), default=math.inf)
+            memo = self._memo["speeds"] = {name: measured[name] if name in measured else min(d.flops * per_flop, slowest)
+                                           for name, d in self.devices.items()}
+        return dict(memo)
 
     def speeds_for(self, train_flops: float) -> dict[str, float]:
         """Like `speeds`, with unmeasured devices converted through the fitted FLOP→time factor

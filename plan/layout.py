@@ -76,12 +76,12 @@ class Layout:
             raise LayoutError(f"layout: {len(self.shares)} shares for {len(self.members)} members")
         if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in self.shares):
             raise LayoutError(f"layout shares must be integers >= 0, got {list(self.shares)}")
+        first_of: dict[int, int] = {}  # data-parallel slot -> its first rank (ranks ascend)
         for rank, share in enumerate(self.shares):
-            first = self.shares[self.dp_ranks(self.dp_index(rank))[0]]
-            if share != first:
+            first = first_of.setdefault(self.dp_index(rank), rank)
+            if share != self.shares[first]:
                 raise LayoutError(f"layout: {self.members[rank]} shares a data-parallel slot with "
-                                  f"{self.members[self.dp_ranks(self.dp_index(rank))[0]]} but has share {share}, "
-                                  f"not {first}")
+                                  f"{self.members[first]} but has share {share}, not {self.shares[first]}")
 
     @staticmethod
     def replicated(members: tuple[str, ...] | list[str], shares: tuple[int, ...] | list[int]) -> Layout:

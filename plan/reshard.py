@@ -110,8 +110,15 @@ def holdings(layout: Layout, tensors: Sequence[TensorShape], copies: Mapping[str
     """member -> tensor -> ranges: each member's slices under `layout`, plus those of the member it
     keeps a copy of (`copies`: keeper -> source)."""
     out: Holdings = {}
+    # (what a rank holds follows from its stage and shard coordinates alone: computed once per pair,
+    # the lists shared read-only; a thousand replicas of a pipeline's stages are seven computations)
+    by_coords: dict[tuple[int, int, int], dict[str, list[Range]]] = {}
     for rank, name in enumerate(layout.members):
-        out[name] = {t.name: ranges for t in tensors if (ranges := ranges_of(layout, rank, t))}
+        pp, _, shard, tp = layout.coords(rank)
+        held = by_coords.get((pp, shard, tp))
+        if held is None:
+            held = by_coords[(pp, shard, tp)] = {t.name: ranges for t in tensors if (ranges := ranges_of(layout, rank, t))}
+        out[name] = dict(held)
     own = {name: dict(held) for name, held in out.items()}  # copies are of a member's own slices only
     for keeper, source in (copies or {}).items():
         mine = out.setdefault(keeper, {})
