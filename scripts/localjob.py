@@ -32,7 +32,7 @@ class LocalJob:
     def __init__(self, job_ref: str, state_dir: Path, *, min_workers: int = 1, lease_s: float = 1.0,
                  heartbeat_s: float = 0.2, coordinator_args: list[str] | None = None,
                  threads: int = 1, insecure: bool = False, keys: Path | None = None,
-                 metrics: bool = False) -> None:
+                 metrics: bool = False, bind_host: str = "127.0.0.1") -> None:
         self.job_ref = job_ref
         self.state_dir = Path(state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -43,6 +43,7 @@ class LocalJob:
         self.threads = threads
         self.insecure = insecure
         self.metrics = metrics
+        self.bind_host = bind_host  # (a bridge's address where workers run in network namespaces: scripts/netns.py)
         self.keys_dir: Path | None = None if insecure else (keys or self.state_dir / "keys")
         self.coordinator: subprocess.Popen[str] | None = None
         self.previous: list[subprocess.Popen[str]] = []  # coordinators this job ran before (restarts)
@@ -66,7 +67,7 @@ class LocalJob:
             from transport.security import generate_keys
 
             generate_keys(self.keys_dir)
-        cmd = [sys.executable, "-m", "coordinator", "--bind", "tcp://127.0.0.1:0", "--job", self.job_ref,
+        cmd = [sys.executable, "-m", "coordinator", "--bind", f"tcp://{self.bind_host}:0", "--job", self.job_ref,
                "--state-dir", str(self.state_dir), "--min-workers", str(self.min_workers),
                "--lease", str(self.lease_s), "--heartbeat", str(self.heartbeat_s),
                *(["--insecure"] if self.insecure else []), *(["--metrics-port", "0"] if self.metrics else []),
@@ -101,13 +102,16 @@ class LocalJob:
 
         threading.Thread(target=drain, daemon=True).start()
 
-    def add_worker(self, name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-        """Start `worker NAME` with `args`; `env` replaces the job's environment (e.g. without keys)."""
-        cmd = [sys.executable, "-m", "worker", "--join", self.workers_endpoint, "--name", name,
+    def add_worker(self, name: str, *args: str, env: dict[str, str] | None = None, prefix: list[str] | None = None,
+                   env_extra: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """Start `worker NAME` with `args`; `env` replaces the job's environment (e.g. without keys),
+        `env_extra` adds to it; `prefix` runs it through another program (`ip netns exec NS`, which
+        execs the worker: the process is still the worker's)."""
+        cmd = [*(prefix or []), sys.executable, "-m", "worker", "--join", self.workers_endpoint, "--name", name,
                "--threads", str(self.threads), *args]
         with (self.state_dir / f"{name}.log").open("wb") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env=self.env() if env is None else env)
+                                    env={**(self.env() if env is None else env), **(env_extra or {})})
         self.workers[name] = proc
         return proc
 

@@ -9,6 +9,7 @@ stderr first (`faulthandler`), so the worker's log says where it was.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import faulthandler
 import hashlib
 import os
@@ -57,6 +58,7 @@ class WorkerConfig:
     keys: ClientKeys | None
     trace_steps: str | None
     pause_at: tuple[str, int] | None = None
+    host: str | None = None  # the machine the planner groups it under (None: the host name)
 
 
 def parse_args(argv: list[str] | None) -> WorkerConfig:
@@ -93,6 +95,11 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
     p.add_argument("--trace-steps", metavar="FILE",
                    help="append every step this worker reports (share, compute, communication and step time) to "
                         "FILE as JSON lines: to study timings, or to record series the planner's tests replay")
+    p.add_argument("--host", metavar="NAME",
+                   help="the machine this worker runs on, as the planner groups devices: workers with one host "
+                        "share its cores and its fast links, and a copy of a member's state is kept on another "
+                        "host where there is one (default: the host name; set it where containers or network "
+                        "namespaces on one machine have host names of their own, or machines share one)")
     p.add_argument("--log-every", type=int, default=10, metavar="N", help="print progress every N steps")
     p.add_argument("--group-timeout", type=float, default=60.0, metavar="S",
                    help="torch.distributed timeout of each epoch's group (failures are detected long before)")
@@ -111,6 +118,8 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         p.error(f"--join: {e}")
     if a.threads < 1:
         p.error("--threads must be at least 1")
+    if a.host is not None and not a.host.strip():
+        p.error("--host must not be empty")
     if a.memory_limit is not None and a.memory_limit <= 0:
         p.error("--memory-limit must be positive")
     if not 1.0 <= a.slowdown <= 1000.0:
@@ -139,7 +148,7 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
                         memory_limit_gib=a.memory_limit, digest_every=a.digest_every, log_every=a.log_every,
                         group_timeout_s=a.group_timeout, connect_timeout_s=a.connect_timeout,
                         coordinator_timeout_s=a.coordinator_timeout,
-                        slowdown=a.slowdown)
+                        slowdown=a.slowdown, host=a.host)
 
 
 def capture(name: str, job: Any) -> Any:
@@ -200,6 +209,8 @@ def _main(argv: list[str] | None) -> int:
         print(f"worker: --device {cfg.device} but torch sees no CUDA device", file=sys.stderr)
         return 2
     calibration = calibrate(cfg.device, memory_limit_gib=cfg.memory_limit_gib)
+    if cfg.host is not None:
+        calibration = dataclasses.replace(calibration, host=cfg.host)
     agent = Agent(cfg.join, cfg.name, calibration, slowdown=cfg.slowdown, keys=cfg.keys)
     trainer: Trainer | None = None
     preempted = False

@@ -106,3 +106,34 @@ def test_a_pipeline_is_sharded_live_and_a_killed_shard_is_replaced_from_its_copy
         assert job.wait_coordinator(30) == 0
         events = job.events()
         _assert_exact(events, reference)
+
+
+@pytest.mark.timeout(400)
+def test_a_pipeline_that_loses_a_stage_is_cut_again_into_fewer_stages(tmp_path: Path) -> None:
+    """`--layout pp=3` on three workers; SIGKILL of the last stage's holder: the pin cannot be met by
+    two, so training waits with the state kept (the dead member's stage in the copy its ring
+    neighbour holds); `ctl layout pp=2` cuts the model again into two stages over the survivors,
+    each receiving the units it lacks from whoever holds them. Every step's loss, learning rate and
+    gradient norm equal the single-process recipe's; no state is lost."""
+    reference = single_process()
+    with LocalJob(JOB, tmp_path, min_workers=3, coordinator_args=["--layout", "pp=3"]) as job:
+        job.start()
+        for name in ("w1", "w2", "w3"):
+            job.add_worker(name, "--slowdown", "2")
+        first = job.wait_event(lambda e: e["kind"] == "plan" and e.get("layout"), 180, "a plan")
+        assert first["layout"]["pp"] == 3, first["layout"]
+        job.wait_step(5, 180)
+        victim = first["layout"]["members"][2]
+        job.kill(victim)
+        waiting = job.wait_event(lambda e: e["kind"] == "plan" and e["reason"] == "failure", 60, "the failure's plan")
+        assert waiting["layout"] is None and "needs 3 members" in waiting["detail"], waiting
+        seen = len(job.events())
+        assert job.ctl("layout", "pp=2") == {"layout": "pp=2"}
+        cut = _relaid(job, "pp=2", seen)
+        assert cut["layout"]["pp"] == 2 and victim not in cut["layout"]["members"], cut["layout"]
+        exits = job.wait_workers(300)
+        assert {n: c for n, c in exits.items() if n != victim} == {n: 0 for n in exits if n != victim}, job.tails(exits)
+        assert job.wait_coordinator(30) == 0
+        events = job.events()
+        assert not [e for e in events if e["kind"] == "state_lost"]
+        _assert_exact(events, reference)

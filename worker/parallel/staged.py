@@ -302,7 +302,9 @@ class StageExecutor(Executor):
         options = StateDictOptions(full_state_dict=True)
         model = get_model_state_dict(self.stage.module, options=options)
         by_name: dict[str, Any] = dict(get_optimizer_state_dict(self.stage.module, self.stage.optimizer, options=options))
-        cpu = lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v  # noqa: E731
+        def cpu(v: Any) -> Any:
+            return v.detach().cpu() if isinstance(v, torch.Tensor) else v
+
         return ({k: cpu(v) for k, v in model.items()},
                 {fqn: {k: cpu(v) for k, v in st.items()} for fqn, st in by_name["state"].items()})
 
