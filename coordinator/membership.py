@@ -63,7 +63,7 @@ from coordinator.state import (
     Worker,
     pin_text,
 )
-from plan import Device, LayoutPin, PlanResult
+from plan import Cluster, Device, LayoutPin, PlanResult
 from plan.cost import step_comm_features
 from plan.prediction import fits_comm, measured_overhead, reported_compute, repredict
 from transport import (ERR_NAME_TAKEN, ERR_STALE_EPOCH, PLANNED_EXITS, Abort, Ack, Checkpointed, CheckpointNow, Error,
@@ -291,7 +291,14 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
                     # (Nor a pipeline's: its sends between stages are no collective of this model.)
                     shards = state.plan.dp_shard if state.plan is not None and tracker.epoch == state.epoch else 1
                     f0, f1 = step_comm_features(state.graph, ranks, shards)
-                    cluster = cluster.with_comm(f0, f1, comm_s, cross_host=cluster.spans_hosts(tracker.members))
+                    across = cluster.spans_hosts(tracker.members)
+                    cluster = cluster.with_comm(f0, f1, comm_s, cross_host=across)
+                    if across and links_moved(state, cluster, tracker.epoch):
+                        # The links between hosts, measured now, move this plan's step far from its
+                        # prediction: the layouts are weighed again (a plan that does not pay is kept).
+                        changes.append("links")
+                        state = replace(state, links_checked=True,
+                                        changed=(*state.changed, "the measured links between hosts")[-8:])
                 case steps.SpeedChange(name=name, kind=kind, speed=speed, expected=expected, recent=recent):
                     changes.append(kind)
                     if kind != "calibration":  # (a calibration's measurements are the model already)
@@ -332,16 +339,30 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
         # cores for a few seconds and then joins, which re-plans and re-measures anyway. What its
         # neighbours' steps show meanwhile is that, not a change of theirs.
         changes = []
-    if calm and changes == ["calibration"] * len(changes) and not state.calibrating:
+    if calm and changes and set(changes) <= {"calibration"} and not state.calibrating:
         # Every member was measured when this plan was made: a baseline off the prediction is the
         # model's noise (already folded into the estimates), not news worth a re-plan. A lasting
         # change (straggler, recovered, contention) still re-plans.
         changes = []
     if changes and not state.finished:
-        reason = min(changes, key=("straggler", "recovered", "contention", "calibration").index)
+        reason = min(changes, key=("straggler", "recovered", "contention", "calibration", "links").index)
         state, more = replan(state, config, reason, abort=False, now=now)
         effects += more
     return state, effects
+
+
+LINKS_MOVED = 0.25  # a plan's step re-predicted with the measured links this far off its prediction re-plans
+
+
+def links_moved(state: State, cluster: Cluster, epoch: int) -> bool:
+    """Whether the latest plan (of `epoch`, not yet checked), re-predicted with `cluster`'s links as
+    measured between its hosts, is more than LINKS_MOVED off the step it was planned for: once
+    per plan, so a plan the pay-off rule keeps is not weighed again at every step."""
+    plan = state.plan
+    if plan is None or epoch != state.epoch or state.links_checked or plan.predicted_step_s is None:
+        return False
+    now = repredict(cluster, state.graph, plan).predicted_step_s
+    return now is not None and abs(now - plan.predicted_step_s) > LINKS_MOVED * plan.predicted_step_s
 
 
 def _missed_vote(state: State, step: int, now: float) -> Result:

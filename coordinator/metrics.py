@@ -33,7 +33,7 @@ from coordinator.guard import REASONS
 # Plan reasons the coordinator writes (docs/operations.md, "Events"); their counters exist from the
 # start at 0.
 PLAN_REASONS = ("join", "failure", "leave", "drained", "preempted", "straggler", "recovered", "contention",
-                "calibration", "handoff", "layout")
+                "calibration", "handoff", "layout", "links")
 # Event kinds counted by adaptrain_events_total (others are counted as "other": bounded labels).
 EVENT_KINDS = ("joined", "left", "failed", "straggler", "recovered", "contention", "kept", "slowdown", "standby",
                "layout", "plan", "abandon", "reshard", "step", "eval", "finished", "checkpoint", "resumed", "drain_deadline",

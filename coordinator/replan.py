@@ -41,7 +41,7 @@ from plan import Plan, PlanLimits, PlanResult, make_plan, predict
 from plan.prediction import reported_compute, repredict
 from transport import MeshLayout, PlanDelta
 
-GAIN_REASONS = ("straggler", "recovered", "contention", "calibration")  # re-plans that must pay for themselves
+GAIN_REASONS = ("straggler", "recovered", "contention", "calibration", "links")  # re-plans that must pay for themselves
 MIN_REL_GAIN = 0.03  # ... by at least this fraction of the step
 NOISE_WINDOW = 32  # measured steps the epoch's step-time noise is taken over
 ABANDON_MARGIN = 0.8  # a join abandons the step in flight only within 80% of where it starts to pay
@@ -174,7 +174,7 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
     state = replace(state, workers=workers, delta=delta, epoch=epoch, plan=new, result=result, tracker=tracker,
                     acked=frozenset(), reshard_bytes=0, reshard_s=0.0, reshard_largest_sender=0, running=frozenset(holders),
                     changed=(), abandon_if_missed=if_missed, planned_at=now,
-                    kept=None, calibrating=guessed,
+                    kept=None, calibrating=guessed, links_checked=False,
                     replan_wanted=f"{handoff} handed off" if handoff else None)
     return state, [*said, Planned(result, epoch, reason, abandons_step=abandons), *benched,
                    *(Send(n, delta) for n in recipients)]

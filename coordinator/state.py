@@ -98,6 +98,7 @@ class State:
     changed: tuple[str, ...] = ()  # what changed since the latest plan (speeds), said by the next re-plan
     kept: str | None = None  # why the latest re-plan that found a better plan kept the current one
     calibrating: bool = True  # the latest plan rests on a guess for some member (not measured yet)
+    links_checked: bool = False  # the latest plan's step was re-predicted with the links it measured (`links`)
     last_step: int = 0  # highest step reported (and logged)
     last_step_at: float = 0.0  # when its first report arrived (the members then began the next step)
     formed_at: float = 0.0  # when the last member of the epoch acked it (the members then began its first step)
