@@ -90,11 +90,14 @@ class Weighed:
     shape: tuple[int, int | None, int]
     scored: Alternative | None = None
     why_not: str = ""
+    unscored: Alternative | None = None  # predicted, not scored (its step alone lost: `why_not` says so)
 
     def row(self, *, chosen: bool = False) -> Candidate:
         a = self.scored
         if a is None:
-            return Candidate(layout=self.layout, why_not=self.why_not)
+            u = self.unscored
+            return Candidate(layout=self.layout, why_not=self.why_not, description=u.description if u else "",
+                             members=u.plan.members if u else (), predicted_step_s=u.plan.predicted_step_s if u else None)
         return Candidate(layout=self.layout, description=a.description, members=a.plan.members,
                          predicted_step_s=a.plan.predicted_step_s, objective_s=a.objective_s,
                          moved_bytes=a.moved_bytes, chosen=chosen)
@@ -236,10 +239,11 @@ def admitted(pin: LayoutPin | None, shape: tuple[int, int | None, int]) -> bool:
 # --- sharded: FSDP and HSDP ----------------------------------------------------------------------------
 
 
-def sharded(ctx: Ctx, *, pin: LayoutPin | None, same_as: Sequence[str] = ()) -> list[Weighed]:
+def sharded(ctx: Ctx, *, pin: LayoutPin | None, same_as: Sequence[str] = (), above: float = math.inf) -> list[Weighed]:
     """The FSDP and HSDP candidates (module comment) over every ready device, and, where they are
     other devices, over `same_as` (the replicated plan's: its link scope) and over the devices that
-    hold the state (sharding them moves least)."""
+    hold the state (sharding them moves least). One whose predicted step is no less than `above`
+    (the best objective found) is not scored: its objective would be more."""
     fastest = ctx.fastest()
     pools = [("", fastest)]
     for note, names in ((" of the replicated plan's devices", set(same_as)),
@@ -271,7 +275,9 @@ def sharded(ctx: Ctx, *, pin: LayoutPin | None, same_as: Sequence[str] = ()) -> 
         for shape in dict.fromkeys(shapes):
             if not admitted(pin, (1, *shape)):
                 continue
-            weighed = _shaped(ctx, pool, *shape, what=shape_text(*shape), note=note)
+            weighed = _shaped(ctx, pool, *shape, what=shape_text(*shape), note=note, above=above)
+            if weighed.scored is not None:
+                above = min(above, weighed.scored.objective_s)
             key = (*shape, frozenset(weighed.scored.plan.members if weighed.scored else ()))
             if key not in seen and (weighed.scored is not None or not note):
                 seen.add(key)
@@ -363,7 +369,8 @@ def _fitting(ctx: Ctx, pool: list[str], replicas: int, shards: int) -> int:
     return sum((samples_that_fit(d[m].memory_bytes, static, g.activation_bytes) or 0) >= 1 for m in pool)
 
 
-def _shaped(ctx: Ctx, pool: list[str], replicas: int, shards: int, *, what: str, note: str = "") -> Weighed:
+def _shaped(ctx: Ctx, pool: list[str], replicas: int, shards: int, *, what: str, note: str = "",
+            above: float = math.inf) -> Weighed:
     """`replicas` x `shards` over the fastest devices of `pool` that hold what it gives a member,
     shares balanced by speed; or why it cannot run (`what` opens the reason; `note` ends the
     description)."""
@@ -398,6 +405,12 @@ def _shaped(ctx: Ctx, pool: list[str], replicas: int, shards: int, *, what: str,
     assert shares is not None, "uncapped shares always hold the batch"
     plan = predict_sharded(ctx.cluster, g, members, shares, micro_sizes(shares, [caps[m] for m in members]),
                            replicas=replicas)
+    if plan.predicted_step_s is not None and plan.predicted_step_s >= above:
+        # (its objective is its step and more; scoring it would reshard every member in the model)
+        return Weighed(layout, shape, why_not=(f"predicts {plan.predicted_step_s * 1e3:.1f} ms a step, no less than "
+                                               f"the best found ({above * 1e3:.1f} ms)"),
+                       unscored=Alternative(description=kind(plan) + note, plan=plan,
+                                            objective_s=plan.predicted_step_s, moved_bytes=0))
     return Weighed(layout, shape, ctx.score(plan, kind(plan) + note))
 
 

@@ -139,7 +139,8 @@ def _choose(ctx: Ctx, pin: LayoutPin | None) -> PlanResult:
         weighed.append(Weighed(describe(best_rep.plan) if best_rep else "dp_replicate",
                                (1, len(best_rep.plan.members) if best_rep else None, 1), best_rep,
                                "" if best_rep else no_replica(ctx, rep.reason)))
-        weighed += sharded(ctx, pin=pin, same_as=best_rep.plan.members if best_rep else ())
+        weighed += sharded(ctx, pin=pin, same_as=best_rep.plan.members if best_rep else (),
+                           above=best_rep.objective_s if best_rep is not None and pin is None else math.inf)
         weighed = [w for w in weighed if admitted(pin, w.shape)]
     # Speeds that are only a guess: no pipeline (its cut rests on them) unless nothing else runs.
     unless = GUESSED if guess and pin is None and any(w.scored for w in weighed) else ""
@@ -169,7 +170,9 @@ def _choose(ctx: Ctx, pin: LayoutPin | None) -> PlanResult:
     for a in sorted(runnable, key=lambda a: -a.objective_s):
         using.update((m, a) for m in a.plan.members)
     why_out = tuple(_standby_why(ctx, n, chosen, using.get(n), pin, kept=kept) for n in standby)
-    reason = _reason(ctx, chosen, best, runnable, rep, pin, kept=kept)
+    # (for the reason's comparison, the candidates predicted but not scored count at their step)
+    reason = _reason(ctx, chosen, best, runnable + [w.unscored for w in weighed if w.unscored is not None], rep, pin,
+                     kept=kept)
     if standby:
         reason += "; on standby: " + ", ".join(f"{n} ({r})" for n, r in zip(standby, why_out))
     status = rep.status if rep is not None and rep.best is not None else "optimal"

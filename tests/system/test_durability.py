@@ -200,6 +200,43 @@ def test_a_sharded_job_resumes_after_a_total_loss_in_another_layout(tmp_path: Pa
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.parametrize("layout,workers", [("pp=2", 2), ("pp=2,fsdp=2", 4)])
+def test_a_pipeline_checkpoint_resumes_replicated_after_a_total_loss(tmp_path: Path, layout: str, workers: int) -> None:
+    """A pipeline (and one whose stages are sharded) writes its checkpoints as every layout does:
+    each member its own part (its stage, or its shards of it). Everything SIGKILLed after one; a
+    new coordinator on the same state dir, with no pin, and two new workers resume from it as
+    replicas, every step after it the single-process recipe's."""
+    reference = single_process()
+    names = [f"w{i + 1}" for i in range(workers)]
+    with LocalJob(GPT_JOB, tmp_path, min_workers=workers,
+                  coordinator_args=["--layout", layout, "--checkpoint-every", "10"]) as job:
+        job.start()
+        for name in names:
+            job.add_worker(name, "--slowdown", "2")
+        job.wait_event(lambda e: e["kind"] == "checkpoint" and e["step"] >= 10, 240, "checkpoint of step 10")
+        assert job.coordinator is not None
+        job.coordinator.send_signal(signal.SIGKILL)
+        for name in names:
+            job.workers[name].send_signal(signal.SIGKILL)
+        job.wait_workers(30)
+        job.wait_coordinator(30)
+    old = LocalJob(GPT_JOB, tmp_path).events()
+    written = [e for e in old if e["kind"] == "checkpoint"]
+    assert written and all(p["layout"]["pp"] == 2 for p in old if p["kind"] == "plan" and p.get("layout"))
+    with LocalJob(GPT_JOB, tmp_path, min_workers=2) as job:
+        job.start()
+        job.add_worker("n1")
+        job.add_worker("n2")
+        resumed = job.wait_event(lambda e: e["kind"] == "resumed", 240, "resumed")
+        assert resumed["step"] == written[-1]["step"], resumed
+        assert job.wait_coordinator(300) == 0, job.tail("coordinator.out")
+        events = job.events()
+    _assert_exact(events, reference)
+    plans = [e for e in events[len(old):] if e["kind"] == "plan" and e.get("layout")]
+    assert plans and plans[0]["layout"]["pp"] == 1, "resumed in the planner's layout, not a pipeline"
+
+
+@pytest.mark.timeout(400)
 def test_a_sharded_resume_reads_only_each_members_slices(tmp_path: Path) -> None:
     """Every worker of a sharded job killed; three new ones resume sharded from the checkpoint,
     each reading only its own slices (together the checkpoint about once, none of them half of it:
