@@ -14,7 +14,6 @@ usage: sudo python scripts/bench_links.py [--job REF] [--rate MBIT] [--layouts L
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -24,7 +23,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_pipeline import _last_epoch, _steady  # noqa: E402
-from localjob import LocalJob  # noqa: E402
+from localjob import LocalJob, write_report  # noqa: E402
 from netns import Hosts, available  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -105,10 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         for k, layout in enumerate([*layouts, None]):
             print(f"{layout or 'the planner free'} ...", flush=True)
             result["runs"].append(run(job_ref, layout, hosts, a.warmup, a.steps, batch, work / f"run{k}"))
-    print(table(result))
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=1))
-    print(f"\nwrote {a.out}")
+    write_report(table(result), result, a.out)
     return 0
 
 

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from localjob import LocalJob, read_jsonl  # noqa: E402
+from localjob import LocalJob, read_jsonl, write_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("throughput", "reshard", "join", "kill")
@@ -527,10 +527,7 @@ def main(argv: list[str] | None = None) -> int:
                 result["torchrun_kill"] = torchrun_kill(job_ref, 3, work / "torchrun-kill")
             except RuntimeError as e:  # reported in the table, the other figures still count
                 result["torchrun_kill"] = {"error": str(e).splitlines()[0][:300]}
-    print(table(result))
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=1))
-    print(f"\nwrote {a.out}")
+    write_report(table(result), result, a.out)
     return 0
 
 

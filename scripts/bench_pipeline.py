@@ -40,7 +40,6 @@ usage: python scripts/bench_pipeline.py [--quick] [--repeats R] [--sections thro
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -53,7 +52,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_parallel import _job_info, torchrun_kill  # noqa: E402
-from localjob import LocalJob, read_jsonl  # noqa: E402
+from localjob import LocalJob, read_jsonl, write_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("throughput", "hetero", "live")
@@ -392,10 +391,7 @@ def main(argv: list[str] | None = None) -> int:
                 result["live"] = live(job_ref, work)
             except (RuntimeError, TimeoutError) as e:
                 result["live"] = {"error": str(e).splitlines()[0][:300]}
-    print(table(result))
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=1))
-    print(f"\nwrote {a.out}")
+    write_report(table(result), result, a.out)
     return 0
 
 

@@ -253,6 +253,14 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+def write_report(text: str, result: dict[str, Any], out: Path) -> None:
+    """A benchmark's end: print its table, write its JSON to `out` and say where."""
+    print(text)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {out}")
+
+
 def kill_and_reap(procs: Iterable[subprocess.Popen[Any]]) -> None:
     """SIGKILL each process's whole session (each was started in a session of its own) and reap it."""
     procs = list(procs)

@@ -25,7 +25,7 @@ import pytest
 import torch
 from localjob import LocalJob
 from test_recipe import GPT, JOB, _check_the_trained_model, single_process
-from test_sharded import _assert_exact, _wait_for_log
+from test_sharded import _assert_exact, _wait_for_log, stopped_past_the_lease
 
 from worker.job import load_job
 
@@ -126,13 +126,8 @@ def test_a_stage_holder_stopped_past_its_lease_is_replaced_and_fenced(tmp_path: 
         job.add_worker("w3")
         job.wait_event(lambda e: e["kind"] == "standby" and e.get("worker") == "w3", 120, "w3 on standby")
         job.wait_step(8, 180)
-        job.signal("w2", signal.SIGSTOP)
-        failed = job.wait_event(lambda e: e["kind"] == "failed", 30, "failed")
-        assert (failed["worker"], failed["detected_by"]) == ("w2", "lease")
-        plan = job.wait_event(lambda e: e["kind"] == "plan" and e["reason"] == "failure", 10, "failure plan")
+        plan = stopped_past_the_lease(job, "w2")
         assert sorted(plan["layout"]["members"]) == ["w1", "w3"] and plan["layout"]["pp"] == 2, plan["layout"]
-        job.wait_event(lambda e: e["kind"] == "step" and e["epoch"] == plan["epoch"], 30, "a step without w2")
-        job.signal("w2", signal.SIGCONT)
         exits = job.wait_workers(300)
         assert exits == {"w1": 0, "w2": 0, "w3": 0}, job.tails(exits)
         assert job.wait_coordinator(30) == 0
@@ -175,9 +170,17 @@ def test_replicated_pipelines_are_exact(tmp_path: Path) -> None:
     """`--layout pp=2,dp=2`: two pipelines of two stages, each on half the batch, each stage's
     gradients summed over its replicas: every step's loss, learning rate and gradient norm equal
     the single-process recipe's, and the model written at the end is the whole trained model."""
+    _four_exact(tmp_path, JOB, "pp=2,dp=2", (2, 2, 1))
+
+
+def _four_exact(tmp_path: Path, job_ref: str, layout: str,
+                degrees: tuple[int, int, int]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Four workers pinned to `layout`: every plan has `degrees` (pp, dp_replicate, dp_shard) and
+    the batch split evenly, every step is the recipe's, the model written at the end is the whole
+    trained one; the job's events, and the single-process run's trained model and job."""
     trained: dict[str, Any] = {}
     reference = single_process(trained)
-    with LocalJob(JOB, tmp_path, min_workers=4, coordinator_args=["--layout", "pp=2,dp=2"]) as job:
+    with LocalJob(job_ref, tmp_path, min_workers=4, coordinator_args=["--layout", layout]) as job:
         job.start()
         for name in ("w1", "w2", "w3", "w4"):
             job.add_worker(name)
@@ -187,11 +190,12 @@ def test_replicated_pipelines_are_exact(tmp_path: Path) -> None:
         events = job.events()
         _assert_exact(events, reference)
         for plan in _plans(job):
-            layout = plan["layout"]
-            assert (layout["pp"], layout["dp_replicate"], layout["dp_shard"]) == (2, 2, 1), layout
-            assert layout["shares"] == [8, 8, 8, 8], layout
+            got = plan["layout"]
+            assert (got["pp"], got["dp_replicate"], got["dp_shard"]) == degrees, got
+            assert got["shares"] == [8, 8, 8, 8], got
         finished = [e for e in events if e["kind"] == "finished"]
         _check_the_trained_model(tmp_path, finished, job.tail("coordinator.out", 100_000), trained)
+    return events, trained
 
 
 @pytest.mark.timeout(400)
@@ -201,25 +205,9 @@ def test_sharded_pipelines_are_exact(tmp_path: Path) -> None:
     gradient norm equal the single-process recipe's, the held-out loss is reported, and the model
     written at the end (each stage gathered from its shards, then to the first stage) is the whole
     trained model."""
-    trained: dict[str, Any] = {}
-    reference = single_process(trained)
     path = tmp_path / "gpt_eval.py"  # (job_short with the held-out set, evaluated after the last step)
     path.write_text(WITH_EVAL.format(gpt=str(GPT)))
-    with LocalJob(f"{path}:job", tmp_path, min_workers=4, coordinator_args=["--layout", "pp=2,fsdp=2"]) as job:
-        job.start()
-        for name in ("w1", "w2", "w3", "w4"):
-            job.add_worker(name)
-        exits = job.wait_workers(300)
-        assert exits == {"w1": 0, "w2": 0, "w3": 0, "w4": 0}, job.tails(exits)
-        assert job.wait_coordinator(30) == 0
-        events = job.events()
-        _assert_exact(events, reference)
-        for plan in _plans(job):
-            layout = plan["layout"]
-            assert (layout["pp"], layout["dp_replicate"], layout["dp_shard"]) == (2, 1, 2), layout
-            assert layout["shares"] == [8, 8, 8, 8], layout
-        finished = [e for e in events if e["kind"] == "finished"]
-        _check_the_trained_model(tmp_path, finished, job.tail("coordinator.out", 100_000), trained)
+    events, trained = _four_exact(tmp_path, f"{path}:job", "pp=2,fsdp=2", (2, 1, 2))
     # The held-out loss went through the sharded stages: the single-process model's, on every sample.
     [evaluated] = [e for e in events if e["kind"] == "eval"]
     model, held_out = trained["model"], load_job(path.read_text(), "job", filename=str(path)).eval_dataset

@@ -38,6 +38,18 @@ def _assert_exact(events: list[dict[str, Any]], reference: dict[int, dict[str, f
     assert max(gaps.values()) <= 1e-4, gaps
 
 
+def stopped_past_the_lease(job: LocalJob, name: str) -> dict[str, Any]:
+    """SIGSTOP `name` until the lease finds it failed and the others train a step without it, then
+    SIGCONT it (it is fenced and comes back as a newcomer); the failure's plan."""
+    job.signal(name, signal.SIGSTOP)
+    failed = job.wait_event(lambda e: e["kind"] == "failed", 30, "failed")
+    assert (failed["worker"], failed["detected_by"]) == (name, "lease")
+    plan = job.wait_event(lambda e: e["kind"] == "plan" and e["reason"] == "failure", 10, "failure plan")
+    job.wait_event(lambda e: e["kind"] == "step" and e["epoch"] == plan["epoch"], 30, f"a step without {name}")
+    job.signal(name, signal.SIGCONT)
+    return plan
+
+
 def _wait_for_log(job: LocalJob, name: str, text: str, timeout_s: float = 60) -> None:
     """Wait until worker `name`'s log says `text` (a --pause-at knob reached)."""
     deadline = time.monotonic() + timeout_s
@@ -220,12 +232,7 @@ def test_a_stopped_shard_holder_is_planned_out_and_rejoins(tmp_path: Path) -> No
         for name in ("w1", "w2", "w3"):
             job.add_worker(name)
         job.wait_step(10, 180)
-        job.signal("w2", signal.SIGSTOP)
-        failed = job.wait_event(lambda e: e["kind"] == "failed", 30, "failed")
-        assert (failed["worker"], failed["detected_by"]) == ("w2", "lease")
-        plan = job.wait_event(lambda e: e["kind"] == "plan" and e["reason"] == "failure", 10, "failure plan")
-        job.wait_event(lambda e: e["kind"] == "step" and e["epoch"] == plan["epoch"], 30, "a step without w2")
-        job.signal("w2", signal.SIGCONT)
+        stopped_past_the_lease(job, "w2")
         exits = job.wait_workers(300)
         assert exits == {"w1": 0, "w2": 0, "w3": 0}, job.tails(exits)
         assert job.wait_coordinator(30) == 0
