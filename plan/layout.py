@@ -240,7 +240,7 @@ def placements(graph: Graph, layout: Layout) -> dict[str, dict[str, TensorSpec]]
 class LayoutPin:
     """Degrees the operator fixed (`--layout dp=R,fsdp=S`, `--layout pp=P` or `pp=P,dp=R`); None:
     the planner chooses. A pipeline pin (pp > 1) fixes the data-parallel degrees it leaves out at 1
-    (`parse_pin` refuses one beside both dp and fsdp above 1 for now)."""
+    (`pp=2,dp=2,fsdp=2`: two replicas of pipelines whose stages are sharded over two)."""
 
     dp_replicate: int | None = None
     dp_shard: int | None = None
@@ -288,7 +288,4 @@ def parse_pin(text: str, *, source: str = "--layout") -> LayoutPin:
         values[dim] = n
     if values.get("tp", 1) > 1:
         raise LayoutError(f"{source}: tensor parallelism (tp) is not planned yet; pin dp, fsdp or pp")
-    if values.get("pp", 1) > 1 and values.get("dp_shard", 1) > 1 and values.get("dp_replicate", 1) > 1:
-        raise LayoutError(f"{source}: pp with both dp and fsdp above 1 is not supported yet: pin pp with dp or "
-                          f"with fsdp (e.g. {source} pp=2,fsdp=2)")
     return LayoutPin(**values)

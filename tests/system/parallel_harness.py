@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import time
 from datetime import timedelta
@@ -219,3 +220,5 @@ def _hash(data: dict[str, torch.Tensor]) -> str:
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()
+    os._exit(0)  # (no teardown of gloo's threads: seen to abort a process at exit, after its work was done)

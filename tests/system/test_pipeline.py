@@ -11,8 +11,9 @@ as 1F1B micro-batches passed point to point.
   from the copy the other stage keeps (a ring of copies covers stages); nothing is lost.
 - SIGSTOP of a stage's member past its lease: it is planned out, its stage taken from the copy,
   and it is fenced when it wakes.
-- Replicated pipelines (`pp=2,dp=2`) and sharded ones (`pp=2,fsdp=2`: FSDP2 within each stage) are
-  exact too, their held-out loss and final model the single-process model's.
+- Replicated pipelines (`pp=2,dp=2`), sharded ones (`pp=2,fsdp=2`: FSDP2 within each stage) and
+  replicas of sharded ones (`pp=2,dp=2,fsdp=2`: HSDP within each stage) are exact too, their
+  held-out loss and final model the single-process model's.
 """
 
 from __future__ import annotations
@@ -170,29 +171,30 @@ def test_replicated_pipelines_are_exact(tmp_path: Path) -> None:
     """`--layout pp=2,dp=2`: two pipelines of two stages, each on half the batch, each stage's
     gradients summed over its replicas: every step's loss, learning rate and gradient norm equal
     the single-process recipe's, and the model written at the end is the whole trained model."""
-    _four_exact(tmp_path, JOB, "pp=2,dp=2", (2, 2, 1))
+    _pinned_exact(tmp_path, JOB, "pp=2,dp=2", (2, 2, 1))
 
 
-def _four_exact(tmp_path: Path, job_ref: str, layout: str,
-                degrees: tuple[int, int, int]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Four workers pinned to `layout`: every plan has `degrees` (pp, dp_replicate, dp_shard) and
-    the batch split evenly, every step is the recipe's, the model written at the end is the whole
-    trained one; the job's events, and the single-process run's trained model and job."""
+def _pinned_exact(tmp_path: Path, job_ref: str, layout: str,
+                  degrees: tuple[int, int, int]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """As many workers as `layout` pins, pinned to it: every plan has `degrees` (pp, dp_replicate,
+    dp_shard) and the batch split evenly, every step is the recipe's, the model written at the end
+    is the whole trained one; the job's events, and the single-process run's trained model and job."""
     trained: dict[str, Any] = {}
     reference = single_process(trained)
-    with LocalJob(job_ref, tmp_path, min_workers=4, coordinator_args=["--layout", layout]) as job:
+    names = [f"w{i + 1}" for i in range(degrees[0] * degrees[1] * degrees[2])]
+    with LocalJob(job_ref, tmp_path, min_workers=len(names), coordinator_args=["--layout", layout]) as job:
         job.start()
-        for name in ("w1", "w2", "w3", "w4"):
+        for name in names:
             job.add_worker(name)
         exits = job.wait_workers(300)
-        assert exits == {"w1": 0, "w2": 0, "w3": 0, "w4": 0}, job.tails(exits)
+        assert exits == {name: 0 for name in names}, job.tails(exits)
         assert job.wait_coordinator(30) == 0
         events = job.events()
         _assert_exact(events, reference)
         for plan in _plans(job):
             got = plan["layout"]
             assert (got["pp"], got["dp_replicate"], got["dp_shard"]) == degrees, got
-            assert got["shares"] == [8, 8, 8, 8], got
+            assert got["shares"] == [16 // (degrees[1] * degrees[2])] * len(names), got
         finished = [e for e in events if e["kind"] == "finished"]
         _check_the_trained_model(tmp_path, finished, job.tail("coordinator.out", 100_000), trained)
     return events, trained
@@ -207,7 +209,7 @@ def test_sharded_pipelines_are_exact(tmp_path: Path) -> None:
     trained model."""
     path = tmp_path / "gpt_eval.py"  # (job_short with the held-out set, evaluated after the last step)
     path.write_text(WITH_EVAL.format(gpt=str(GPT)))
-    events, trained = _four_exact(tmp_path, f"{path}:job", "pp=2,fsdp=2", (2, 1, 2))
+    events, trained = _pinned_exact(tmp_path, f"{path}:job", "pp=2,fsdp=2", (2, 1, 2))
     # The held-out loss went through the sharded stages: the single-process model's, on every sample.
     [evaluated] = [e for e in events if e["kind"] == "eval"]
     model, held_out = trained["model"], load_job(path.read_text(), "job", filename=str(path)).eval_dataset
@@ -217,3 +219,11 @@ def test_sharded_pipelines_are_exact(tmp_path: Path) -> None:
         expected = trained["job"].loss(model(x), y).item() / len(held_out)
     assert evaluated["step"] == 40 and evaluated["samples"] == len(held_out), evaluated
     assert abs(evaluated["loss"] - expected) / expected <= 1e-4, (evaluated["loss"], expected)
+
+
+@pytest.mark.timeout(500)
+def test_replicas_of_sharded_pipelines_are_exact(tmp_path: Path) -> None:
+    """`--layout pp=2,dp=2,fsdp=2`: eight workers, two replicas of a two-stage pipeline whose
+    stages are sharded over two (HSDP within each stage: the replicas' gradient shards all-reduced
+    through FSDP2's hook): exact against the recipe, the model written whole."""
+    _pinned_exact(tmp_path, JOB, "pp=2,dp=2,fsdp=2", (2, 2, 2))

@@ -65,11 +65,11 @@ def test_a_pin_parses_and_refuses_what_cannot_run() -> None:
     assert parse_pin("dp=2,fsdp=2") == LayoutPin(dp_replicate=2, dp_shard=2)
     assert parse_pin("fsdp=3").members is None
     assert parse_pin("dp=2,fsdp=3").members == 6, "both data-parallel degrees pinned: 6 members (pp, tp: 1)"
+    assert parse_pin("pp=2,dp=2,fsdp=2").members == 8, "HSDP stages: 2 x 2 x 2"
     assert parse_pin("fsdp=3").admits(Layout(members=("a", "b", "c"), shares=(1, 1, 1), dp_shard=3))
     assert not parse_pin("fsdp=3").admits(Layout.replicated(["a", "b", "c"], [1, 1, 1]))
     for bad, why in [("dp=0", ">= 1"), ("zero=2", "NAME=N"), ("dp=2,dp=3", "twice"),
-                     ("tp=2", "tensor parallelism \\(tp\\) is not planned yet"), ("dp=x", "NAME=N"),
-                     ("pp=2,dp=2,fsdp=2", "pp with both dp and fsdp above 1 is not supported yet")]:
+                     ("tp=2", "tensor parallelism \\(tp\\) is not planned yet"), ("dp=x", "NAME=N")]:
         with pytest.raises(LayoutError, match=why):
             parse_pin(bad)
 

@@ -141,7 +141,7 @@ def test_the_flag_waits_for_p_workers_and_refuses_what_cannot_run(capsys: pytest
     config, _ = parse_args([*base, "--layout", "pp=3"])
     assert config.layout == parse_pin("pp=3") and workers_needed(config.layout, config.min_workers) == 3
     assert "--layout pp=3 needs 3 members: training starts once 3 workers are ready" in capsys.readouterr().err
-    for bad, said in ((["--layout", "pp=2,dp=2,fsdp=2"], "pp with both dp and fsdp above 1 is not supported yet"),
+    for bad, said in ((["--layout", "pp=2,fsdp=2", "--max-workers", "3"], "needs 4 members, but --max-workers is 3"),
                       (["--layout", "pp=3", "--max-workers", "2"], "needs 3 members, but --max-workers is 2")):
         with pytest.raises(SystemExit) as exit_info:
             parse_args([*base, *bad])

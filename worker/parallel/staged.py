@@ -186,7 +186,7 @@ class StageExecutor(Executor):
     gradients over their own group, the stage's replica group formed with the epoch, before the
     step's all-reduce; a replica is then every stage's redundancy, and no copies are kept), and of
     sharded pipelines (FSDP x pp: the stage sharded over its shard group, a ring of copies of the
-    shards)."""
+    shards; with replicas too, HSDP within the stage, the replicas its redundancy)."""
 
     def __init__(self, stage: Stage, at: tuple[Layout, int], copies: Copies, fraction: float,
                  replicas: Any = None, sharded: Sharded | None = None,
@@ -201,7 +201,7 @@ class StageExecutor(Executor):
 
     @staticmethod
     def fits(layout: Layout) -> bool:
-        return layout.pp > 1 and layout.tp == 1 and not (layout.dp_shard > 1 and layout.dp_replicate > 1)
+        return layout.pp > 1 and layout.tp == 1
 
     @classmethod
     def build(cls, t: Loop, g: Group, local: LocalState) -> Executor:
@@ -232,7 +232,8 @@ class StageExecutor(Executor):
             module = nn.Sequential(OrderedDict((unit, model.get_submodule(unit)) for unit in units))
             mp = (MixedPrecisionPolicy(param_dtype=getattr(torch, t.job.compute_dtype), reduce_dtype=torch.float32)
                   if t.job.compute_dtype else None)
-            sharded = shard_module(t.job, module, units, g.layout, g.rank, on.mesh, local, t.device, mp_policy=mp,
+            sharded = shard_module(t.job, module, units, g.layout, g.rank, on.mesh, local, t.device,
+                                   replicate=on.replicate, mp_policy=mp,
                                    wait=lambda work, buf: t.wait(g, work, buf), give_up=t.give_up_if_superseded)
         except BaseException:
             groups.forget(registered)
@@ -394,12 +395,15 @@ class StageExecutor(Executor):
 
 
 def _even_micro_batches(g: Group, samples: int) -> tuple[int, ...]:
-    """This member's `samples` as as many micro-batches as the member of its shard group that
-    runs the most (`micro_split` of each one's share by its micro-batch size): FSDP2 gathers each
-    unit for every micro-batch, so every shard of a stage runs the same count. Sizes differ by at
-    most one; a slot with fewer samples than the count gets empty micro-batches at the end."""
+    """This member's `samples` as as many micro-batches as the member of its stage that runs the
+    most (`micro_split` of each one's share by its micro-batch size): FSDP2 gathers each unit for
+    every micro-batch (and, with replicas, all-reduces its gradient shards across them), so every
+    member of a stage runs the same count. Sizes differ by at most one; a slot with fewer samples
+    than the count gets empty micro-batches at the end."""
+    stage = g.layout.coords(g.rank)[0]
+    peers = [r for r in range(len(g.layout.members)) if g.layout.coords(r)[0] == stage]
     count = max(len(micro_split(share, micro or share)) if share else 1
-                for share, micro in ((g.shares[r], g.micro[r]) for r in g.layout.shard_group(g.rank)))
+                for share, micro in ((g.shares[r], g.micro[r]) for r in peers))
     return micro_batches(samples, count) if samples >= count else (1,) * samples + (0,) * (count - samples)
 
 
