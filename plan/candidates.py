@@ -405,13 +405,21 @@ def _shaped(ctx: Ctx, pool: list[str], replicas: int, shards: int, *, what: str,
     assert shares is not None, "uncapped shares always hold the batch"
     plan = predict_sharded(ctx.cluster, g, members, shares, micro_sizes(shares, [caps[m] for m in members]),
                            replicas=replicas)
-    if plan.predicted_step_s is not None and plan.predicted_step_s >= above:
-        # (its objective is its step and more; scoring it would reshard every member in the model)
-        return Weighed(layout, shape, why_not=(f"predicts {plan.predicted_step_s * 1e3:.1f} ms a step, no less than "
-                                               f"the best found ({above * 1e3:.1f} ms)"),
-                       unscored=Alternative(description=kind(plan) + note, plan=plan,
-                                            objective_s=plan.predicted_step_s, moved_bytes=0))
+    if (lost := _loses(plan, above)):
+        return Weighed(layout, shape, why_not=lost, unscored=Alternative(description=kind(plan) + note, plan=plan,
+                                                                         objective_s=plan.predicted_step_s or 0.0,
+                                                                         moved_bytes=0))
     return Weighed(layout, shape, ctx.score(plan, kind(plan) + note))
+
+
+def _loses(plan: Plan, above: float) -> str:
+    """Why `plan` is not scored, or "": its predicted step alone is no less than `above`, the best
+    objective found, so its objective (the step and more) would be too; scoring it would weigh a
+    reshard of every member."""
+    step = plan.predicted_step_s
+    if step is None or step < above:
+        return ""
+    return f"predicts {step * 1e3:.1f} ms a step, no less than the best found ({above * 1e3:.1f} ms)"
 
 
 # --- pipelines ---------------------------------------------------------------------------------------
@@ -464,11 +472,8 @@ def pipelines(ctx: Ctx, *, pin: LayoutPin | None, unless: str = "", above: float
                               what=what or name, replicas=replicas, shards=shards)
         if isinstance(found, str):
             out.append(Weighed(name, shape, why_not=found))
-        elif not what and found.predicted_step_s is not None and found.predicted_step_s >= above:
-            # (its objective is its step and more: not worth scoring the switch, a reshard of every member)
-            out.append(Weighed(name, shape, why_not=(
-                f"predicts {found.predicted_step_s * 1e3:.1f} ms a step, no less than the best found "
-                f"({above * 1e3:.1f} ms)")))
+        elif not what and (lost := _loses(found, above)):
+            out.append(Weighed(name, shape, why_not=lost))
         else:
             scored = ctx.score(found, kind(found))
             out.append(Weighed(name, shape, scored))

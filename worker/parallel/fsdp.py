@@ -51,7 +51,7 @@ from worker.save import save_state
 Wait = Callable[[Any, torch.Tensor | None], None]  # the trainer's abortable wait (raises when superseded)
 
 __all__ = ["AbortableAllReduce", "CommTime", "FsdpExecutor", "KeptShard", "Sharded", "apply_fsdp", "extract",
-           "shard_module"]
+           "mixed_precision", "shard_module"]
 
 
 @dataclass(slots=True)
@@ -131,6 +131,13 @@ class Sharded:
     # layout: the copies take their gradients from `kept`, with no exchange.
     reduced_everywhere: bool = False
     kept: KeptShard | None = None  # the copy's source's gradient shards (where this member keeps a copy)
+
+
+def mixed_precision(job: Job) -> MixedPrecisionPolicy | None:
+    """FSDP2's policy for the job's `compute_dtype` (float32 gradient reduction), or None."""
+    if not job.compute_dtype:
+        return None
+    return MixedPrecisionPolicy(param_dtype=getattr(torch, job.compute_dtype), reduce_dtype=torch.float32)
 
 
 def apply_fsdp(job: Job, units: Sequence[str], layout: Layout, rank: int, mesh: DeviceMesh, local: LocalState,
@@ -380,8 +387,7 @@ class FsdpExecutor(Executor):
         try:
             on = groups.mesh(g, t.device, registered, timeout_s=t.config.group_timeout_s,
                              superseded=lambda: t.agent.superseded(g.epoch))
-            mp = (MixedPrecisionPolicy(param_dtype=getattr(torch, t.job.compute_dtype), reduce_dtype=torch.float32)
-                  if t.job.compute_dtype else None)
+            mp = mixed_precision(t.job)
             tensors = t.tensors
             copies = Copies.of(g.layout, t.name, local, tensors)
             sharded = apply_fsdp(t.job, t.units(), g.layout, g.rank, on.mesh, local, t.device,

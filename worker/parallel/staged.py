@@ -38,7 +38,6 @@ import dataclasses
 import time
 
 import torch.distributed as dist
-from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from plan.layout import Layout
@@ -50,7 +49,7 @@ from worker.executor import Executor, Loop, local_grad, pause, sleep, squared_no
 from worker.group import Group
 from worker.job import Job, sample_ids
 from worker.parallel.copies import Copies
-from worker.parallel.fsdp import Sharded, extract, shard_module
+from worker.parallel.fsdp import Sharded, extract, mixed_precision, shard_module
 from worker.parallel.meta import meta_model
 from worker.parallel.pipeline import StageStep, one_f_one_b, recv_tensor, send_tensor
 from worker.parallel.slices import LocalState, to_module
@@ -230,10 +229,8 @@ class StageExecutor(Executor):
             units = g.layout.stages[index]
             model = meta_model(t.job)
             module = nn.Sequential(OrderedDict((unit, model.get_submodule(unit)) for unit in units))
-            mp = (MixedPrecisionPolicy(param_dtype=getattr(torch, t.job.compute_dtype), reduce_dtype=torch.float32)
-                  if t.job.compute_dtype else None)
             sharded = shard_module(t.job, module, units, g.layout, g.rank, on.mesh, local, t.device,
-                                   replicate=on.replicate, mp_policy=mp,
+                                   replicate=on.replicate, mp_policy=mixed_precision(t.job),
                                    wait=lambda work, buf: t.wait(g, work, buf), give_up=t.give_up_if_superseded)
         except BaseException:
             groups.forget(registered)
