@@ -32,7 +32,7 @@ from plan.shares import split_shares
 
 
 NOT_A_SEQUENCE = ("the model's units do not form a sequence (it is not an nn.Sequential of its units), so it "
-                  "cannot be cut into pipeline stages")
+                  "cannot be cut into pipeline stages; a job gives its model as one with Job.sequence")
 
 
 def pipeline_plan(cluster: Cluster, graph: Graph | None, ranked: Sequence[str], before: Layout | None,

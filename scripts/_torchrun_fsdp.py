@@ -50,6 +50,7 @@ def main() -> None:
     from torch.distributed.fsdp import fully_shard
 
     from _torchrun_job import apply_recipe  # (this script's directory: the DDP baseline beside it)
+    from worker import sequence
     from worker.job import load_job, resolve_job_ref, sample_ids, share_slice
 
     torch.set_num_threads(a.threads)
@@ -64,7 +65,7 @@ def main() -> None:
     dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}/", store), rank=rank,  # type: ignore[attr-defined]
                             world_size=world, timeout=timedelta(seconds=60))
     torch.manual_seed(job.seed)
-    model = job.model()
+    model = sequence.build(job)  # (the job's sequence where it gives one, as the worker trains)
     for child in model.children():
         if any(True for _ in child.parameters()):
             fully_shard(child)

@@ -94,13 +94,14 @@ def main() -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    from worker import sequence
     from worker.job import load_job, resolve_job_ref, sample_ids, share_slice
 
     torch.set_num_threads(a.threads)
     src = resolve_job_ref(a.job)
     job = load_job(src.source, src.name, filename=src.ref)
     torch.manual_seed(job.seed)  # as the adaptrain worker does: identical initial parameters
-    model = job.model()
+    model = sequence.build(job)  # (the job's sequence where it gives one, as the worker trains)
     optimizer = job.optimizer(model.parameters())
     step = 0
     if a.ckpt and os.path.exists(a.ckpt):

@@ -107,6 +107,7 @@ def main() -> None:
     from torch import nn
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+    from worker import sequence
     from worker.job import load_job, resolve_job_ref, sample_ids
 
     torch.set_num_threads(a.threads)
@@ -120,7 +121,7 @@ def main() -> None:
     slow_rank, factor = (int(a.slowdown.split(":")[0]), float(a.slowdown.split(":")[1])) if a.slowdown else (-1, 1.0)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     torch.manual_seed(job.seed)
-    model = job.model()
+    model = sequence.build(job)  # (the job's sequence where it gives one, as the worker trains)
     children = list(model.children())
     cuts = parse_cuts(a.cuts, len(children), world)
     module = nn.Sequential(*[children[u] for u in cuts[rank]])

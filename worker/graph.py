@@ -48,6 +48,7 @@ from plan.graph import ROOT_UNIT, Graph, Layer
 from worker.graph_measure import (estimate_whole, measure_block, optimizer_state, root_remainder, tensor_bytes,
                                   tensor_infos)
 from worker.graph_units import find_units, unit_inputs
+from worker import sequence
 from worker.job import Job, JobError
 
 __all__ = ["capture_graph", "find_units"]
@@ -172,7 +173,7 @@ def _build_model(job: Job, device: torch.device) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(job.seed)
         with device:
-            model = job.model()
+            model = sequence.build(job)
     _no_cache(model)
     return model
 

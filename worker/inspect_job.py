@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from worker import sequence
 from worker.job import JobError, load_job, resolve_job_ref
 
 
@@ -21,7 +22,7 @@ def inspect_job(ref: str) -> dict[str, Any]:
     """Resolve, load and size the job `ref`; raise `JobError` if it is unusable."""
     source = resolve_job_ref(ref)
     job = load_job(source.source, source.name, filename=source.path)
-    num_params = _count_params(job.model, job.seed)
+    num_params = _count_params(lambda: sequence.build(job), job.seed)
     try:
         dataset_len = len(job.dataset)
     except Exception as exc:
@@ -52,6 +53,8 @@ def _count_params(build: Any, seed: int) -> int:
         try:
             with torch.device(device):
                 model = build()
+        except JobError:  # (the job's own mistake, e.g. a `Job.sequence` that leaves out a parameter)
+            raise
         except Exception as exc:
             errors.append(f"on {device}: {type(exc).__name__}: {exc}")
             continue

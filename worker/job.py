@@ -104,6 +104,14 @@ class Job:
     units a sharded layout gathers one at a time and a pipeline cuts between. Default: found by
     graph capture (an nn.Sequential's children, or repeated blocks of one class at any depth)."""
 
+    sequence: Callable[[torch.nn.Module], torch.nn.Sequential] | None = None
+    """The model as a sequence, for pipelines of a model that is not an nn.Sequential of its units
+    (a Hugging Face model): `model -> nn.Sequential` whose children, called one after the other on
+    the sample's inputs, compute the model's output (what `loss` then takes), built from the model's
+    own modules (shared, not copied; each parameter in exactly one child: untie tied embeddings). The
+    worker trains the sequence in every layout, and its children are the units a pipeline cuts
+    between. The saved model keeps the model's own names (see worker/sequence.py)."""
+
     def __post_init__(self) -> None:
         for name in ("model", "optimizer", "loss"):
             value = getattr(self, name)
@@ -143,6 +151,8 @@ class Job:
         if self.blocks is not None and (isinstance(self.blocks, str) or not all(
                 isinstance(b, str) and b for b in self.blocks) or not self.blocks):
             raise JobError(f"Job.blocks must be a tuple of module paths or class names, got {self.blocks!r:.80}")
+        if self.sequence is not None and not callable(self.sequence):
+            raise JobError(f"Job.sequence must be a function of the model, got {type(self.sequence).__name__}")
         if self.lr_schedule is not None:
             if not callable(self.lr_schedule):
                 raise JobError(f"Job.lr_schedule must be a function of the step, got {type(self.lr_schedule).__name__}")

@@ -1,7 +1,7 @@
 """Writing the trained model out: plain `state_dict`s that `torch.load` and `load_state_dict` take,
 with nothing of adaptrain in them.
 
-`save_model(model, optimizer, directory)` writes `model.pt` and `optimizer.pt`. Each goes to a
+`save_state(model_state, optimizer_state, directory)` writes `model.pt` and `optimizer.pt`. Each goes to a
 temporary name in the same directory first, is flushed to disk, and is then renamed over the final
 name, so a crash mid-write never leaves a truncated file under the final name (a rename within one
 filesystem is atomic). Raises OSError (with the path) when the directory cannot be written.
@@ -14,11 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-
-def save_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> int:
-    """Write the model's and the optimizer's state into `directory`; the bytes written."""
-    return save_state(model.state_dict(), optimizer.state_dict(), directory)
 
 
 def save_state(model_state: dict[str, Any], optimizer_state: dict[str, Any], directory: Path) -> int:

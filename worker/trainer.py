@@ -40,7 +40,7 @@ from plan.layout import Layout
 from plan.placement import unit_of
 from plan.reshard import ReshardPlan, TensorShape, copy_ring, holdings
 from transport import Ack, Checkpointed, Leave, PlanDelta, ResumeFailed, Saved, StateLost, StepReport
-from worker import checkpoint, comm, epoch
+from worker import checkpoint, comm, epoch, sequence
 from worker import group as groups
 from worker.agent import Agent, FatalError
 from worker.comm import Superseded
@@ -54,6 +54,7 @@ from worker.parallel.replicated import ReplicaExecutor
 from worker.parallel.slices import Incoming, LocalState, Outgoing, Pool, expect, from_module, pack_sends
 from worker.parallel.table import executor_for
 from worker.parallel.update import apply_update
+from worker.save import save_state
 from worker.store import CoordinatorStore
 
 __all__ = ["Trainer", "TrainerConfig"]
@@ -104,7 +105,7 @@ class Trainer:
             model = meta_model(self.job)
         else:
             torch.manual_seed(self.job.seed)
-            model = self.job.model().to(self.device)
+            model = sequence.build(self.job).to(self.device)
         optimizer = self.job.optimizer(model.parameters())
         # The schedule multiplies these; a state received from a peer carries the lr it last used,
         # so each step sets every group's lr from its base again (exact under churn).
@@ -178,11 +179,12 @@ class Trainer:
                 self._standby(delta)
                 group = None
 
-    def write(self, directory: str, final: bool, write: Callable[[Path], int]) -> None:
-        """Write the model with `write(path) -> bytes` and tell the coordinator how it went."""
+    def write(self, directory: str, final: bool, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None:
+        """Write the whole model's state dicts (under the model's own names: `worker.sequence`) and
+        tell the coordinator how it went."""
         path = Path(directory)
         try:
-            size = write(path)
+            size = save_state(*sequence.as_model_names(sequence.model_names(self.job), model_state, optimizer_state), path)
         except OSError as e:
             self.log(f"could not write the model to {path}: {e}")
             self.agent.send(Saved(name=self.name, step=self.step, path=str(path), bytes=0, error=str(e)[:500],

@@ -14,6 +14,7 @@ from __future__ import annotations
 import signal
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -28,14 +29,17 @@ JOBS = Path(__file__).resolve().parent / "jobs"
 pytestmark = pytest.mark.timeout(180)
 
 
-def _load(name: str) -> Job:
+def _load(name: str, function: str = "job") -> Job:
     path = JOBS / f"{name}.py"
-    return load_job(path.read_text(), "job", filename=str(path))
+    return load_job(path.read_text(), function, filename=str(path))
 
 
-def single_process(name: str) -> dict[int, float]:
-    """The job in one process with plain torch: each step's loss (1-based, like the `step` events)."""
-    job = _load(name)
+def single_process(name: str, function: str = "job", outputs: Callable[[Any], Any] = lambda out: out,
+                   keep: dict[str, Any] | None = None) -> dict[int, float]:
+    """The job's model in one process with plain torch (`outputs`: what the loss takes of the
+    model's output): each step's loss (1-based, like the `step` events); `keep` gets the trained
+    model and the job."""
+    job = _load(name, function)
     torch.manual_seed(job.seed)
     model = job.model()
     model.train()
@@ -44,10 +48,12 @@ def single_process(name: str) -> dict[int, float]:
     for k in range(job.num_steps):
         x, y = job.dataset[sample_ids(job.seed, k, len(job.dataset), job.global_batch)]
         optimizer.zero_grad(set_to_none=True)
-        loss = job.loss(model(x), y)
+        loss = job.loss(outputs(model(x)), y)
         (loss / job.global_batch).backward()  # type: ignore[no-untyped-call]
         optimizer.step()
         out[k + 1] = loss.item() / job.global_batch
+    if keep is not None:
+        keep.update(model=model, job=job)
     return out
 
 
@@ -123,3 +129,68 @@ def test_a_model_capture_cannot_take_apart_trains_sharded_on_one_unit(tmp_path: 
         assert len(warnings) == 1, log
         assert "the model is planned as one unit" in warnings[0] and "sharded layouts gather it whole" in warnings[0]
         assert "Traceback" not in log
+
+
+@pytest.mark.timeout(300)
+def test_a_hugging_face_gpt2_given_as_a_sequence_is_pipelined_exactly_through_a_kill(tmp_path: Path) -> None:
+    """hf_gpt2.py's `sequence_job`: the plain GPT2LMHeadModel given as a sequence (`Job.sequence`:
+    embeddings, three blocks, norm and head) is cut by `--layout pp=2`; its first stage's holder is
+    SIGKILLed in the forward of step 5 and the worker on standby takes that stage from its copy.
+    Every step is committed once with the single-process loss of the model itself (its forward,
+    its `.logits`); the final model.pt loads strictly into the job's GPT2LMHeadModel under its own
+    names and gives the trained model's loss, and optimizer.pt loads into an AdamW over its
+    parameters. The plain job (no sequence) is never pipelined, and `ctl plan --explain` says why."""
+    trained: dict[str, Any] = {}
+    reference = single_process("hf_gpt2", "sequence_job", outputs=lambda out: out.logits, keep=trained)
+    ref = f"{JOBS / 'hf_gpt2'}.py:sequence_job"
+    with LocalJob(ref, tmp_path, min_workers=2, coordinator_args=["--layout", "pp=2"]) as job:
+        job.start()
+        job.add_worker("w1", "--pause-at", "forward@5")
+        job.add_worker("w2")
+        job.wait_step(2, 120)
+        job.add_worker("w3")
+        job.wait_event(lambda e: e["kind"] == "standby" and e.get("worker") == "w3", 120, "w3 on standby")
+        graph = job.ctl("graph")
+        assert [layer["name"] for layer in graph["layers"]] == ["0", "1", "2", "3", "4"], graph
+        _wait_for_log(job, "w1", "pausing at forward of step 5")
+        job.kill("w1")
+        failure = job.wait_event(lambda e: e["kind"] == "plan" and e["reason"] == "failure", 60, "failure plan")
+        assert sorted(failure["layout"]["members"]) == ["w2", "w3"] and failure["layout"]["pp"] == 2
+        exits = job.wait_workers(180)
+        assert exits == {"w1": -signal.SIGKILL, "w2": 0, "w3": 0}, job.tails(exits)
+        assert job.wait_coordinator(30) == 0, job.tail("coordinator.out")
+        events = job.events()
+    plans = [e["layout"] for e in events if e["kind"] == "plan" and e.get("layout")]
+    assert plans and all(p["pp"] == 2 and [u for s in p["stages"] for u in s] == ["0", "1", "2", "3", "4"]
+                         for p in plans), plans
+    assert not [e for e in events if e["kind"] == "state_lost"]
+    _assert_exact(events, reference)
+    # What the job wrote speaks the model's own names and parameter order.
+    model, plain = trained["job"].model(), trained["model"]
+    model.load_state_dict(torch.load(tmp_path / "final" / "model.pt"), strict=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer.load_state_dict(torch.load(tmp_path / "final" / "optimizer.pt"))
+    assert all(optimizer.state[p]["exp_avg"].shape == p.shape and float(optimizer.state[p]["step"]) == 12
+               for p in model.parameters())
+    x, y = trained["job"].dataset[torch.arange(24)]
+    with torch.no_grad():
+        got, expected = (trained["job"].loss(m(x).logits, y).item() for m in (model, plain))
+    assert abs(got - expected) / expected <= 1e-4, (got, expected)
+
+
+@pytest.mark.timeout(120)
+def test_a_model_that_is_not_a_sequence_is_never_pipelined_and_the_plan_says_why(tmp_path: Path) -> None:
+    """The plain GPT2LMHeadModel (its blocks found by graph capture, a root unit around them) cannot
+    be cut: `--layout pp=2` is refused with the reason, and it names `Job.sequence`."""
+    with LocalJob(f"{JOBS / 'hf_gpt2'}.py:job", tmp_path, min_workers=2, coordinator_args=["--layout", "pp=2"]) as job:
+        job.start()
+        job.add_worker("w1")
+        job.add_worker("w2")
+        deadline = time.monotonic() + 90
+        explained: dict[str, Any] = {}
+        while time.monotonic() < deadline and "Job.sequence" not in str(explained):
+            explained = job.ctl("plan", "--explain")
+            time.sleep(0.5)
+        assert "cannot be cut into pipeline stages; a job gives its model as one with Job.sequence" in str(explained), \
+            explained
+        assert not job.steps(), "nothing trains on a layout that cannot run"

@@ -87,7 +87,7 @@ def test_what_no_pipeline_can_run_is_refused_with_the_reason() -> None:
                         limits=LIMITS, pin=PP2)
     assert tangled.plan is None and tangled.reason == (
         "--layout pp=2: the model's units do not form a sequence (it is not an nn.Sequential of its units), "
-        "so it cannot be cut into pipeline stages")
+        "so it cannot be cut into pipeline stages; a job gives its model as one with Job.sequence")
     alone = make_plan(_cluster({"a": 100.0}), GRAPH, None, limits=LIMITS, pin=PP2)
     assert alone.plan is None and alone.reason == "--layout pp=2 needs 2 members; 1 can train now"
     small = make_plan(_cluster({"a": 100.0, "b": 100.0}, memory=4 * MB), GRAPH, None, limits=LIMITS, pin=PP2)

@@ -46,7 +46,6 @@ from worker.parallel.copies import Copies
 from worker.parallel.meta import meta_model
 from worker.parallel.shard_step import LocalStep
 from worker.parallel.slices import PARAM, LocalState, Piece
-from worker.save import save_state
 
 Wait = Callable[[Any, torch.Tensor | None], None]  # the trainer's abortable wait (raises when superseded)
 
@@ -429,7 +428,7 @@ class FsdpExecutor(Executor):
         optimizer_state = {"state": {index[fqn]: st for fqn, st in by_name["state"].items()},
                            "param_groups": [{**grp, "params": [index[f] for f in grp["params"]]}
                                             for grp in by_name["param_groups"]]}
-        t.write(directory, final, lambda path: save_state(model_state, optimizer_state, path))
+        t.write(directory, final, model_state, optimizer_state)
 
     def step(self, t: Loop, g: Group) -> PlanDelta | None:
         """One exact step with FSDP2: each member computes its slice of the batch (a member with no

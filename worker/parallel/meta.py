@@ -15,6 +15,7 @@ import copy
 import torch
 from torch import nn
 
+from worker import sequence
 from worker.job import Job
 
 # (job, its meta model or None when it cannot be copied): one job per worker process
@@ -39,4 +40,4 @@ def meta_model(job: Job) -> nn.Module:
 
 def _build(job: Job) -> nn.Module:
     with torch.device("meta"):
-        return job.model()
+        return sequence.build(job)

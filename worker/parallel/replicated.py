@@ -22,7 +22,6 @@ from worker.group import Group
 from worker.job import Job, sample_ids, share_slice
 from worker.parallel.meta import meta_model
 from worker.parallel.slices import LocalState, from_module, to_module
-from worker.save import save_model
 
 __all__ = ["GradBuckets", "Replica", "ReplicaExecutor", "apply_replicated", "extract_replicated"]
 
@@ -184,7 +183,7 @@ class ReplicaExecutor(Executor):
 
     def save(self, t: Loop, g: Group | None, directory: str, *, final: bool) -> None:
         """Replicas are identical: the member asked writes its own."""
-        t.write(directory, final, lambda path: save_model(self.model, self.optimizer, path))
+        t.write(directory, final, self.model.state_dict(), self.optimizer.state_dict())
 
     def step(self, t: Loop, g: Group) -> PlanDelta | None:
         """One exact data-parallel step: this replica's contiguous slice of the global batch (in the

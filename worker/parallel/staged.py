@@ -53,7 +53,6 @@ from worker.parallel.fsdp import Sharded, extract, mixed_precision, shard_module
 from worker.parallel.meta import meta_model
 from worker.parallel.pipeline import StageStep, one_f_one_b, recv_tensor, send_tensor
 from worker.parallel.slices import LocalState, to_module
-from worker.save import save_state
 
 Wait = Callable[[Any, torch.Tensor | None], None]  # the trainer's abortable wait (raises when superseded)
 
@@ -287,7 +286,7 @@ class StageExecutor(Executor):
         if parts is None:
             return
         model_state, optimizer_state = whole_state(parts, list(t.shapes))
-        t.write(directory, final, lambda path: save_state(model_state, optimizer_state, path))
+        t.write(directory, final, model_state, optimizer_state)
 
     def _gathered(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """The sharded stage's whole model and optimizer state (by parameter name), gathered from its

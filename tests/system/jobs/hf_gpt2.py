@@ -2,10 +2,16 @@
 # config, no wrapper module. Its forward returns a `CausalLMOutputWithCrossAttentions`; the loss
 # reads `.logits`. Every dropout is 0 so training is deterministic; the data is a fixed random token
 # sequence from a seeded generator (no files, no downloads).
+#
+# `sequence_job`: the same model given as a sequence (`Job.sequence`), so that it can be pipelined:
+# the embeddings, each GPT2Block, and the final norm with the head, each a child holding the model's
+# own modules; its embeddings untied (a pipeline holds each parameter in one stage); its loss takes
+# the head's logits.
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 from torch.nn import functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -37,10 +43,10 @@ class Tokens:
         return windows[:, :-1], windows[:, 1:]
 
 
-def model() -> GPT2LMHeadModel:
+def model(tied: bool = True) -> GPT2LMHeadModel:
     return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=3, n_head=2,
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                      bos_token_id=0, eos_token_id=0))
+                                      bos_token_id=0, eos_token_id=0, tie_word_embeddings=tied))
 
 
 def loss(outputs: object, targets: torch.Tensor) -> torch.Tensor:
@@ -53,3 +59,49 @@ def loss(outputs: object, targets: torch.Tensor) -> torch.Tensor:
 def job() -> Job:
     return Job(model=model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2), dataset=Tokens(), loss=loss,
                global_batch=12, num_steps=12, seed=0, description="Hugging Face GPT2LMHeadModel, 3 layers")
+
+
+def untied() -> GPT2LMHeadModel:
+    return model(tied=False)
+
+
+class Embeddings(nn.Module):
+    def __init__(self, m: GPT2LMHeadModel) -> None:
+        super().__init__()
+        self.wte, self.wpe, self.drop = m.transformer.wte, m.transformer.wpe, m.transformer.drop
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[-1], device=ids.device)
+        return self.drop(self.wte(ids) + self.wpe(positions))
+
+
+class Block(nn.Module):
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.block(h)
+
+
+class Head(nn.Module):
+    def __init__(self, m: GPT2LMHeadModel) -> None:
+        super().__init__()
+        self.ln_f, self.lm_head = m.transformer.ln_f, m.lm_head
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(h))
+
+
+def sequence(m: GPT2LMHeadModel) -> nn.Sequential:
+    return nn.Sequential(Embeddings(m), *[Block(b) for b in m.transformer.h], Head(m))
+
+
+def logits_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return loss(type("Out", (), {"logits": logits})(), targets)
+
+
+def sequence_job() -> Job:
+    return Job(model=untied, sequence=sequence, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+               dataset=Tokens(), loss=logits_loss, global_batch=12, num_steps=12, seed=0,
+               description="Hugging Face GPT2LMHeadModel as a sequence of 5 units, 3 layers")
