@@ -291,6 +291,24 @@ def test_inspect_job_refuses_a_missing_file_without_a_traceback() -> None:
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.process
+def test_inspect_job_refuses_a_sequence_that_leaves_out_a_parameter(tmp_path: Path) -> None:
+    """The coordinator's check at start builds the job's sequence: one that leaves a parameter out
+    is refused with the reason, before any worker trains on it."""
+    path = tmp_path / "seq.py"
+    path.write_text("import torch\nfrom torch import nn\nfrom worker import Job\n\n"
+                    "def job():\n"
+                    "    return Job(model=lambda: nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1)),\n"
+                    "               sequence=lambda m: nn.Sequential(m[0]), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),\n"
+                    "               dataset=torch.utils.data.TensorDataset(torch.zeros(8, 2), torch.zeros(8, 1)),\n"
+                    "               loss=lambda o, t: ((o - t) ** 2).sum(), global_batch=4, num_steps=2)\n")
+    proc = _inspect(f"{path}:job")
+    assert proc.returncode == 1, proc.stdout
+    info = json.loads(proc.stdout.strip())
+    assert info["ok"] is False and "Job.sequence leaves out 2 of the model's parameters ('1.weight', '1.bias')" in info["error"]
+    assert "Traceback" not in proc.stderr
+
+
 # --- the training recipe (issue 10): learning-rate schedules and gradient clipping ---------------
 
 
