@@ -45,7 +45,7 @@ import zmq
 
 from coordinator import membership as m
 from coordinator.checkpoints import scan
-from coordinator.journal import Journal, JournalDamaged, check_job, recover, restart_layout, snapshot
+from coordinator.journal import Journal, JournalDamaged, check_job, devices_of, recover, restart_layout, snapshot
 from coordinator.control import ControlView, answer_control
 from coordinator.events import EventLog
 from coordinator.guard import LEDGER_EVENTS, ConnectionLedger, Refusals, check_agent_message
@@ -103,6 +103,7 @@ AGENT_MESSAGES = (Join, Ready, GraphUpload, Heartbeat, StepReport, Ack, Leave, S
                   Checkpointed, ResumeFailed)
 FRAMES_IN_FLIGHT = 1024  # decoded frames waiting for the core, at most
 JOURNAL_SAY_EVERY_S = 10.0  # a journal that cannot be written (a full disk) is said at most this often
+JOURNAL_DEVICES_EVERY_S = 5.0  # the members' measured speeds are journaled at most this often (and when they change)
 MAX_CONTROL_BYTES = 64 * 1024  # a control request is a command and a few words
 _ERROR_CODES = {"name": ERR_NAME_TAKEN, "stale": ERR_STALE_EPOCH, "busy": ERR_BUSY, "version": ERR_PROTOCOL,
                 "decode": ERR_DECODE, "frames": ERR_DECODE}
@@ -196,6 +197,7 @@ class Core:
         self.journal, self.endpoints = journal, endpoints or {}
         self._graph_dict: tuple[Graph, dict[str, Any]] | None = None  # the graph as journaled, encoded once
         self._journaled: tuple[Any, ...] | None = None  # the state's journaled fields when last written
+        self._devices: tuple[tuple[str, ...], float, dict[str, Any]] | None = None  # (members, when, devices_of)
         self._journal_said_at = -JOURNAL_SAY_EVERY_S  # when a failed journal write was last said
         # Metrics summarise the whole job: the daemon seeds them from the log it opened (`serve`).
         self.metrics = metrics if metrics is not None else Metrics()
@@ -416,9 +418,15 @@ class Core:
         graph = self.state.graph
         if graph is not None and (self._graph_dict is None or self._graph_dict[0] is not graph):
             self._graph_dict = (graph, graph.to_dict())
+        # The members' measured speeds change with every step; encoding them is most of a step's
+        # journal write, so they are written when the members change and at most every few seconds
+        # otherwise (a restarted coordinator plans with speeds that old, and measures again).
+        members, now = tuple(st.plan.members) if st.plan is not None else (), time.monotonic()
+        if self._devices is None or self._devices[0] != members or now - self._devices[1] >= JOURNAL_DEVICES_EVERY_S:
+            self._devices = (members, now, devices_of(st))
         try:
             self.journal.save(snapshot(self.state, self.endpoints, self._graph_dict[1] if self._graph_dict else None,
-                                       job=self._job_facts, flag=self.cfg.layout))
+                                       job=self._job_facts, flag=self.cfg.layout, devices=self._devices[2]))
             self._journaled = read  # (a failed write is tried again at the next event)
         except Exception as e:  # noqa: BLE001 (a full disk must not stop training: said, retried next event)
             now = time.monotonic()

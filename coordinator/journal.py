@@ -99,12 +99,13 @@ def check_job(values: dict[str, Any], path: Path, ref: str, sha256: str) -> None
 
 
 def snapshot(state: State, endpoints: dict[str, str], graph: dict[str, Any] | None = None, *,
-             job: dict[str, Any] | None = None, flag: LayoutPin | None = None) -> dict[str, Any]:
+             job: dict[str, Any] | None = None, flag: LayoutPin | None = None,
+             devices: dict[str, Any] | None = None) -> dict[str, Any]:
     """The journaled values of `state` (plain JSON); `graph`: `state.graph.to_dict()` if the caller
     keeps it (the same object each time spares encoding it again); `flag`: the coordinator's
-    --layout (`restart_layout` compares the next coordinator's with it)."""
+    --layout (`restart_layout` compares the next coordinator's with it); `devices`: the members'
+    devices as `devices_of` gave them earlier, if the caller keeps them (see `Core._journal`)."""
     delta = state.delta
-    members = list(state.plan.members) if state.plan is not None else []
     return {
         "format": FORMAT,
         "endpoints": endpoints,
@@ -112,7 +113,7 @@ def snapshot(state: State, endpoints: dict[str, str], graph: dict[str, Any] | No
         "epoch": state.epoch,
         "delta": _delta_dict(delta) if delta is not None and state.plan is not None else None,
         "acked": sorted(state.acked),
-        "devices": {n: _device_dict(state.cluster.devices[n]) for n in members if n in state.cluster.devices},
+        "devices": devices if devices is not None else devices_of(state),
         "last_step": state.last_step,
         "finished": state.finished,
         "checkpoints": [dataclasses.asdict(c) for c in state.checkpoints],
@@ -168,6 +169,12 @@ def recover(values: dict[str, Any], *, now: float, flag: LayoutPin | None = None
 
 def _delta_dict(delta: PlanDelta) -> dict[str, Any]:
     return dataclasses.asdict(delta)  # (its layouts, `layout` and `previous`, as plain objects too)
+
+
+def devices_of(state: State) -> dict[str, Any]:
+    """The plan's members' devices as journaled (their measured speeds, loads and memory)."""
+    members = list(state.plan.members) if state.plan is not None else []
+    return {n: _device_dict(state.cluster.devices[n]) for n in members if n in state.cluster.devices}
 
 
 def _device_dict(d: Device) -> dict[str, Any]:

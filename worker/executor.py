@@ -70,6 +70,7 @@ class Loop(Protocol):
                    lr: float, grad_norm: float, *, switching: bool = False) -> None: ...
     def checkpoint_if_due(self, g: Group, *, asked: bool) -> None: ...
     def write(self, directory: str, final: bool, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None: ...
+    def save_interrupted(self, directory: str) -> None: ...
     def log(self, text: str) -> None: ...
     def graph(self) -> Graph: ...
     def units(self) -> list[str]: ...
@@ -94,6 +95,7 @@ class Executor(ABC):
         self.pending = False
         self.coefficient = 1.0
         self.redundancy_s = 0.0  # the last step's time on its copies (exchange + update), for --trace-steps
+        self.defer_copy_update = False  # apply the copy's update later, in a wait (`Copies.update`)
         self._buffers: BufferSync | None = None
 
     # --- the table's interface -------------------------------------------------------------------
@@ -187,7 +189,8 @@ class Executor(ABC):
         lr, multiplier = set_lr(t, self.optimizer)
         step()
         t_copies = time.perf_counter()
-        self.copies.update(t.job.optimizer, t.shapes, lambda i: t.base_lrs[i] * multiplier, coefficient)
+        self.copies.update(t.job.optimizer, t.shapes, lambda i: t.base_lrs[i] * multiplier, coefficient,
+                           defer=self.defer_copy_update)
         self.redundancy_s += time.perf_counter() - t_copies
         self.pending, self.coefficient = False, coefficient
         return lr
@@ -206,7 +209,12 @@ class Executor(ABC):
         if round(float(buf[3])) == members:
             requested = t.agent.take_save()
             if requested is not None:
-                self.save(t, g, requested, final=False)
+                pause_before_save(t, g)
+                try:
+                    self.save(t, g, requested, final=False)
+                except BaseException:  # (a member failed during the gather: the step is given up)
+                    t.save_interrupted(requested)
+                    raise
         t.checkpoint_if_due(g, asked=round(float(buf[4])) == members)
         return pending if agreed else None
 
@@ -248,6 +256,18 @@ def pause(t: Loop, g: Group, phase: str) -> None:
         t.paused_step = True  # (once: a step given up here is done again without a pause)
         t.log(f"pausing at {phase} of step {t.step + 1} (--pause-at)")
         sleep(t, g, 60, f"the --pause-at pause at {phase}")
+
+
+def pause_before_save(t: Loop, g: Group) -> None:
+    """The --pause-at save knob: before the first `ctl save` taken at or after the end of its step
+    (a save lands at whichever step boundary every member agrees on), sleep as `pause` does, while
+    the others gather the model. Once."""
+    at = t.config.pause_at
+    if at is None or at[0] != "save" or t.step < at[1] or t.paused_step:
+        return
+    t.paused_step = True
+    t.log(f"pausing at the save after step {t.step} (--pause-at)")
+    sleep(t, g, 60, "the --pause-at pause at the save")
 
 
 def pause_for_plan(t: Loop, g: Group) -> None:

@@ -8,10 +8,19 @@ ran as all-reduces (gloo), the keeper takes them from what it kept of those (`ta
 step's update the keeper applies the same update to its copy (`update`, with the job's own optimizer:
 `worker.parallel.update`). Until the update is applied, the gradients stay on the copy's pieces:
 a step that some members applied before a failure is rolled forward with them.
+
+A pipeline stage hides most of this in its bubble: it posts the receive as its step starts
+(`receive`), so the source's gradients arrive while it computes, and defers the copy's update
+(`update(defer=True)`) to its next step's first wait for a neighbour, when it would idle anyway
+(`flush`). A deferred update is applied before anything reads the copy (`pieces`) and before the
+next exchange replaces its gradients; the receive buffers alternate between two, so the one posted
+early never holds gradients a deferred update still reads.
 """
 
 from __future__ import annotations
 
+import time
+import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -27,7 +36,16 @@ from worker.parallel.update import GRAD, apply_update
 if TYPE_CHECKING:
     from worker.parallel.fsdp import KeptShard
 
-GRAD_TAG = 64  # p2p tags of the gradient slices a member sends to the keeper of its copy
+# p2p tags of the gradient slices a member sends to the keeper of its copy, one per dtype: far above
+# a pipeline's own tags (2 per micro-batch), since a stage posts its receive before its micro-batches
+GRAD_TAG = 1 << 24
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _tag(dtype: torch.dtype) -> int:
+    return GRAD_TAG + (DTYPES.index(dtype) if dtype in DTYPES else len(DTYPES) + zlib.crc32(str(dtype).encode()) % 1000)
+
+
 Wait = Callable[[Any, torch.Tensor | None], None]
 
 
@@ -40,7 +58,11 @@ class Copies:
     # the end: an abandoned op may still write into its buffer, so the next exchange takes fresh ones.
     # (Fresh buffers every step cost the page faults of both directions' bytes.)
     outbox: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
-    inbox: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+    inbox: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # the copy's gradients are views of it
+    spare: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # the exchange before last's: free
+    # A receive posted early in the step (`receive`): its works and buffers.
+    _incoming: tuple[list[tuple[Any, torch.Tensor]], dict[torch.dtype, torch.Tensor]] | None = None
+    deferred: Callable[[], None] | None = None  # the last step's update of the copy, not yet applied
 
     @staticmethod
     def none() -> Copies:
@@ -67,37 +89,62 @@ class Copies:
     def exchange(self, named_grads: Iterable[tuple[torch.Tensor, torch.Tensor | None]], members: Sequence[str],
                  pg: Any, wait: Wait, device: torch.device) -> None:
         """Send this member's gradient slices (`(local parameter shard, its gradient or None)` in
-        parameter order) to its keeper; receive the source's onto the copy's pieces."""
+        parameter order) to its keeper; receive the source's onto the copy's pieces. The receive is
+        posted first where `receive` was not called earlier in the step."""
+        self.receive(members, pg, device)
+        self.finish(named_grads, members, pg, wait, device)
+
+    def receive(self, members: Sequence[str], pg: Any, device: torch.device) -> None:
+        """Post the receive of the source's gradient slices now (a pipeline posts it as its step
+        starts, so that what its source sends lands while this member still computes), into a
+        buffer no pending update reads: the exchange before last's, when it completed."""
+        copy = self.copy
+        if self.source is None or copy is None or self._incoming is not None:
+            return
+        sizes: dict[torch.dtype, int] = {}
+        for fqn, pieces in copy.pieces.items():
+            dtype = copy.dtype(fqn, PARAM)
+            sizes[dtype] = sizes.get(dtype, 0) + sum(q.hi - q.lo for q in pieces)
+        # (a buffer taken is kept again in `finish`, once every op on it has completed)
+        if self.deferred is None:  # nothing reads the last gradients any more: their buffer
+            free, self.inbox = self.inbox, {}
+        else:
+            free, self.spare = self.spare, {}
+        src = list(members).index(self.source)
+        inbox = {dtype: _kept_or_fresh(free, dtype, n, device) for dtype, n in sizes.items() if n}  # (what is sent)
+        self._incoming = ([(pg.recv([buf], src, _tag(dtype)), buf) for dtype, buf in inbox.items()], inbox)
+
+    def finish(self, named_grads: Iterable[tuple[torch.Tensor, torch.Tensor | None]], members: Sequence[str],
+               pg: Any, wait: Wait, device: torch.device) -> None:
+        """The rest of the exchange: the deferred update of the last step applied (its gradients
+        are about to be replaced), this member's gradient slices sent, the source's received."""
         if self.keeper is None and self.source is None:
             return
+        self.flush()
         mine: dict[torch.dtype, list[torch.Tensor]] = {}
         for local, grad in named_grads:
             mine.setdefault(local.dtype, []).append(
                 grad.reshape(-1) if grad is not None else torch.zeros(local.numel(), dtype=local.dtype, device=local.device))
-        dtypes = sorted(mine, key=str)
-        reused_out, reused_in = self.outbox, self.inbox
-        self.outbox, self.inbox = {}, {}  # (kept again below once every op has completed)
+        reused_out, self.outbox = self.outbox, {}  # (kept again below once every op has completed)
         works: list[tuple[Any, torch.Tensor]] = []
         outbox: dict[torch.dtype, torch.Tensor] = {}
         if self.keeper is not None:
-            for d, dtype in enumerate(dtypes):
+            keeper = list(members).index(self.keeper)
+            for dtype in sorted(mine, key=str):
                 size = sum(g.numel() for g in mine[dtype])
+                if not size:  # (nothing of this dtype to keep: the keeper posts no receive for it)
+                    continue
                 outbox[dtype] = buf = torch.cat(mine[dtype], out=_kept_or_fresh(reused_out, dtype, size, device))
-                works.append((pg.send([buf], list(members).index(self.keeper), GRAD_TAG + d), buf))
-        inbox: dict[torch.dtype, torch.Tensor] = {}
-        copy = self.copy
-        if self.source is not None and copy is not None:
-            sizes: dict[torch.dtype, int] = {}
-            for fqn, pieces in copy.pieces.items():
-                dtype = copy.dtype(fqn, PARAM)
-                sizes[dtype] = sizes.get(dtype, 0) + sum(q.hi - q.lo for q in pieces)
-            for d, dtype in enumerate(dtypes):
-                inbox[dtype] = _kept_or_fresh(reused_in, dtype, sizes.get(dtype, 0), device)
-                works.append((pg.recv([inbox[dtype]], list(members).index(self.source), GRAD_TAG + d), inbox[dtype]))
-        for work, buf in works:
+                works.append((pg.send([buf], keeper, _tag(dtype)), buf))
+        self.receive(members, pg, device)  # (where it was not posted earlier in the step)
+        incoming, self._incoming = self._incoming, None
+        inbox = incoming[1] if incoming is not None else {}
+        for work, buf in [*works, *(incoming[0] if incoming is not None else [])]:
             wait(work, buf)
-        self.outbox, self.inbox = outbox, inbox
+        self.outbox = outbox
+        copy = self.copy
         if copy is not None:
+            self.spare, self.inbox = self.inbox, inbox  # (the last step's gradients were applied: `flush` above)
             at: dict[torch.dtype, int] = {}
             for fqn, pieces in copy.pieces.items():
                 dtype = copy.dtype(fqn, PARAM)
@@ -126,16 +173,37 @@ class Copies:
                             else torch.zeros(numel, dtype=copy.dtype(fqn, PARAM), device=q.data[PARAM].device))
 
     def update(self, optimizer_factory: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer],
-               shapes: Mapping[str, tuple[int, ...]], lr: Callable[[int], float], coefficient: float) -> None:
-        """Apply the step's update to the copy, with the gradients `exchange` brought."""
-        if self.copy is not None:
-            apply_update(optimizer_factory, self.copy, self.copy.pieces, shapes, lr, coefficient)
-            self.copy.step += 1
+               shapes: Mapping[str, tuple[int, ...]], lr: Callable[[int], float], coefficient: float, *,
+               defer: bool = False) -> None:
+        """Apply the step's update to the copy, with the gradients `exchange` brought; `defer`: later,
+        by `flush` (see the file comment), at the latest before anything reads the copy or the next
+        exchange replaces its gradients."""
+        copy = self.copy
+        if copy is None:
+            return
+
+        def apply() -> None:
+            apply_update(optimizer_factory, copy, copy.pieces, shapes, lr, coefficient)
+            copy.step += 1
+        self.deferred = apply
+        if not defer:
+            self.flush()
+
+    def flush(self) -> float:
+        """Apply a deferred update now (nothing without one); the seconds it took."""
+        apply, self.deferred = self.deferred, None
+        if apply is None:
+            return 0.0
+        t0 = time.perf_counter()
+        apply()
+        return time.perf_counter() - t0
 
     def pieces(self, pending: bool) -> Mapping[str, list[Piece]]:
-        """The copy's pieces for a LocalState; their gradients only while a step is `pending`."""
+        """The copy's pieces for a LocalState (a deferred update applied first); their gradients only
+        while a step is `pending`."""
         if self.copy is None:
             return {}
+        self.flush()
         if not pending:
             for pieces in self.copy.pieces.values():
                 for piece in pieces:

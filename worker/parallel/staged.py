@@ -196,6 +196,7 @@ class StageExecutor(Executor):
         self.sharded = sharded  # the stage's FSDP2 state (None: the stage whole on this member)
         self.registered = registered or []  # its groups as registered with c10d (FSDP x pp)
         self.owns_default_group = sharded is not None
+        self.defer_copy_update = True  # (to its next step's bubble: `worker.parallel.copies`)
 
     @staticmethod
     def fits(layout: Layout) -> bool:
@@ -332,8 +333,12 @@ class StageExecutor(Executor):
         chunks = [ids[a:b] if b > a else ids[:1] if len(ids) else torch.arange(1) for a, b in zip(bounds, bounds[1:])]
         before, after = neighbours(g.layout, g.rank)
         waited = [0.0]  # seconds spent waiting for the neighbours (the bubble, their sends): not compute
+        chores = [0.0]  # seconds of the last step's deferred copy update, run in this step's first idle wait
+        self.copies.receive(g.members, g.pg, t.device)  # (the source's gradients land while this stage computes)
 
         def wait(work: Any, buf: torch.Tensor | None) -> None:
+            if self.copies.deferred is not None and not work.is_completed():
+                chores[0] += self.copies.flush()  # (the bubble: this stage would idle)
             w0 = time.perf_counter()
             try:
                 t.wait(g, work, buf)
@@ -356,11 +361,12 @@ class StageExecutor(Executor):
         # share of the model's FLOPs.
         if sharded is not None:  # (FSDP2's collectives, where it also waited for its slowest shard: communication)
             waited[0] += sharded.comm.take()
-        compute_s = (time.perf_counter() - t0 - waited[0]) / self.fraction
+        busy = time.perf_counter() - t0 - waited[0] - chores[0]
+        compute_s = busy / self.fraction
         factor = t.agent.slowdown
         if factor > 1.0 and len(ids):  # the --slowdown test knob: this stage's compute stretched (the
             # pipeline waits for it at its next step's boundaries, as for a slow device)
-            sleep(t, g, (factor - 1.0) * (time.perf_counter() - t0 - waited[0]))
+            sleep(t, g, (factor - 1.0) * busy)
             compute_s *= factor
         pause(t, g, "backward")
         if self.replicas is not None:
@@ -371,11 +377,11 @@ class StageExecutor(Executor):
         # rolled forward.
         t_copies = time.perf_counter()
         if sharded is not None:
-            self.copies.exchange(((p.to_local() if isinstance(p, DTensor) else p, local_grad(p))
-                                  for p in sharded.params.values()), g.members, g.pg, wait, t.device)
+            self.copies.finish(((p.to_local() if isinstance(p, DTensor) else p, local_grad(p))
+                                for p in sharded.params.values()), g.members, g.pg, wait, t.device)
         else:
-            self.copies.exchange(((p, p.grad) for p in stage.module.parameters()), g.members, g.pg, wait, t.device)
-        self.redundancy_s = time.perf_counter() - t_copies
+            self.copies.finish(((p, p.grad) for p in stage.module.parameters()), g.members, g.pg, wait, t.device)
+        self.redundancy_s = time.perf_counter() - t_copies + chores[0]
         pause(t, g, "exchange")
         self.pending = True
         grads = [gr for p in self.params if (gr := local_grad(p)) is not None]
