@@ -161,6 +161,9 @@ def apply(state: State, event: Event, config: Config, *, now: float) -> Result:
         case LayoutRequested(pin):
             return _relayout(state, pin, config, now)
         case ModelSaved(msg):
+            if msg.error and not msg.final and msg.path not in state.saves:
+                return state, []  # answered already (a gather a failure interrupted: each member says so)
+            state = replace(state, saves=state.saves - {msg.path})
             if msg.error:
                 return state, [Log("save_failed", {"worker": msg.name, "step": msg.step, "path": msg.path,
                                                    "error": msg.error})]
@@ -181,7 +184,7 @@ def apply(state: State, event: Event, config: Config, *, now: float) -> Result:
             # Sharded or pipelined: every member gathers (a collective) at the same step boundary;
             # rank 0 writes.
             to = (writer,) if state.plan.layout.whole_replicas else state.plan.members
-            return state, [*(Send(n, SaveModel(path=path)) for n in to),
+            return replace(state, saves=state.saves | {path}), [*(Send(n, SaveModel(path=path)) for n in to),
                            Log("save_requested", {"path": path, "worker": writer})]
         case ReplanDue(reason, abort):
             return replan(state, config, reason, abort=abort, now=now)

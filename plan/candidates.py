@@ -18,8 +18,9 @@ same objective and takes the least; this module builds and scores them.
 * Pipelines pp=P, P = 2 .. min(devices, units, --max-workers), when the model's units form a
   sequence (`Graph.sequential`; otherwise one row says why none can be cut): the P fastest devices
   cut into stages by `plan.pipeline.best_pipeline` (`plan._pipeline_pin`); and each depth as W
-  pipelines (dp x pp) and with each stage sharded over W (FSDP x pp), for the widths W `_widths`
-  gives (2, 4, ..., the widest the devices allow).
+  pipelines (dp x pp), with each stage sharded over W (FSDP x pp) and, from W = 4, as 2 replicas of
+  stages sharded over W / 2 (HSDP x pp: the replicas keep each other's state, no copies), for the
+  widths W `_widths` gives (2, 4, ..., the widest the devices allow).
 * A pin (`--layout`) of data-parallel degrees weighs the one shape it names over every ready
   device (`_pinned_shape`: a degree left free fills them, `dp=1` is FSDP over all, `fsdp=2` over 5
   is 2 replicas of 2; over fewer where memory leaves some out) in place of the FSDP and HSDP
@@ -427,7 +428,7 @@ def _loses(plan: Plan, above: float) -> str:
 
 def pipelines(ctx: Ctx, *, pin: LayoutPin | None, unless: str = "", above: float = math.inf) -> list[Weighed]:
     """The pipeline candidates (module comment): the pinned shape, or every depth worth weighing,
-    alone and as dp x pp and FSDP x pp of the widths `_widths` gives; `unless`: why none is weighed
+    alone and as dp x pp, FSDP x pp and HSDP x pp of the widths `_widths` gives; `unless`: why none is weighed
     now (each says so). A shape whose floor (`step_floor` on its fastest devices with one
     pipeline's samples: no cut of its devices is faster) is not below `above`, the best objective
     found, is not cut."""
@@ -443,7 +444,7 @@ def pipelines(ctx: Ctx, *, pin: LayoutPin | None, unless: str = "", above: float
         shapes, what = [(p, 1, 1) for p in range(2, max(most, 2) + 1)], ""
         for p in range(2, most + 1):
             for w in _widths(devices // p):
-                shapes += [(p, w, 1), (p, 1, w)]
+                shapes += [(p, w, 1), (p, 1, w)] + ([(p, 2, w // 2)] if w >= 4 else [])
     names = ctx.ranked(list(ctx.cluster.devices))  # (pipeline_plan takes the fastest of them)
     rank = {m: i for i, m in enumerate(names)}
     by_speed = sorted(names, key=lambda m: (-ctx.speeds[m], rank[m]))  # (as pipeline_plan takes them)

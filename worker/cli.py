@@ -24,7 +24,7 @@ from transport import PROTOCOL_VERSION, GraphUpload, Leave, check_name
 from transport.endpoints import EndpointError, check_connect_endpoint
 from transport.security import KEYS_ENV, ROLE_WORKER, ClientKeys, KeysError, keys_dir, load_client_keys
 
-PAUSE_PHASES = ("forward", "backward", "exchange", "vote", "optimizer", "abandon", "reshard")
+PAUSE_PHASES = ("forward", "backward", "exchange", "vote", "optimizer", "abandon", "reshard", "save")
 
 EPILOG = """\
 examples:
@@ -86,7 +86,8 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
                         "apply it: a roll forward follows at the next failure); vote (either layout): just before its "
                         "switch vote, wait until a planned delta arrives, so that the others vote before it (a "
                         "missed vote); reshard: in the first epoch "
-                        "entered at or after step STEP in which it sends slices, before any moves")
+                        "entered at or after step STEP in which it sends slices, before any moves; save: before "
+                        "the first `ctl save` taken at or after the end of step STEP (the others gather without it)")
     p.add_argument("--keys", metavar="DIR",
                    help=f"CURVE keys from `coordinator keygen` (server.key + worker.key_secret); default ${KEYS_ENV}; "
                         "none: connect without CURVE (only an --insecure coordinator accepts that)")

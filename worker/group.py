@@ -10,7 +10,10 @@ sender's exit can never stall a step.
 `mesh` turns the epoch's group into the DeviceMesh FSDP2 wants (`worker.parallel.mesh`): the whole
 group registered as the default group, and for HSDP this member's replica and shard sub-groups,
 formed with the epoch's timeout and registered too (FSDP2 shards over the shard group; the
-replica group carries the all-reduce that keeps the replicas equal). Every group it registers is recorded as it is
+replica group carries the all-reduce that keeps the replicas equal). Every group it registers is an
+`AbortableGroup` (`worker.abortable`) that gives a wait up once the epoch is superseded, so what
+torch issues on them without a hook of ours (the state-dict gathers of a save, DTensor's
+collectives) cannot hold a survivor for the group timeout either. Every group it registers is recorded as it is
 registered (in the caller's list), so that one formed before a failure part way is still forgotten
 (`forget`); their backends are left alone (a hung op on them ends at its own timeout).
 """
@@ -29,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from plan.layout import Layout
 from transport import PlanDelta
 from worker import comm
+from worker.abortable import AbortableGroup
 from worker.parallel import mesh as meshes
 from worker.store import CoordinatorStore
 
@@ -85,7 +89,8 @@ def mesh(g: Group, device: torch.device, registered: list[dist.ProcessGroup], *,
     sharded pipeline stage 1-D over this member's shard group (with HSDP's replica group beside it). Appends every group it
     registers to `registered` (the whole group first), as it registers it."""
     prefixed = dist.PrefixStore(f"epoch{g.epoch}/", g.store)  # type: ignore[attr-defined]
-    whole = meshes.register(g.pg, prefixed, g.rank, len(g.members), g.epoch, device)
+    whole = meshes.register(g.pg, prefixed, g.rank, len(g.members), g.epoch, device,
+                            pg=AbortableGroup(g.pg, superseded=superseded))
     registered.append(whole)
     if g.layout.dp_shard == len(g.members):  # FSDP over every member: the whole group is the shard group
         return ShardMesh(meshes.mesh_of(whole, device, g.epoch))
@@ -99,13 +104,17 @@ def mesh(g: Group, device: torch.device, registered: list[dist.ProcessGroup], *,
                               timeout_s=timeout_s, superseded=superseded, part=f"{name}/")
         sub_store = dist.PrefixStore(f"epoch{g.epoch}/{name}/", g.store)  # type: ignore[attr-defined]
         subs[part] = meshes.register(raw, sub_store, ranks.index(g.rank), len(ranks), g.epoch, device,
-                                     part=name, ranks=ranks)
+                                     part=name, ranks=ranks, pg=AbortableGroup(raw, superseded=superseded))
         registered.append(subs[part])
     return ShardMesh(meshes.mesh_of(subs["shard"], device, g.epoch), replicate=subs.get("replicate"))
 
 
 def forget(registered: list[dist.ProcessGroup]) -> None:
-    """Unregister the last sharded epoch's groups (their backends end on their own)."""
+    """Unregister the last sharded epoch's groups (their backends end on their own); a wait still on
+    one of them is released, and its helper thread ends with the ops it waits for."""
     for pg in registered:
         meshes.forget(pg)
+        if isinstance(pg, AbortableGroup):
+            pg.abort("the epoch's groups were let go")
+            pg.close()
     registered.clear()

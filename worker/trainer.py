@@ -193,6 +193,13 @@ class Trainer:
         self.log(f"wrote the model after step {self.step} to {path} ({size / 1e6:.1f} MB)")
         self.agent.send(Saved(name=self.name, step=self.step, path=str(path), bytes=size, error="", final=final))
 
+    def save_interrupted(self, directory: str) -> None:
+        """A `ctl save` whose gather a failure cut short: say so (the coordinator answers the
+        request once), so that it is asked again rather than waited for."""
+        self.log(f"the save to {directory} was interrupted by a failure")
+        self.agent.send(Saved(name=self.name, step=self.step, path=str(Path(directory)), bytes=0, final=False,
+                              error="interrupted: a member failed while the model was gathered; ask again"))
+
     def _standby(self, delta: PlanDelta) -> None:
         """Planned out without asking to leave (drained, or more workers than the plan uses):
         keep the process and wait for the next plan (or a Stop)."""

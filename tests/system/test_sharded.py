@@ -16,6 +16,7 @@ shards the GPT example's state over every member (FSDP2 on each epoch's group).
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -463,3 +464,49 @@ def test_a_sharded_members_speed_is_its_own_compute_not_the_slowest_members(tmp_
         assert speeds["w1"] > 2 * speeds["w2"], speeds  # (counted with the waits the two read alike)
         shares = dict(zip(plan["layout"]["members"], plan["layout"]["shares"]))
         assert shares.get("w1", 0) > 2 * shares.get("w2", 0) > 0, (shares, speeds)
+
+
+@pytest.mark.timeout(400)
+def test_a_member_stopped_during_a_save_does_not_hold_the_others(tmp_path: Path) -> None:
+    """`ctl save` of a sharded job gathers the model through torch's own state-dict collectives (no
+    hook of ours around them). w2 pauses before its part of the gather (`--pause-at save@5`) and
+    is SIGSTOPped there: w1 and w3, waiting in the gather, are released by the epoch's abortable
+    groups once the lease finds w2, and train again within the liveness bound (not after the 60 s
+    group timeout); the save is answered once, as failed with the reason, and asked again it is
+    written. Every step equals the single-process recipe's."""
+    reference = single_process()
+    with LocalJob(JOB, tmp_path, min_workers=3, lease_s=1.0, coordinator_args=["--layout", "dp=1"]) as job:
+        job.start()
+        for name in ("w1", "w2", "w3"):
+            job.add_worker(name, *(["--pause-at", "save@5"] if name == "w2" else []))
+        job.wait_step(5, 180)
+        first, answers = tmp_path / "first", []
+        asking = threading.Thread(target=lambda: answers.append(_ctl_error(job, "save", str(first), "--wait", "25")))
+        asking.start()
+        _wait_for_log(job, "w2", "pausing at the save after step")
+        stopped_past_the_lease(job, "w2")
+        failed = job.wait_event(lambda e: e["kind"] == "save_failed", 30, "the save answered")
+        assert failed["path"] == str(first) and "interrupted" in failed["error"], failed
+        asking.join()
+        assert answers and "interrupted: a member failed while the model was gathered; ask again" in answers[0], answers
+        second = tmp_path / "second"
+        saved = job.ctl("save", str(second), "--wait", "120")
+        assert saved["kind"] == "saved" and saved["path"] == str(second), saved
+        exits = job.wait_workers(300)
+        assert exits == {"w1": 0, "w2": 0, "w3": 0}, job.tails(exits)
+        assert job.wait_coordinator(30) == 0
+        assert job.liveness() == [], job.liveness()
+        events = job.events()
+        assert [e["path"] for e in events if e["kind"] == "save_failed"] == [str(first)], "answered once"
+        assert not [e for e in events if e["kind"] == "saved" and e["path"] == str(first)]
+        assert sorted(p.name for p in second.iterdir()) == ["model.pt", "optimizer.pt"]
+        _assert_exact(events, reference)
+
+
+def _ctl_error(job: LocalJob, *args: str) -> str:
+    """What a ctl command that fails says (its error), or "" when it succeeds."""
+    try:
+        job.ctl(*args)
+    except RuntimeError as e:
+        return str(e)
+    return ""

@@ -21,7 +21,7 @@ from plan.graph import Layer
 from plan.layout import parse_pin
 from plan.pipeline import micro_split
 from plan.prediction import FIXED_PRIOR_SAMPLES, fits_comm, measured_overhead, repredict
-from transport import SaveModel
+from transport import SaveModel, Saved
 
 MB = 1_000_000
 LIMITS = PlanLimits(global_batch=16)
@@ -221,6 +221,20 @@ def test_a_member_that_leaves_a_pipeline_sends_its_stage_and_every_stage_saves()
     d = the_delta(effects)
     assert set(d.members) == {"a", "c"} and d.layout.pp == 2 and d.senders == ["b"], d
     assert "b" in deltas(effects) and d.from_sharded
+
+
+def test_a_save_a_failure_interrupted_is_answered_once() -> None:
+    """Every member of a gather a failure cut short says so; `ctl save` gets one `save_failed`, and
+    the same path asked again is answered by its write."""
+    sim = _pipeline_sim()
+    sim(m.SaveRequested("/out"))
+    interrupted = [m.ModelSaved(Saved(name=n, step=3, path="/out", bytes=0, error="interrupted: ask again",
+                                      final=False)) for n in ("a", "b")]
+    said = [e for ev in interrupted for e in sim(ev) if isinstance(e, m.Log)]
+    assert [(e.kind, e.fields["worker"]) for e in said] == [("save_failed", "a")], said
+    sim(m.SaveRequested("/out"))
+    written = sim(m.ModelSaved(Saved(name="a", step=4, path="/out", bytes=10, error="", final=False)))
+    assert [e.kind for e in written if isinstance(e, m.Log)] == ["saved"] and not sim.state.saves
 
 
 def test_a_stages_report_teaches_no_overhead_and_no_link() -> None:

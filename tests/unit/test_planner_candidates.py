@@ -144,6 +144,20 @@ def test_no_pipeline_wins_where_data_parallel_is_plainly_better_and_one_wins_whe
     assert result.runner_up is not None and result.runner_up.plan.pp == 1
 
 
+def test_every_pipeline_hybrid_is_weighed_unpinned() -> None:
+    """Eight devices: each depth alone, as replicas of pipelines, with sharded stages, and from a
+    width of 4 as two replicas of stages sharded over the rest (HSDP x pp); each scored or pruned
+    with its reason."""
+    c = cluster({f"d{i}": 100.0 for i in range(8)})
+    result = make_plan(c, small(), None, limits=PlanLimits(global_batch=64))
+    rows = {r.layout: r for r in result.candidates if r.layout.startswith("pp=")}
+    assert {"pp=2 x dp_replicate=4", "pp=2 x dp_shard=4", "pp=2 x dp_replicate=2 x dp_shard=2"} <= set(rows), rows
+    assert "pp=3 x dp_replicate=2 x dp_shard=1" not in rows and "pp=4 x dp_replicate=2 x dp_shard=1" not in rows
+    assert all((r.objective_s is None) == bool(r.why_not) for r in rows.values()), rows
+    hsdp = make_plan(c, small(), None, limits=PlanLimits(global_batch=64), pin=parse_pin("pp=2,dp=2,fsdp=2"))
+    assert hsdp.plan is not None and hsdp.plan.layout.describe() == "pp=2 x dp_replicate=2 x dp_shard=2", hsdp.reason
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_no_cut_beats_the_floor_a_pipeline_candidate_is_bounded_by(seed: int) -> None:
     rng = random.Random(seed)
