@@ -21,27 +21,34 @@ import functools
 from collections.abc import Collection, Sequence
 
 from plan.cluster import Cluster
-from plan.cost import static_bytes
+from plan.cost import Link, static_bytes
 from plan.graph import Graph
 from plan.layout import Layout
-from plan.pipeline import StageDevice, best_pipeline, micro_split
+from plan.pipeline import PipelinePlan, StageDevice, best_pipeline, micro_split
 from plan.placement import TensorShape
 from plan.prediction import Plan, pipelined, stage_devices
 from plan.reshard import ORDER_ROWS, Holdings, copy_ring, holdings, subtract, survivors
 from plan.shares import split_shares
 
 
+# The best pipeline found for (each stage's slowest device, one pipeline's samples, the link): one
+# make_plan's cluster and graph
+Cuts = dict[tuple[tuple[StageDevice, ...], int, Link], PipelinePlan | None]
+
 NOT_A_SEQUENCE = ("the model's units do not form a sequence (it is not an nn.Sequential of its units), so it "
                   "cannot be cut into pipeline stages; a job gives its model as one with Job.sequence")
 
 
 def pipeline_plan(cluster: Cluster, graph: Graph | None, ranked: Sequence[str], before: Layout | None,
-                  stages: int, *, global_batch: int, what: str, replicas: int = 1, shards: int = 1) -> Plan | str:
+                  stages: int, *, global_batch: int, what: str, replicas: int = 1, shards: int = 1,
+                  cuts: Cuts | None = None) -> Plan | str:
     """The pipeline of `stages` stages over the fastest of `ranked` (the ready devices in rank
     order; `before`: the layout in force), or why there is none (`what` opens the reason: the
     operator's "--layout pp=2", or the candidate's "pp=2"). `replicas` > 1: that many pipelines
     (dp x pp); `shards` > 1: each stage sharded over that many members (FSDP x pp): both
-    `_data_parallel_pipelines`."""
+    `_data_parallel_pipelines`. `cuts`: the cuts found for other shapes of this cluster and graph,
+    reused where a shape's stages, samples and memory are the same (FSDP x pp over 4 and HSDP x pp
+    of 2 x 2 are cut alike)."""
     if graph is None or not graph.sequential:
         return f"{what}: {NOT_A_SEQUENCE}"
     if stages > len(graph.layers):
@@ -53,7 +60,8 @@ def pipeline_plan(cluster: Cluster, graph: Graph | None, ranked: Sequence[str], 
     rank = {m: i for i, m in enumerate(ranked)}
     fastest = sorted(ranked, key=lambda m: (-speeds[m], rank[m]))[:size]
     if replicas * shards > 1:
-        return _data_parallel_pipelines(cluster, graph, fastest, stages, replicas, shards, global_batch, what)
+        return _data_parallel_pipelines(cluster, graph, fastest, stages, replicas, shards, global_batch, what,
+                                        {} if cuts is None else cuts)
     members = _on_their_stages([m for m in ranked if m in fastest], before)
     found = best_pipeline(graph, stage_devices(cluster, graph, members), global_batch, link=cluster.link(members))
     if found is None:
@@ -67,7 +75,7 @@ def pipeline_plan(cluster: Cluster, graph: Graph | None, ranked: Sequence[str], 
 
 
 def _data_parallel_pipelines(cluster: Cluster, graph: Graph, fastest: list[str], stages: int, replicas: int,
-                             shards: int, global_batch: int, what: str) -> Plan | str:
+                             shards: int, global_batch: int, what: str, cuts: Cuts) -> Plan | str:
     """`replicas` x `shards` pipelines of `stages` stages over `fastest` (fastest first): dp x pp,
     FSDP x pp, or both. Each stage position gets replicas x shards devices of like speed (the
     fastest R·S, the next R·S, ...); a stage's shards split its units' state (each member also
@@ -85,7 +93,11 @@ def _data_parallel_pipelines(cluster: Cluster, graph: Graph, fastest: list[str],
                            memory_bytes=min(by_name[m].memory_bytes for m in g),
                            fixed_s=max(by_name[m].fixed_s for m in g), state_fraction=held) for i, g in enumerate(groups)]
     shares = split_shares(global_batch, [1.0] * width)
-    found = best_pipeline(graph, slowest, max(shares), link=cluster.link(fastest))
+    link = cluster.link(fastest)
+    key = (tuple(slowest), max(shares), link)
+    if key not in cuts:
+        cuts[key] = best_pipeline(graph, slowest, max(shares), link=link)
+    found = cuts[key]
     if found is None:
         return (f"{what} does not fit: no cut of the model's {len(graph.layers)} units into {stages} stages fits "
                 "the members' memory")

@@ -42,7 +42,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from plan._pipeline_pin import NOT_A_SEQUENCE, moved_bytes, pipeline_plan
+from plan._pipeline_pin import NOT_A_SEQUENCE, Cuts, moved_bytes, pipeline_plan
 from plan.cluster import Cluster
 from plan.cost import max_micro_batch, samples_that_fit, sharded_static_bytes
 from plan.graph import Graph
@@ -449,6 +449,7 @@ def pipelines(ctx: Ctx, *, pin: LayoutPin | None, unless: str = "", above: float
     rank = {m: i for i, m in enumerate(names)}
     by_speed = sorted(names, key=lambda m: (-ctx.speeds[m], rank[m]))  # (as pipeline_plan takes them)
     out = []
+    cuts: Cuts = {}
     for shape in shapes:
         p, replicas, shards = shape
         name = shape_text(replicas, shards, p)
@@ -470,7 +471,7 @@ def pipelines(ctx: Ctx, *, pin: LayoutPin | None, unless: str = "", above: float
                     f"({above * 1e3:.1f} ms)")))
                 continue
         found = pipeline_plan(ctx.cluster, g, names, ctx.before, p, global_batch=ctx.limits.global_batch,
-                              what=what or name, replicas=replicas, shards=shards)
+                              what=what or name, replicas=replicas, shards=shards, cuts=cuts)
         if isinstance(found, str):
             out.append(Weighed(name, shape, why_not=found))
         elif not what and (lost := _loses(found, above)):
