@@ -195,6 +195,19 @@ def reported_compute(plan: Plan, graph: Graph | None) -> dict[str, float]:
     return out
 
 
+def passes(plan: Plan | None, name: str) -> int:
+    """How many forward and backward passes a member's step runs under `plan`: its share's
+    micro-batches (1 without any). Its step report's compute covers them all, each paying the
+    device's fixed cost per pass, so the cluster's fit takes the report per pass
+    (`coordinator.membership`): one pass of its micro-batch's samples in compute / passes (else the
+    fixed cost, fitted once per report, would be counted once per micro-batch by every prediction)."""
+    if plan is None or not plan.micro or name not in plan.members:
+        return 1
+    i = plan.members.index(name)
+    share, micro = plan.shares[i], plan.micro[i]
+    return len(micro_split(share, micro)) if share > 0 and micro > 0 else 1
+
+
 def measured_overhead(plan: Plan | None, step_s: float, compute_s: float, comm_s: float) -> float | None:
     """The per-step overhead (outside compute and communication) one member's step report shows
     under `plan`, for the cluster's fit; None where its reports cannot show it: a pipeline stage

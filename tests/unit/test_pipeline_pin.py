@@ -196,6 +196,27 @@ def test_a_stage_that_runs_as_predicted_is_no_speed_change() -> None:
     assert not deltas(effects), "nothing to re-plan"
 
 
+def test_a_stages_report_is_fitted_per_pass() -> None:
+    """A stage's report covers its micro-batches' passes, each with the device's fixed cost: a
+    device measured before (speed v, fixed c per pass) whose reports are exactly what its model
+    says keeps that model, fitted per pass (fitted whole, the fixed cost counted once would read as
+    a slower device, and every prediction would charge it again once per micro-batch)."""
+    sim = _pipeline_sim()
+    plan = sim.state.plan
+    assert plan is not None
+    v, c = 50.0, 0.04
+    sim.state = replace(sim.state, cluster=replace(sim.state.cluster, devices={
+        n: replace(d, samples_per_s=v, compute_fixed_s=c, reports=10) for n, d in sim.state.cluster.devices.items()}))
+    sizes = micro_split(64, plan.micro[0])
+    assert len(sizes) > 1
+    report = sum(c + b / v for b in sizes)
+    for step in range(1, 13):
+        for n in plan.members:
+            sim(timed(n, step, sim.state.epoch, 64, report))
+    for d in sim.state.cluster.devices.values():
+        assert d.compute_fixed_s == pytest.approx(c) and d.samples_per_s == pytest.approx(v, rel=0.02), d
+
+
 def test_plan_explain_describes_the_stages() -> None:
     sim = _pipeline_sim()
     plan = _ask(sim, "plan", "explain")
