@@ -65,7 +65,7 @@ from coordinator.state import (
 )
 from plan import Cluster, Device, LayoutPin, PlanResult
 from plan.cost import step_comm_features
-from plan.prediction import fits_comm, measured_overhead, passes, reported_compute, repredict
+from plan.prediction import fits_comm, measured_overhead, per_pass, reported_compute, repredict
 from transport import (ERR_NAME_TAKEN, ERR_STALE_EPOCH, PLANNED_EXITS, Abort, Ack, Checkpointed, CheckpointNow, Error,
                        Join, ResumeFailed, SaveModel, Slowdown, StepReport, Stop)
 
@@ -277,10 +277,10 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
     host = state.workers[r.name].host
     load = tracker.loads.get(host, 0.0) if calm and tracker is not None and tracker.epoch == r.epoch else 0.0
     cluster = state.cluster
-    n = passes(state.plan if r.epoch == state.epoch else None, r.name)  # (micro-batches: fitted per pass)
     if not steps.settling(tracker, r):  # (an epoch's entry stretches its first steps: never fitted)
-        overhead = measured_overhead(state.plan if r.epoch == state.epoch else None, r.step_s, r.compute_s, r.comm_s)
-        cluster = cluster.with_measurement(r.name, max(1, round(r.samples / n)), r.compute_s / n,
+        plan = state.plan if r.epoch == state.epoch else None
+        overhead = measured_overhead(plan, r.step_s, r.compute_s, r.comm_s)
+        cluster = cluster.with_measurement(r.name, *per_pass(plan, cluster, r.name, r.samples, r.compute_s),
                                            overhead_s=overhead, load=load)
     effects: list[Effect] = []
     changes: list[str] = []
@@ -307,9 +307,9 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
                 case steps.SpeedChange(name=name, kind=kind, speed=speed, expected=expected, recent=recent):
                     changes.append(kind)
                     if kind != "calibration":  # (a calibration's measurements are the model already)
-                        per_pass = passes(state.plan if tracker.epoch == state.epoch else None, name)
+                        plan = state.plan if tracker.epoch == state.epoch else None
                         cluster = cluster.with_speed_change(
-                            name, tuple((max(1, round(s / per_pass)), t / per_pass) for s, t in recent), load=load)
+                            name, tuple(per_pass(plan, cluster, name, s, t) for s, t in recent), load=load)
                         effects.append(Log(kind, {"worker": name, "speed": round(speed, 3),
                                                   "expected": round(expected, 3), "step": r.step}))
                     verb = "measured" if kind == "calibration" else "now"

@@ -197,15 +197,26 @@ def reported_compute(plan: Plan, graph: Graph | None) -> dict[str, float]:
 
 def passes(plan: Plan | None, name: str) -> int:
     """How many forward and backward passes a member's step runs under `plan`: its share's
-    micro-batches (1 without any). Its step report's compute covers them all, each paying the
-    device's fixed cost per pass, so the cluster's fit takes the report per pass
-    (`coordinator.membership`): one pass of its micro-batch's samples in compute / passes (else the
-    fixed cost, fitted once per report, would be counted once per micro-batch by every prediction)."""
+    micro-batches (1 without any)."""
     if plan is None or not plan.micro or name not in plan.members:
         return 1
     i = plan.members.index(name)
     share, micro = plan.shares[i], plan.micro[i]
     return len(micro_split(share, micro)) if share > 0 and micro > 0 else 1
+
+
+def per_pass(plan: Plan | None, cluster: Cluster, name: str, samples: int, compute_s: float) -> tuple[int, float]:
+    """A member's step report (`samples`, `compute_s`) as the cluster fits it: one pass, in samples'
+    worth, and its seconds. The report covers every pass of its micro-batches, each paying the
+    device's fixed cost, as the prediction charges it (fitted whole, the fixed cost counted once
+    would be charged again once per micro-batch). A pipeline's prediction charges an unmeasured
+    fixed cost as FIXED_PRIOR_SAMPLES' worth (`stage_devices`): such a pass counts that much more,
+    so that the fit predicts the report back."""
+    n = passes(plan, name)
+    worth = samples / n
+    if plan is not None and plan.pp > 1 and cluster.fixed_compute().get(name, 0.0) <= 0:
+        worth += FIXED_PRIOR_SAMPLES
+    return max(1, round(worth)), compute_s / n
 
 
 def measured_overhead(plan: Plan | None, step_s: float, compute_s: float, comm_s: float) -> float | None:

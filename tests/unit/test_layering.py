@@ -62,7 +62,7 @@ def test_the_daemon_loads_no_solver_before_it_listens() -> None:
 NO_KIND_BRANCHES = ("worker/trainer.py", "worker/executor.py", "worker/epoch.py", "coordinator/membership.py",
                     "coordinator/replan.py", "coordinator/state.py", "coordinator/daemon.py", "coordinator/steps.py",
                     "transport/worker_side.py", "transport/codec.py")
-KIND = {"dp_shard", "sharded", "dp_replicate", "pp", "tp", "stages", "FsdpExecutor", "StageExecutor",
+KIND = {"dp_shard", "sharded", "dp_replicate", "pp", "tp", "stages", "FsdpExecutor", "StageExecutor", "ShardedStageExecutor",
         "ReplicaExecutor"}
 
 

@@ -20,7 +20,7 @@ from plan import Cluster, Device, Graph, Plan, PlanLimits, make_plan
 from plan.graph import Layer
 from plan.layout import parse_pin
 from plan.pipeline import micro_split
-from plan.prediction import FIXED_PRIOR_SAMPLES, fits_comm, measured_overhead, repredict
+from plan.prediction import FIXED_PRIOR_SAMPLES, fits_comm, measured_overhead, reported_compute, repredict
 from transport import SaveModel, Saved
 
 MB = 1_000_000
@@ -215,6 +215,17 @@ def test_a_stages_report_is_fitted_per_pass() -> None:
             sim(timed(n, step, sim.state.epoch, 64, report))
     for d in sim.state.cluster.devices.values():
         assert d.compute_fixed_s == pytest.approx(c) and d.samples_per_s == pytest.approx(v, rel=0.02), d
+    # A device whose fixed cost is not measured (a pipeline never runs two share sizes): the
+    # prediction charges FIXED_PRIOR_SAMPLES' worth per pass, and the fit reads the report so.
+    sim = _pipeline_sim()
+    speeds = sim.state.cluster.speeds_for(GRAPH.train_flops)
+    report = {n: sum((b + FIXED_PRIOR_SAMPLES) / speeds[n] for b in sizes) for n in plan.members}
+    for step in range(1, 13):
+        for n in plan.members:
+            sim(timed(n, step, sim.state.epoch, 64, report[n]))
+    assert sim.state.cluster.speeds_for(GRAPH.train_flops) == pytest.approx(speeds, rel=0.02)
+    again = make_plan(sim.state.cluster, GRAPH, None, limits=PlanLimits(global_batch=64), pin=PP2).plan
+    assert again is not None and reported_compute(again, GRAPH) == pytest.approx(report, rel=0.02)
 
 
 def test_plan_explain_describes_the_stages() -> None:

@@ -7,8 +7,9 @@
 * `mesh`: the epoch's group registered with c10d, and its DeviceMesh;
 * `replicated`: the replicated executor (a plain module) and its gradient buckets;
 * `fsdp`: the sharded executor (FSDP2's `fully_shard` per unit), built from a LocalState;
-* `staged`, `pipeline`: the pipeline executor (a stage of the model) and its 1F1B schedule;
+* `staged`, `pipeline`: the pipeline executors (a stage of the model, whole or sharded) and its 1F1B schedule;
 * `copies`, `update`: the ring of copies of a sharded layout, and the optimizer applied to slices.
 * `meta`: the job's model on the meta device, which each executor is built from (a copy of one built once).
-(Each executor's step is its own: `ReplicaExecutor.step`, `FsdpExecutor.step`, `StageExecutor.step`.)
+(Each executor's step is its own: `ReplicaExecutor.step`, `FsdpExecutor.step`, `StageExecutor.step`, the
+last also a sharded stage's through the hooks `ShardedStageExecutor` overrides.)
 """

@@ -11,7 +11,7 @@ member's units under their own names, so its parameters' names are the whole mod
 on the stage that holds unit "3"): the reshard, the checkpoint and `from_module` see the same names
 in every layout. Nothing of the other stages is ever materialised.
 
-FSDP x pp (`dp_shard` > 1): the stage is built on the meta device and sharded with FSDP2 over the
+FSDP x pp (`dp_shard` > 1, `ShardedStageExecutor`): the stage is built on the meta device and sharded with FSDP2 over the
 stage's shard group (`worker.parallel.fsdp.shard_module`, each unit and then the stage), the
 pipeline's order composed as torchtitan composes it (split, then shard each part). FSDP2 gathers
 and reduce-scatters at every unit of every micro-batch, so the members of a stage's shard group
@@ -27,7 +27,7 @@ point to point).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,7 +56,7 @@ from worker.parallel.slices import LocalState, to_module
 
 Wait = Callable[[Any, torch.Tensor | None], None]  # the trainer's abortable wait (raises when superseded)
 
-__all__ = ["Stage", "StageExecutor", "apply_stage", "evaluate_stage", "gather_state", "neighbours", "whole_state"]
+__all__ = ["ShardedStageExecutor", "Stage", "StageExecutor", "apply_stage", "evaluate_stage", "gather_state", "neighbours", "whole_state"]
 
 
 @dataclass(slots=True)
@@ -180,32 +180,26 @@ def _optimizer_by_name(stage: Stage) -> dict[str, Any]:
 
 
 class StageExecutor(Executor):
-    """A stage of a pipeline, of replicated pipelines (dp x pp: the replicas of a stage sum its
-    gradients over their own group, the stage's replica group formed with the epoch, before the
-    step's all-reduce; a replica is then every stage's redundancy, and no copies are kept), and of
-    sharded pipelines (FSDP x pp: the stage sharded over its shard group, a ring of copies of the
-    shards; with replicas too, HSDP within the stage, the replicas its redundancy)."""
+    """A stage of a pipeline, whole on this member, and of replicated pipelines (dp x pp: the
+    replicas of a stage sum its gradients over their own group, the stage's replica group formed
+    with the epoch, before the step's all-reduce; a replica is then every stage's redundancy, and no
+    copies are kept). Sharded stages are `ShardedStageExecutor`'s: the step is this one, with the
+    hooks it overrides (`_sizes`, `_collectives_s`, `_grads_to_copy`, `_optimizer_step`, `_whole`)."""
 
     def __init__(self, stage: Stage, at: tuple[Layout, int], copies: Copies, fraction: float,
-                 replicas: Any = None, sharded: Sharded | None = None,
-                 registered: list[dist.ProcessGroup] | None = None) -> None:
+                 replicas: Any = None) -> None:
         super().__init__(stage.module, stage.optimizer, at, copies)
         self.stage = stage
         self.fraction = fraction  # the stage's units' share of the model's training FLOPs
         self.replicas = replicas  # the raw group of this stage's replicas (None: one pipeline)
-        self.sharded = sharded  # the stage's FSDP2 state (None: the stage whole on this member)
-        self.registered = registered or []  # its groups as registered with c10d (FSDP x pp)
-        self.owns_default_group = sharded is not None
         self.defer_copy_update = True  # (to its next step's bubble: `worker.parallel.copies`)
 
     @staticmethod
     def fits(layout: Layout) -> bool:
-        return layout.pp > 1 and layout.tp == 1
+        return layout.pp > 1 and layout.dp_shard == 1 and layout.tp == 1
 
     @classmethod
     def build(cls, t: Loop, g: Group, local: LocalState) -> Executor:
-        if g.layout.sharded:
-            return cls._build_sharded(t, g, local)
         stage = apply_stage(t.job, g.layout, g.rank, local, t.device)
         replicas = None
         if g.layout.dp_replicate > 1:
@@ -216,39 +210,31 @@ class StageExecutor(Executor):
         return cls(stage, (g.layout, g.rank), Copies.of(g.layout, t.name, local, t.tensors),
                    _flops_fraction(t, stage), replicas)
 
-    @classmethod
-    def _build_sharded(cls, t: Loop, g: Group, local: LocalState) -> Executor:
-        """The stage on the meta device, sharded with FSDP2 over its shard group (registered first,
-        as `FsdpExecutor.build` does: forming it can be superseded, and then nothing is left
-        registered)."""
-        registered: list[dist.ProcessGroup] = []
-        try:
-            on = groups.mesh(g, t.device, registered, timeout_s=t.config.group_timeout_s,
-                             superseded=lambda: t.agent.superseded(g.epoch))
-            index = g.layout.coords(g.rank)[0]
-            units = g.layout.stages[index]
-            model = meta_model(t.job)
-            module = nn.Sequential(OrderedDict((unit, model.get_submodule(unit)) for unit in units))
-            sharded = shard_module(t.job, module, units, g.layout, g.rank, on.mesh, local, t.device,
-                                   replicate=on.replicate, mp_policy=mixed_precision(t.job),
-                                   wait=lambda work, buf: t.wait(g, work, buf), give_up=t.give_up_if_superseded)
-        except BaseException:
-            groups.forget(registered)
-            raise
-        stage = Stage(module=module, optimizer=sharded.optimizer, stage=index, stages=g.layout.pp)
-        return cls(stage, (g.layout, g.rank), Copies.of(g.layout, t.name, local, t.tensors),
-                   _flops_fraction(t, stage), sharded=sharded, registered=registered)
-
-    def close(self) -> None:
-        super().close()
-        groups.forget(self.registered)  # (their backends end on their own)
-
     @property
     def params(self) -> list[nn.Parameter]:
-        """The parameters this member steps: its stage's, or its shards of them."""
-        if self.sharded is not None:
-            return [p for p in self.sharded.params.values() if p.requires_grad]
+        """The parameters this member steps: its stage's."""
         return [p for p in self.stage.module.parameters() if p.requires_grad]
+
+    # --- what a sharded stage does its way (`ShardedStageExecutor`) ---------------------------------
+
+    def _sizes(self, g: Group, samples: int) -> tuple[int, ...]:
+        """This member's micro-batch sizes: its share as the planner predicted it (`Group.micro`)."""
+        return micro_split(samples, g.micro[g.rank] or samples) if samples else ()
+
+    def _collectives_s(self) -> float:
+        """Seconds of collectives inside the compute since last asked (none: the stage is whole)."""
+        return 0.0
+
+    def _grads_to_copy(self) -> Iterable[tuple[torch.Tensor, torch.Tensor | None]]:
+        """(this member's part of each parameter, its gradient) for the copy's keeper."""
+        return ((p, p.grad) for p in self.stage.module.parameters())
+
+    def _optimizer_step(self) -> Callable[[], Any]:
+        return self.stage.optimizer.step
+
+    def _whole(self) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """The stage's whole state where it must be gathered first (None: it is whole here)."""
+        return None
 
     def _sum_over_replicas(self, t: Loop, g: Group) -> None:
         """The stage's gradients summed over its replicas (every pipeline computed its own slice of
@@ -263,10 +249,6 @@ class StageExecutor(Executor):
             at += p.numel()
 
     def local_state(self, step: int) -> LocalState:
-        if self.sharded is not None:
-            assert self.at is not None
-            layout, rank = self.at
-            return self._with_redundancy(extract(self.sharded, layout, rank, step), self.sharded.params.items())
         return self._with_redundancy(super().local_state(step), self.model.named_parameters())
 
     def evaluate(self, t: Loop, g: Group) -> None:
@@ -278,7 +260,7 @@ class StageExecutor(Executor):
         """Gather every stage's state to the pipeline's first rank (every member), which writes the
         whole model (`gather_state`)."""
         assert g is not None, "the stages are gathered over the epoch's group"
-        whole = self._gathered() if self.sharded is not None else None  # (every shard of the stage takes part)
+        whole = self._whole()  # (a sharded stage: every shard of it takes part)
         ranks = [g.layout.rank_of(p, 0, 0, 0) for p in range(g.layout.pp)]
         if g.rank not in ranks:  # (another replica or shard of the pipeline: the first one writes)
             return
@@ -288,23 +270,6 @@ class StageExecutor(Executor):
             return
         model_state, optimizer_state = whole_state(parts, list(t.shapes))
         t.write(directory, final, model_state, optimizer_state)
-
-    def _gathered(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The sharded stage's whole model and optimizer state (by parameter name), gathered from its
-        shards: a collective of the stage's shard group."""
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                             get_optimizer_state_dict)
-
-        # (no cpu_offload: with it only the default group's rank 0 gets the state, and every stage's
-        # first shard needs its own)
-        options = StateDictOptions(full_state_dict=True)
-        model = get_model_state_dict(self.stage.module, options=options)
-        by_name: dict[str, Any] = dict(get_optimizer_state_dict(self.stage.module, self.stage.optimizer, options=options))
-        def cpu(v: Any) -> Any:
-            return v.detach().cpu() if isinstance(v, torch.Tensor) else v
-
-        return ({k: cpu(v) for k, v in model.items()},
-                {fqn: {k: cpu(v) for k, v in st.items()} for fqn, st in by_name["state"].items()})
 
     def step(self, t: Loop, g: Group) -> PlanDelta | None:
         """One exact step of a pipeline stage: its data-parallel slot's samples as contiguous
@@ -321,12 +286,8 @@ class StageExecutor(Executor):
         start, stop = g.layout.batch_slice(g.rank)
         ids = sample_ids(job.seed, t.step, len(job.dataset), G)[start:stop]
         stage.optimizer.zero_grad(set_to_none=True)
-        sharded = self.sharded
-        if sharded is None:
-            sizes = micro_split(len(ids), g.micro[g.rank] or len(ids)) if len(ids) else ()  # (as the planner predicted)
-        else:
-            sizes = _even_micro_batches(g, len(ids))
-            sharded.comm.take()  # (FSDP2's gathers and scatters of this step from here on)
+        sizes = self._sizes(g, len(ids))
+        self._collectives_s()  # (a sharded stage: FSDP2's gathers and scatters of this step from here on)
         bounds = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
         # (a micro-batch of no samples, where a shard's slot has fewer than its group's count: one
         # sample whose loss weighs nothing, so that its gathers still run)
@@ -337,8 +298,8 @@ class StageExecutor(Executor):
         self.copies.receive(g.members, g.pg, t.device)  # (the source's gradients land while this stage computes)
 
         def wait(work: Any, buf: torch.Tensor | None) -> None:
-            if self.copies.deferred is not None and not work.is_completed():
-                chores[0] += self.copies.flush()  # (the bubble: this stage would idle)
+            if self.copies.deferred is not None:  # (its first wait for a neighbour: the bubble, where
+                chores[0] += self.copies.flush()  # it would idle; a gloo p2p op completes only in a wait)
             w0 = time.perf_counter()
             try:
                 t.wait(g, work, buf)
@@ -359,8 +320,7 @@ class StageExecutor(Executor):
         # This stage's compute, reported as the whole model's for these samples (the coordinator reads
         # a member's speed in whole-model samples/s): the stage's time less its waits, over its units'
         # share of the model's FLOPs.
-        if sharded is not None:  # (FSDP2's collectives, where it also waited for its slowest shard: communication)
-            waited[0] += sharded.comm.take()
+        waited[0] += self._collectives_s()  # (FSDP2's, where it also waited for its slowest shard: communication)
         busy = time.perf_counter() - t0 - waited[0] - chores[0]
         compute_s = busy / self.fraction
         factor = t.agent.slowdown
@@ -376,11 +336,7 @@ class StageExecutor(Executor):
         # Every member gets its copy's gradients (its source's stage): from here on the step may be
         # rolled forward.
         t_copies = time.perf_counter()
-        if sharded is not None:
-            self.copies.finish(((p.to_local() if isinstance(p, DTensor) else p, local_grad(p))
-                                for p in sharded.params.values()), g.members, g.pg, wait, t.device)
-        else:
-            self.copies.finish(((p, p.grad) for p in stage.module.parameters()), g.members, g.pg, wait, t.device)
+        self.copies.finish(self._grads_to_copy(), g.members, g.pg, wait, t.device)
         self.redundancy_s = time.perf_counter() - t_copies + chores[0]
         pause(t, g, "exchange")
         self.pending = True
@@ -392,8 +348,96 @@ class StageExecutor(Executor):
         comm_s = time.perf_counter() - t_comm + waited[0]
         grad_norm = float(buf[1].sqrt())
         pause(t, g, "optimizer")
-        lr = self._apply(t, grads, grad_norm, sharded.stepper.step if sharded is not None else stage.optimizer.step)
+        lr = self._apply(t, grads, grad_norm, self._optimizer_step())
         return self._end(t, g, buf, pending, len(ids), (compute_s, comm_s, time.perf_counter() - t0), lr, grad_norm)
+
+
+class ShardedStageExecutor(StageExecutor):
+    """A stage of sharded pipelines (FSDP x pp): the stage built on the meta device and sharded with
+    FSDP2 over its shard group (torchtitan's order: split, then shard each part), a ring of copies of
+    the shards; with replicas too (pp, dp, fsdp), HSDP within the stage, the replicas its redundancy.
+    Its step is `StageExecutor.step` with the hooks below."""
+
+    owns_default_group = True
+
+    def __init__(self, stage: Stage, at: tuple[Layout, int], copies: Copies, fraction: float, sharded: Sharded,
+                 registered: list[dist.ProcessGroup]) -> None:
+        super().__init__(stage, at, copies, fraction)
+        self.sharded = sharded  # the stage's FSDP2 state
+        self.registered = registered  # its groups as registered with c10d
+
+    @staticmethod
+    def fits(layout: Layout) -> bool:
+        return layout.pp > 1 and layout.dp_shard > 1 and layout.tp == 1
+
+    @classmethod
+    def build(cls, t: Loop, g: Group, local: LocalState) -> Executor:
+        """The stage on the meta device, sharded with FSDP2 over its shard group (registered first,
+        as `FsdpExecutor.build` does: forming it can be superseded, and then nothing is left
+        registered)."""
+        registered: list[dist.ProcessGroup] = []
+        try:
+            on = groups.mesh(g, t.device, registered, timeout_s=t.config.group_timeout_s,
+                             superseded=lambda: t.agent.superseded(g.epoch))
+            index = g.layout.coords(g.rank)[0]
+            units = g.layout.stages[index]
+            model = meta_model(t.job)
+            module = nn.Sequential(OrderedDict((unit, model.get_submodule(unit)) for unit in units))
+            sharded = shard_module(t.job, module, units, g.layout, g.rank, on.mesh, local, t.device,
+                                   replicate=on.replicate, mp_policy=mixed_precision(t.job),
+                                   wait=lambda work, buf: t.wait(g, work, buf), give_up=t.give_up_if_superseded)
+        except BaseException:
+            groups.forget(registered)
+            raise
+        stage = Stage(module=module, optimizer=sharded.optimizer, stage=index, stages=g.layout.pp)
+        return cls(stage, (g.layout, g.rank), Copies.of(g.layout, t.name, local, t.tensors),
+                   _flops_fraction(t, stage), sharded, registered)
+
+    def close(self) -> None:
+        super().close()
+        groups.forget(self.registered)  # (their backends end on their own)
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The parameters this member steps: its shards of the stage's."""
+        return [p for p in self.sharded.params.values() if p.requires_grad]
+
+    def local_state(self, step: int) -> LocalState:
+        assert self.at is not None
+        layout, rank = self.at
+        return self._with_redundancy(extract(self.sharded, layout, rank, step), self.sharded.params.items())
+
+    def _sizes(self, g: Group, samples: int) -> tuple[int, ...]:
+        return _even_micro_batches(g, samples)
+
+    def _collectives_s(self) -> float:
+        return self.sharded.comm.take()
+
+    def _grads_to_copy(self) -> Iterable[tuple[torch.Tensor, torch.Tensor | None]]:
+        return ((p.to_local() if isinstance(p, DTensor) else p, local_grad(p)) for p in self.sharded.params.values())
+
+    def _optimizer_step(self) -> Callable[[], Any]:
+        return self.sharded.stepper.step
+
+    def _whole(self) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        return self._gathered()
+
+    def _gathered(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The sharded stage's whole model and optimizer state (by parameter name), gathered from its
+        shards: a collective of the stage's shard group."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
+        # (no cpu_offload: with it only the default group's rank 0 gets the state, and every stage's
+        # first shard needs its own)
+        options = StateDictOptions(full_state_dict=True)
+        model = get_model_state_dict(self.stage.module, options=options)
+        by_name: dict[str, Any] = dict(get_optimizer_state_dict(self.stage.module, self.stage.optimizer, options=options))
+        def cpu(v: Any) -> Any:
+            return v.detach().cpu() if isinstance(v, torch.Tensor) else v
+
+        return ({k: cpu(v) for k, v in model.items()},
+                {fqn: {k: cpu(v) for k, v in st.items()} for fqn, st in by_name["state"].items()})
 
 
 def _even_micro_batches(g: Group, samples: int) -> tuple[int, ...]:

@@ -7,9 +7,9 @@ from plan.layout import Layout
 from worker.executor import Executor
 from worker.parallel.fsdp import FsdpExecutor
 from worker.parallel.replicated import ReplicaExecutor
-from worker.parallel.staged import StageExecutor
+from worker.parallel.staged import ShardedStageExecutor, StageExecutor
 
-EXECUTORS: tuple[type[Executor], ...] = (ReplicaExecutor, FsdpExecutor, StageExecutor)
+EXECUTORS: tuple[type[Executor], ...] = (ReplicaExecutor, FsdpExecutor, StageExecutor, ShardedStageExecutor)
 
 
 def executor_for(layout: Layout) -> type[Executor]:
