@@ -49,7 +49,7 @@ from worker.parallel.slices import PARAM, LocalState, Piece
 
 Wait = Callable[[Any, torch.Tensor | None], None]  # the trainer's abortable wait (raises when superseded)
 
-__all__ = ["AbortableAllReduce", "CommTime", "FsdpExecutor", "KeptShard", "Sharded", "apply_fsdp", "extract",
+__all__ = ["AbortableAllReduce", "CommTime", "FsdpExecutor", "HoldsShards", "KeptShard", "Sharded", "apply_fsdp", "extract",
            "mixed_precision", "shard_module"]
 
 
@@ -363,16 +363,39 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, params: dict[str, nn.Param
 # --- the executor ------------------------------------------------------------------------------------
 
 
-class FsdpExecutor(Executor):
-    """FSDP2 (and HSDP) on the epoch's registered groups: every layout whose state is sharded."""
+class HoldsShards(Executor):
+    """What every executor that holds FSDP2 shards shares (the whole model's, `FsdpExecutor`; a
+    pipeline stage's, `worker.parallel.staged.ShardedStageExecutor`): the shards it steps, what it
+    holds as slices, and the groups it registered, let go of when it is closed. Subclasses set
+    `sharded` and `registered` when built."""
 
     owns_default_group = True
+    sharded: Sharded  # its FSDP2 state
+    registered: list[dist.ProcessGroup]  # its groups as registered with c10d (`worker.group.mesh`)
+
+    def close(self) -> None:
+        super().close()
+        groups.forget(self.registered)  # (their backends end on their own)
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The parameters this member steps: its shards."""
+        return [p for p in self.sharded.params.values() if p.requires_grad]
+
+    def local_state(self, step: int) -> LocalState:
+        assert self.at is not None
+        layout, rank = self.at
+        return self._with_redundancy(extract(self.sharded, layout, rank, step), self.sharded.params.items())
+
+
+class FsdpExecutor(HoldsShards):
+    """FSDP2 (and HSDP) on the epoch's registered groups: every layout whose state is sharded."""
 
     def __init__(self, sharded: Sharded, at: tuple[Layout, int], copies: Copies,
                  registered: list[dist.ProcessGroup]) -> None:
         super().__init__(sharded.model, sharded.optimizer, at, copies)
         self.sharded = sharded
-        self.registered = registered  # its groups as registered with c10d (`worker.group.mesh`)
+        self.registered = registered
 
     @staticmethod
     def fits(layout: Layout) -> bool:
@@ -397,19 +420,6 @@ class FsdpExecutor(Executor):
             groups.forget(registered)
             raise
         return cls(sharded, (g.layout, g.rank), copies, registered)
-
-    def close(self) -> None:
-        super().close()
-        groups.forget(self.registered)  # (their backends end on their own)
-
-    @property
-    def params(self) -> list[nn.Parameter]:
-        return [p for p in self.sharded.params.values() if p.requires_grad]
-
-    def local_state(self, step: int) -> LocalState:
-        assert self.at is not None
-        layout, rank = self.at
-        return self._with_redundancy(extract(self.sharded, layout, rank, step), self.sharded.params.items())
 
     def save(self, t: Loop, g: Group | None, directory: str, *, final: bool) -> None:
         """Gather the full model and optimizer state from the shards (every member), rank 0 writes."""

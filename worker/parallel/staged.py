@@ -49,7 +49,7 @@ from worker.executor import Executor, Loop, local_grad, pause, sleep, squared_no
 from worker.group import Group
 from worker.job import Job, sample_ids
 from worker.parallel.copies import Copies
-from worker.parallel.fsdp import Sharded, extract, mixed_precision, shard_module
+from worker.parallel.fsdp import HoldsShards, Sharded, mixed_precision, shard_module
 from worker.parallel.meta import meta_model
 from worker.parallel.pipeline import StageStep, one_f_one_b, recv_tensor, send_tensor
 from worker.parallel.slices import LocalState, to_module
@@ -352,13 +352,11 @@ class StageExecutor(Executor):
         return self._end(t, g, buf, pending, len(ids), (compute_s, comm_s, time.perf_counter() - t0), lr, grad_norm)
 
 
-class ShardedStageExecutor(StageExecutor):
+class ShardedStageExecutor(HoldsShards, StageExecutor):
     """A stage of sharded pipelines (FSDP x pp): the stage built on the meta device and sharded with
     FSDP2 over its shard group (torchtitan's order: split, then shard each part), a ring of copies of
     the shards; with replicas too (pp, dp, fsdp), HSDP within the stage, the replicas its redundancy.
-    Its step is `StageExecutor.step` with the hooks below."""
-
-    owns_default_group = True
+    Its step is `StageExecutor.step` with the hooks below; what it holds, `HoldsShards`."""
 
     def __init__(self, stage: Stage, at: tuple[Layout, int], copies: Copies, fraction: float, sharded: Sharded,
                  registered: list[dist.ProcessGroup]) -> None:
@@ -392,20 +390,6 @@ class ShardedStageExecutor(StageExecutor):
         stage = Stage(module=module, optimizer=sharded.optimizer, stage=index, stages=g.layout.pp)
         return cls(stage, (g.layout, g.rank), Copies.of(g.layout, t.name, local, t.tensors),
                    _flops_fraction(t, stage), sharded, registered)
-
-    def close(self) -> None:
-        super().close()
-        groups.forget(self.registered)  # (their backends end on their own)
-
-    @property
-    def params(self) -> list[nn.Parameter]:
-        """The parameters this member steps: its shards of the stage's."""
-        return [p for p in self.sharded.params.values() if p.requires_grad]
-
-    def local_state(self, step: int) -> LocalState:
-        assert self.at is not None
-        layout, rank = self.at
-        return self._with_redundancy(extract(self.sharded, layout, rank, step), self.sharded.params.items())
 
     def _sizes(self, g: Group, samples: int) -> tuple[int, ...]:
         return _even_micro_batches(g, samples)
