@@ -49,7 +49,7 @@ def test_a_step_abandoned_inside_a_unit_still_extracts_the_sharded_state() -> No
     backend = dist.ProcessGroupGloo(store, 0, 1, timedelta(seconds=30))
     pg = meshes.register(backend, store, 0, 1, 9001, CPU)
     try:
-        job = SimpleNamespace(seed=0, model=_model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+        job = SimpleNamespace(seed=0, model=_model, sequence=None, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
         torch.manual_seed(0)
         plain = _model()
         local = from_module(0, plain, job.optimizer(plain.parameters()))

@@ -32,7 +32,7 @@ def _two(factory: Any, epoch: int) -> tuple[Sharded, Sharded, Any]:
     store = dist.HashStore()
     backend = dist.ProcessGroupGloo(store, 0, 1, timedelta(seconds=30))
     pg = meshes.register(backend, store, 0, 1, epoch, CPU)
-    job = SimpleNamespace(seed=0, model=_model, optimizer=factory)
+    job = SimpleNamespace(seed=0, model=_model, sequence=None, optimizer=factory)
     torch.manual_seed(0)
     plain = _model()
     layout = Layout(members=("m0",), shares=(4,), dp_shard=1)
