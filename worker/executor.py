@@ -82,6 +82,7 @@ class Executor(ABC):
 
     whole: ClassVar[bool] = False  # this executor holds the whole model as a plain module (a replica)
     owns_default_group = False  # it registered the epoch's group as c10d's default (FSDP2)
+    defer_copy_update: ClassVar[bool] = False  # apply the copy's update later, in a wait (`Copies.update`)
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, at: tuple[Layout, int] | None = None,
                  copies: Copies | None = None) -> None:
@@ -95,7 +96,6 @@ class Executor(ABC):
         self.pending = False
         self.coefficient = 1.0
         self.redundancy_s = 0.0  # the last step's time on its copies (exchange + update), for --trace-steps
-        self.defer_copy_update = False  # apply the copy's update later, in a wait (`Copies.update`)
         self._buffers: BufferSync | None = None
 
     # --- the table's interface -------------------------------------------------------------------

@@ -186,13 +186,14 @@ class StageExecutor(Executor):
     copies are kept). Sharded stages are `ShardedStageExecutor`'s: the step is this one, with the
     hooks it overrides (`_sizes`, `_collectives_s`, `_grads_to_copy`, `_optimizer_step`, `_whole`)."""
 
+    defer_copy_update = True  # (to its next step's bubble: `worker.parallel.copies`)
+
     def __init__(self, stage: Stage, at: tuple[Layout, int], copies: Copies, fraction: float,
                  replicas: Any = None) -> None:
         super().__init__(stage.module, stage.optimizer, at, copies)
         self.stage = stage
         self.fraction = fraction  # the stage's units' share of the model's training FLOPs
         self.replicas = replicas  # the raw group of this stage's replicas (None: one pipeline)
-        self.defer_copy_update = True  # (to its next step's bubble: `worker.parallel.copies`)
 
     @staticmethod
     def fits(layout: Layout) -> bool:
