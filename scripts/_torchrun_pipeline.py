@@ -17,12 +17,12 @@ gradients (`scale_grads=False`), so the summed gradients are the full batch's, a
 recipe (clipping by the global gradient norm, gathered over the stages with one all-reduce of the
 squared norms; the learning-rate schedule) is applied as adaptrain applies it.
 
-`--slowdown RANK:FACTOR` stretches that rank's compute as adaptrain's `--slowdown` does: the schedule
-gives no hook between a stage's computations and its sends, so the stage's compute for one step
-(the forwards and backwards of all its micro-batches, without any communication) is measured once
-before training (the median of 3 runs on the step-0 batch, gradients then cleared), and that rank
-sleeps (FACTOR - 1) x that time after each step's schedule, before the optimizer step: its neighbours
-wait for it at the next step's boundaries, as for a slow device (and as adaptrain's stage sleeps).
+`--slowdown RANK:FACTOR` stretches that rank's compute as adaptrain's `--slowdown` does a pipeline
+stage's: the schedule gives no hook between a stage's computations and its sends, so the stage's
+compute in a step is taken as the CPU time its thread spent in the step's schedule (waiting for a
+neighbour takes none: the forwards, backwards and the issuing of sends), and that rank sleeps
+(FACTOR - 1) x that time after the schedule, before the optimizer step: its neighbours wait for it
+at the next step's boundaries, as for a slow device (and as adaptrain's stage sleeps).
 
 Measured on torch 2.13 (CPU, gloo, loopback): `Schedule1F1B` and `ScheduleGPipe` run; the batched p2p
 hang of pytorch#132644 was not met at these sizes (if a run hangs, the driver's timeout reports it).
@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 from datetime import timedelta
 from typing import Any
@@ -53,23 +52,6 @@ def parse_cuts(text: str, units: int, stages: int) -> list[list[int]]:
     if len(cuts) != stages or [u for c in cuts for u in c] != list(range(units)):
         raise ValueError(f"--cuts {text!r}: want {stages} groups covering units 0..{units - 1} in order")
     return cuts
-
-
-def stage_compute_s(module: Any, job: Any, inputs: Any, targets: Any, micro: int, first: bool, last: bool,
-                    carried: Any) -> float:
-    """One step's compute of a stage alone (its micro-batches' forwards and backwards, no sends): the
-    median of 3 runs. `carried` is the input activation of a stage past the first (any values)."""
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for k in range(0, len(inputs), micro):
-            x = inputs[k:k + micro] if first else carried[k:k + micro].clone().requires_grad_(True)
-            out = module(x)
-            (job.loss(out, targets[k:k + micro]) if last else out.sum()).backward()
-        times.append(time.perf_counter() - t0)
-    for p in module.parameters():
-        p.grad = None
-    return statistics.median(times)
 
 
 def clip_and_schedule(job: Any, params: list[Any], optimizer: Any, base_lrs: list[float], step: int) -> float:
@@ -117,7 +99,6 @@ def main() -> None:
     if G % a.microbatches:
         raise SystemExit(f"--microbatches {a.microbatches} must divide the global batch {G} "
                          "(torch's pipelining fails on unequal micro-batches)")
-    micro = G // a.microbatches
     slow_rank, factor = (int(a.slowdown.split(":")[0]), float(a.slowdown.split(":")[1])) if a.slowdown else (-1, 1.0)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     torch.manual_seed(job.seed)
@@ -135,12 +116,7 @@ def main() -> None:
     schedule = schedule_cls(stage, a.microbatches, loss_fn=loss_fn, scale_grads=False)
     optimizer = job.optimizer(module.parameters())
     params, base_lrs = list(module.parameters()), [float(g["lr"]) for g in optimizer.param_groups]
-    extra_s = 0.0
-    if rank == slow_rank and factor > 1.0:  # measured once, before training (see the top comment)
-        inputs, targets = job.dataset[sample_ids(job.seed, 0, len(job.dataset), G)]
-        with torch.no_grad():
-            carried = nn.Sequential(*children[:cuts[rank][0]])(inputs) if not first else None
-        extra_s = (factor - 1.0) * stage_compute_s(module, job, inputs, targets, micro, first, last, carried)
+    slowed = rank == slow_rank and factor > 1.0
     fd = os.open(a.events, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if rank in (0, world - 1) else -1
 
     def write(event: dict[str, Any]) -> None:
@@ -148,19 +124,20 @@ def main() -> None:
 
     dist.barrier()
     if rank == 0:
-        write({"kind": "start", "step": 0, "cuts": cuts, "microbatches": a.microbatches, "extra_s": extra_s})
+        write({"kind": "start", "step": 0, "cuts": cuts, "microbatches": a.microbatches})
     for step in range(a.steps or job.num_steps):
         inputs, targets = job.dataset[sample_ids(job.seed, step, len(job.dataset), G)]
         optimizer.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
+        cpu0 = time.thread_time()
         if first:
             schedule.step(inputs)
         elif last:
             schedule.step(target=targets, losses=losses)
         else:
             schedule.step()
-        if extra_s:
-            time.sleep(extra_s)
+        if slowed:  # (see the top comment)
+            time.sleep((factor - 1.0) * (time.thread_time() - cpu0))
         clip_and_schedule(job, params, optimizer, base_lrs, step)
         optimizer.step()
         if rank == 0:

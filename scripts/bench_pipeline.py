@@ -17,7 +17,8 @@ side in one run on this machine (gloo over loopback, one torch thread per proces
                balance and free communication the pipeline runs at the sum of its members'
                whole-model speeds: v + v + v/2 for v, one full-speed worker's samples/s on the whole
                model (measured: a one-worker adaptrain run in the same session). Goals: re-cut
-               >= 0.9 x ideal and >= 1.3 x even cuts.
+               >= 0.9 x ideal and >= 1.3 x even cuts. Also torchrun running adaptrain's cuts with the
+               same rank slowed: the re-cut's worth within one runtime, against its even cuts.
 
   live         4 workers, `--layout dp=3` (3 replicas, 1 on standby), then `ctl layout pp=3` (replicas
                to a pipeline), `ctl layout pp=2` (3 stages to 2), then SIGKILL of a stage holder:
@@ -182,10 +183,16 @@ def hetero(job_ref: str, warmup: int, steps: int, microbatches: int, work: Path)
     even = torchrun_run(job_ref, 3, warmup, steps, work / "torchrun-even",
                         microbatches=_micro_count(ours, _job_info(job_ref)[0], 3, microbatches),
                         slowdown=f"{slow_stage}:2")
+    # adaptrain's cuts run by torchrun with the same rank slowed: what the re-cut is worth in one
+    # runtime (against `even`), apart from the two runtimes' difference (the throughput section's ratio)
+    recut = torchrun_run(job_ref, 3, warmup, steps, work / "torchrun-recut", cuts=_cuts(ours["layout"]),
+                         microbatches=_micro_count(ours, _job_info(job_ref)[0], 3, microbatches),
+                         slowdown=f"{slow_stage}:2")
     ideal = v + v + v / 2
-    return {"one_worker": one, "adaptrain_recut": ours, "torchrun_even": even, "ideal_samples_per_s": ideal,
-            "slow_stage": slow_stage, "cores": os.cpu_count() or 1, "of_ideal": ours["samples_per_s"] / ideal,
-            "over_even": ours["samples_per_s"] / even["samples_per_s"]}
+    return {"one_worker": one, "adaptrain_recut": ours, "torchrun_even": even, "torchrun_recut": recut,
+            "ideal_samples_per_s": ideal, "slow_stage": slow_stage, "cores": os.cpu_count() or 1,
+            "of_ideal": ours["samples_per_s"] / ideal, "over_even": ours["samples_per_s"] / even["samples_per_s"],
+            "cut_worth": recut["samples_per_s"] / even["samples_per_s"]}
 
 
 def _pause(job: LocalJob, plan: dict[str, Any]) -> dict[str, Any]:
@@ -309,6 +316,9 @@ def table(r: dict[str, Any]) -> str:
                       f"  torchrun even cuts {h['torchrun_even']['cuts']}, rank {h['slow_stage']} slowed 2x, "
                       f"{h['torchrun_even']['microbatches']} micro-batches: "
                       f"{h['torchrun_even']['samples_per_s']:.1f} samples/s",
+                      f"  torchrun with adaptrain's cuts, the same rank slowed: "
+                      f"{h['torchrun_recut']['samples_per_s']:.1f} samples/s: the cut's worth in one runtime "
+                      f"= {h['cut_worth']:.2f} x even",
                       f"  re-cut / ideal = {h['of_ideal']:.2f} (goal >= 0.9); re-cut / even = {h['over_even']:.2f} "
                       f"(goal >= 1.3)"]
     errors = _cost_model_errors(r)
@@ -380,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
             print("hetero ...", flush=True)
             try:
                 h = _median_rounds([hetero(job_ref, a.warmup, a.steps, a.microbatches, work / f"r{k}")
-                                    for k in range(a.repeats)], ("of_ideal", "over_even"))
+                                    for k in range(a.repeats)], ("of_ideal", "over_even", "cut_worth"))
                 h["ideal_samples_per_s"] = 2.5 * h["one_worker"]["samples_per_s"]  # (from the median v)
                 result["hetero"] = h
             except (RuntimeError, TimeoutError) as e:

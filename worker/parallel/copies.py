@@ -30,6 +30,7 @@ import torch
 from plan.layout import Layout
 from plan.placement import ranges_of
 from plan.reshard import TensorShape, copy_ring
+from worker.comm import AllOf
 from worker.parallel.slices import PARAM, LocalState, Piece
 from worker.parallel.update import GRAD, apply_update
 
@@ -139,8 +140,7 @@ class Copies:
         self.receive(members, pg, device)  # (where it was not posted earlier in the step)
         incoming, self._incoming = self._incoming, None
         inbox = incoming[1] if incoming is not None else {}
-        for work, buf in [*works, *(incoming[0] if incoming is not None else [])]:
-            wait(work, buf)
+        wait(AllOf([*works, *(incoming[0] if incoming is not None else [])]), None)  # (one hand-off)
         self.outbox = outbox
         copy = self.copy
         if copy is not None:

@@ -12,10 +12,13 @@ the single process's: the last stage backpropagates each micro-batch's summed lo
 global batch, so the gradients, summed over micro-batches, are the full batch's.
 
 Every boundary tensor is preceded by a small header (its dimensions), so a stage needs to know
-nothing of its neighbours' shapes; tags keep a micro-batch's activation and gradient apart. Sends
-are waited for only at the end of the step (their tensors kept until then): a send can complete
-only once its receiver has posted the matching receive, and in 1F1B two neighbours send to each
-other at once (an activation forward, a gradient back).
+nothing of its neighbours' shapes; tags keep a micro-batch's activation and gradient apart. A
+receive is one wait (`Incoming`: the header, then the tensor it announces, in the waiting thread),
+and the sends are waited for once, together, at the end of the step (their tensors kept until
+then): a send can complete only once its receiver has posted the matching receive, and in 1F1B two
+neighbours send to each other at once (an activation forward, a gradient back). Each wait is a
+hand-off to the thread that can be walked away from (`worker.comm.Waiter`), so they are few: about
+one per micro-batch and direction.
 
 1F1B on stage s of p with m micro-batches: min(p − s − 1, m) forwards first (the warm-up), then one
 forward and one backward in turn, then the remaining backwards; at most p − s micro-batches' activations
@@ -30,6 +33,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from worker.comm import AllOf
 
 __all__ = ["StageStep", "one_f_one_b", "recv_tensor", "send_tensor", "stage_of_sequence"]
 
@@ -96,8 +101,8 @@ def one_f_one_b(s: StageStep) -> torch.Tensor:
             loss_sum = loss_sum + out.detach().float() * s.global_batch
         _backward(s, backwards, inp, out, sent)
         backwards += 1
-    for work, tensor in sent:
-        s.wait(work, tensor)
+    if sent:
+        s.wait(AllOf(sent), None)  # (one hand-off for every send of the step)
     return loss_sum
 
 
@@ -145,21 +150,37 @@ def send_tensor(send: Callable[[torch.Tensor, int, int], Any], t: torch.Tensor, 
     """Start sending `t` to `dst` under `tag`, after a header with its dimensions and dtype; the
     works go to `sent`, with their tensors (kept alive until they are waited for)."""
     t = t.contiguous()
-    header = torch.zeros(MAX_DIMS + 2, dtype=torch.int64)
-    header[0], header[1] = t.dim(), DTYPES.index(t.dtype)
-    header[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-    header = header.to(device)
+    header = torch.tensor([t.dim(), DTYPES.index(t.dtype), *t.shape, *[0] * (MAX_DIMS - t.dim())],
+                          dtype=torch.int64, device=device)
     sent.append((send(header, dst, tag), header))
     sent.append((send(t, dst, tag), t))
 
 
 def recv_tensor(recv: Callable[[torch.Tensor, int, int], Any], wait: Callable[[Any, torch.Tensor | None], None],
                 src: int, tag: int, device: torch.device) -> torch.Tensor:
-    """Receive what `send_tensor` sent from `src` under `tag`: its header, then the tensor."""
-    header = torch.zeros(MAX_DIMS + 2, dtype=torch.int64, device=device)
-    wait(recv(header, src, tag), header)
-    header = header.cpu()
-    ndim, dtype = int(header[0]), DTYPES[int(header[1])]
-    t = torch.empty([int(x) for x in header[2:2 + ndim]], dtype=dtype, device=device)
-    wait(recv(t, src, tag), t)
-    return t
+    """Receive what `send_tensor` sent from `src` under `tag`: its header, then the tensor, as one wait."""
+    incoming = Incoming(recv, src, tag, device)
+    wait(incoming, incoming.header)
+    assert incoming.tensor is not None
+    return incoming.tensor
+
+
+class Incoming:
+    """A boundary tensor being received, waited for as one work: `wait()` (in the waiting thread)
+    waits for the header, allocates the tensor it announces and receives it. Posting the second
+    receive from that thread is safe: a group's point-to-point ops may be issued from any thread,
+    and the tag keeps it apart from whatever the stage posts meanwhile."""
+
+    def __init__(self, recv: Callable[[torch.Tensor, int, int], Any], src: int, tag: int, device: torch.device) -> None:
+        self._recv, self._src, self._tag, self._device = recv, src, tag, device
+        self.header = torch.zeros(MAX_DIMS + 2, dtype=torch.int64, device=device)
+        self._work = recv(self.header, src, tag)
+        self.tensor: torch.Tensor | None = None
+
+    def wait(self) -> bool:
+        self._work.wait()
+        header = self.header.tolist()
+        ndim, dtype = header[0], DTYPES[header[1]]
+        self.tensor = torch.empty(header[2:2 + ndim], dtype=dtype, device=self._device)
+        self._recv(self.tensor, self._src, self._tag).wait()
+        return True

@@ -26,18 +26,16 @@ point to point).
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
-
-import dataclasses
-import time
-
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from plan.layout import Layout
@@ -45,6 +43,7 @@ from plan.pipeline import micro_batches, micro_split
 from transport import PlanDelta
 from worker import comm, state
 from worker import group as groups
+from worker.comm import AllOf
 from worker.executor import Executor, Loop, local_grad, pause, sleep, squared_norm
 from worker.group import Group
 from worker.job import Job, sample_ids
@@ -111,8 +110,7 @@ def evaluate_stage(stage: Stage, layout: Layout, rank: int, pg: Any, wait: Wait,
                 if after is not None:
                     sent: list[tuple[Any, torch.Tensor]] = []
                     send_tensor(send, out, after, k, device, sent)
-                    for work, tensor in sent:
-                        wait(work, tensor)
+                    wait(AllOf(sent), None)
                 elif k < real:
                     total += float(job.loss(out, targets.to(device)))
                     count += len(part)
@@ -296,11 +294,14 @@ class StageExecutor(Executor):
         before, after = neighbours(g.layout, g.rank)
         waited = [0.0]  # seconds spent waiting for the neighbours (the bubble, their sends): not compute
         chores = [0.0]  # seconds of the last step's deferred copy update, run in this step's first idle wait
+        chores_cpu = [0.0]  # (its CPU time)
         self.copies.receive(g.members, g.pg, t.device)  # (the source's gradients land while this stage computes)
 
         def wait(work: Any, buf: torch.Tensor | None) -> None:
             if self.copies.deferred is not None:  # (its first wait for a neighbour: the bubble, where
-                chores[0] += self.copies.flush()  # it would idle; a gloo p2p op completes only in a wait)
+                c0 = time.thread_time()  # it would idle; a gloo p2p op completes only in a wait)
+                chores[0] += self.copies.flush()
+                chores_cpu[0] += time.thread_time() - c0
             w0 = time.perf_counter()
             try:
                 t.wait(g, work, buf)
@@ -313,6 +314,7 @@ class StageExecutor(Executor):
                         targets=[job.dataset[c][1] for c in chunks] if after is None else (),
                         loss=job.loss, global_batch=G, weights=[1.0 if n else 0.0 for n in sizes])
         t.computing = g.epoch  # (a send that fails with its peer is the loop's Superseded: `Trainer._train_step`)
+        cpu0 = time.thread_time()
         try:
             pause(t, g, "forward")  # (before its first forward: its neighbours wait for it point to point)
             loss_sum = one_f_one_b(run)
@@ -326,9 +328,12 @@ class StageExecutor(Executor):
         compute_s = busy / self.fraction
         factor = t.agent.slowdown
         if factor > 1.0 and len(ids):  # the --slowdown test knob: this stage's compute stretched (the
-            # pipeline waits for it at its next step's boundaries, as for a slow device)
-            sleep(t, g, (factor - 1.0) * busy)
-            compute_s *= factor
+            # pipeline waits for it at its next step's boundaries, as for a slow device). On the CPU
+            # its compute is its thread's CPU time, which other processes on the same cores do not
+            # inflate (the wall time less waits does), so the stretch is the same on a loaded machine.
+            own = busy if t.device.type == "cuda" else time.thread_time() - cpu0 - chores_cpu[0]
+            sleep(t, g, (factor - 1.0) * own)
+            compute_s += (factor - 1.0) * own / self.fraction
         pause(t, g, "backward")
         if self.replicas is not None:
             t_sum = time.perf_counter()
