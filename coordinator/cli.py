@@ -326,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     except JobRefused as e:
         print(f"coordinator: refusing job {job_ref}: {e}", file=sys.stderr)
         return 2
+    if cfg.layout is not None and (why := job.refuses(cfg.layout.tp)):
+        print(f"coordinator: refusing --layout {cfg.layout.describe()} for job {job_ref}: {why}", file=sys.stderr)
+        return 2
     try:
         lock = lock_state_dir(cfg.state_dir)
     except StateDirBusy as e:

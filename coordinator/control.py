@@ -45,6 +45,7 @@ class ControlView:
     checkpoint_dir: str = ""  # where checkpoints go ("": none)
     min_workers: int = 1  # --min-workers: ready workers the first plan (and the one after a total loss) waits for
     max_workers: int | None = None  # --max-workers: a layout pinned to more members is refused
+    tp_refuses: Callable[[int | None], str] = lambda tp: ""  # why a tp degree cannot run on the job ("": it can)
 
 
 Answer = tuple[dict[str, Any], list[m.Event]]
@@ -204,6 +205,8 @@ def _layout(view: ControlView, args: list[str], now: float) -> Answer:
     pin = None if text == "auto" else parse_pin(text, source="layout")
     if pin is not None and pin.members is not None and view.max_workers is not None and pin.members > view.max_workers:
         raise ValueError(f"layout {pin.describe()} needs {pin.members} members, but --max-workers is {view.max_workers}")
+    if pin is not None and (why := view.tp_refuses(pin.tp)):
+        raise ValueError(f"layout {pin.describe()}: {why}")
     if view.state.finished or view.state.stopping:
         raise ValueError("the job is " + ("finished" if view.state.finished else "stopping") + ": nothing to re-plan")
     return {"layout": pin_text(pin)}, [m.LayoutRequested(pin)]

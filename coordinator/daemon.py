@@ -276,7 +276,7 @@ class Core:
                                    events=self.log.events, refused=self.refusals.snapshot(),
                                    secure=self.cfg.keys is not None, writable=writable_dir,
                                    checkpoint_dir=str(self.cfg.checkpoint_dir or ""), min_workers=self.cfg.min_workers,
-                                   max_workers=self.cfg.max_workers)
+                                   max_workers=self.cfg.max_workers, tp_refuses=self.job.refuses)
                 reply, events = answer_control(view, request, now=time.monotonic())
                 if not reply.ok:
                     self.refuse("request", f"control {request.command[:40]!r}: {reply.error}")

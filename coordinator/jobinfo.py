@@ -41,6 +41,15 @@ class JobInfo:
     seed: int
     num_params: int
     description: str
+    tp_degrees: tuple[int, ...] = ()  # the tensor-parallel degrees the model admits (> 1)
+    tp_why: str = ""  # why not others (or why none)
+
+    def refuses(self, tp: int | None) -> str:
+        """Why a pinned tp degree cannot run on this job ("" where it can)."""
+        if tp is None or tp == 1 or tp in self.tp_degrees:
+            return ""
+        admitted = f" (it admits tp={', '.join(map(str, self.tp_degrees))})" if self.tp_degrees else ""
+        return f"tp={tp} cannot run: {self.tp_why}{admitted}"
 
 
 def inspect_job(ref: str, *, timeout_s: float = 120.0) -> JobInfo:
@@ -62,7 +71,8 @@ def inspect_job(ref: str, *, timeout_s: float = 120.0) -> JobInfo:
     return JobInfo(ref=ref, path=info["path"], name=info["name"], source=source, sha256=sha,
                    global_batch=int(info["global_batch"]), num_steps=int(info["num_steps"]),
                    seed=int(info["seed"]), num_params=int(info["num_params"]),
-                   description=str(info.get("description", "")))
+                   description=str(info.get("description", "")),
+                   tp_degrees=tuple(int(d) for d in info.get("tp_degrees", ())), tp_why=str(info.get("tp_why", "")))
 
 
 def facts(job: JobInfo) -> dict[str, Any]:
@@ -91,6 +101,8 @@ def journaled_job(journal: Path, ref: str) -> JobInfo | None:
         return JobInfo(ref=ref, path=known["path"], name=known["name"], source=source, sha256=known["sha256"],
                        global_batch=int(known["global_batch"]), num_steps=int(known["num_steps"]),
                        seed=int(known["seed"]), num_params=int(known["num_params"]),
-                       description=str(known.get("description", "")))
+                       description=str(known.get("description", "")),
+                       tp_degrees=tuple(int(d) for d in known.get("tp_degrees", ())),
+                       tp_why=str(known.get("tp_why", "")))
     except (sqlite3.Error, OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
         return None

@@ -3,7 +3,9 @@
 # - Corpus: the standard library's top-level .py files, in sorted order, first 2 MB of text. Every
 #   machine with the same Python reads the same text, so no data files are needed.
 # - Model: an nn.Sequential of Embed, Block x N, Head. Each layer maps one tensor to one tensor,
-#   so the planner may cut pipeline stages between any two layers. Attention is written by hand
+#   so the planner may cut pipeline stages between any two layers. Tensor parallel: q, k, v and the
+#   MLP's first Linear split column-wise, the attention's and the MLP's output Linear row-wise
+#   (`TP_PLAN`: Megatron's split, the heads divided across the group). Attention is written by hand
 #   (q @ k^T, causal mask, softmax, @ v) because torch's FlopCounterMode sees no FLOPs in the CPU
 #   SDPA kernel (worker/graph_measure.py). No dropout: training is deterministic. The lm head is
 #   not tied to the token embedding, so the first and last stages share no parameter.
@@ -26,6 +28,10 @@ from torch.nn import functional as F
 from worker import Job, warmup_cosine
 
 CORPUS_CHARS = 2_000_000
+
+# Module name patterns of the model (fnmatch) -> how tensor parallelism splits them (Job.tp_plan).
+TP_PLAN = {"*.attn.q": "colwise", "*.attn.k": "colwise", "*.attn.v": "colwise", "*.attn.proj": "rowwise",
+           "*.mlp.0": "colwise", "*.mlp.2": "rowwise"}
 
 
 @functools.lru_cache(maxsize=1)
@@ -79,24 +85,29 @@ class Embed(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
+    """Heads split across a tensor-parallel group as they come: q, k and v are separate Linears (a
+    column-wise split of each gives every rank whole heads; a fused qkv Linear's split would not),
+    and the head count is read from the projections' outputs (-1), not fixed."""
+
     def __init__(self, d_model: int, n_head: int) -> None:
         super().__init__()
         assert d_model % n_head == 0
-        self.n_head = n_head
-        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.head_dim = d_model // n_head
+        self.q = nn.Linear(d_model, d_model)
+        self.k = nn.Linear(d_model, d_model)
+        self.v = nn.Linear(d_model, d_model)
         self.proj = nn.Linear(d_model, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        # (B, T, C) -> (B, heads, T, head_dim)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.shape[-1]))
+        B, T, _ = x.shape
+        # (B, T, heads * head_dim) -> (B, heads, T, head_dim)
+        q, k, v = (lin(x).view(B, T, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
         # The mask is built here, not kept as a buffer: a model built on the meta device and
         # materialised with to_empty() would otherwise carry an uninitialised mask.
         future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
         att = att.masked_fill(future, float("-inf")).softmax(dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(B, T, C)
+        y = (att @ v).transpose(1, 2).reshape(B, T, -1)
         return self.proj(y)
 
 
@@ -198,6 +209,8 @@ def _make_job(
         grad_clip=grad_clip,
         eval_dataset=HeldOut(held_out, block, 256) if eval_every else None,
         eval_every=eval_every,
+        tp_plan=TP_PLAN,
+        tp_heads=n_head,
     )
 
 

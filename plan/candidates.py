@@ -196,6 +196,8 @@ def ranked(previous: Plan | None, members: Sequence[str]) -> list[str]:
 
 def describe(plan: Plan) -> str:
     """`plan.layout.describe()` without building the layout."""
+    if plan.tp > 1:
+        return plan.layout.describe()
     return shape_text(len(plan.members) // (plan.pp * plan.dp_shard), plan.dp_shard, plan.pp)
 
 
@@ -211,6 +213,9 @@ def kind(plan: Plan) -> str:
     """How a plan's layout is named in reasons: "sharded over 3 members (FSDP2)", "HSDP: 2 replicas
     of 2 shards", "a pipeline of 3 stages", "replicated over 3 members"."""
     n = len(plan.members)
+    if plan.tp > 1:
+        replicas = n // plan.tp
+        return f"tensor parallel over {plan.tp} members" + (f", {replicas} replicas" if replicas > 1 else "")
     if plan.pp > 1:
         return f"a pipeline of {plan.pp} stages"
     if plan.dp_shard > 1:

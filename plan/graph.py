@@ -87,6 +87,7 @@ class TensorInfo:
     dtype: str
     unit: str
     state: tuple[tuple[str, str], ...] | None = None
+    tp_dim: int | None = None  # the dim tensor parallelism splits (the job's tp plan); None: not split
 
     def __post_init__(self) -> None:
         if not self.fqn:
@@ -119,14 +120,19 @@ class TensorInfo:
         out: dict[str, Any] = {"fqn": self.fqn, "shape": list(self.shape), "dtype": self.dtype, "unit": self.unit}
         if self.state is not None:
             out["state"] = [[key, dtype] for key, dtype in self.state]
+        if self.tp_dim is not None:
+            out["tp_dim"] = self.tp_dim
         return out
 
     @staticmethod
     def from_dict(data: Any, index: int) -> TensorInfo:
         where = f"tensor {index}"
         required = {"fqn", "shape", "dtype", "unit"}
-        if not isinstance(data, dict) or not required <= set(data) <= required | {"state"}:
-            raise ValueError(f"{where}: expected an object with fqn, shape, dtype and unit (and optionally state)")
+        if not isinstance(data, dict) or not required <= set(data) <= required | {"state", "tp_dim"}:
+            raise ValueError(f"{where}: expected an object with fqn, shape, dtype and unit (and optionally state, tp_dim)")
+        tp_dim = data.get("tp_dim")
+        if tp_dim is not None and tp_dim not in (0, 1):
+            raise ValueError(f"{where}: tp_dim must be 0 or 1, got {tp_dim!r:.40}")
         fqn, shape, dtype, unit = data["fqn"], data["shape"], data["dtype"], data["unit"]
         if not isinstance(fqn, str) or not isinstance(dtype, str) or not isinstance(unit, str):
             raise ValueError(f"{where}: fqn, dtype and unit must be strings")
@@ -137,7 +143,7 @@ class TensorInfo:
                 isinstance(e, list) and len(e) == 2 and all(isinstance(x, str) for x in e) for e in state)):
             raise ValueError(f"{where} ({fqn!r}): state must be a list of [key, dtype] string pairs")
         return TensorInfo(fqn=fqn, shape=tuple(shape), dtype=dtype, unit=unit,
-                          state=tuple((k, d) for k, d in state) if state is not None else None)
+                          state=tuple((k, d) for k, d in state) if state is not None else None, tp_dim=tp_dim)
 
 
 _NUMBER_FIELDS = ("forward_flops", "backward_flops", "param_bytes", "activation_bytes", "boundary_bytes")

@@ -150,6 +150,11 @@ class Layout:
         pp, rep, _, tp = self.coords(rank)
         return [self.rank_of(pp, rep, s, tp) for s in range(self.dp_shard)]
 
+    def tp_group(self, rank: int) -> list[int]:
+        """The ranks that split `rank`'s tensor-parallel modules between them (its tp axis), in tp order."""
+        pp, rep, shard, _ = self.coords(rank)
+        return [self.rank_of(pp, rep, shard, t) for t in range(self.tp)]
+
     def replicate_group(self, rank: int) -> list[int]:
         """The ranks that hold the same shard as `rank` (its dp_replicate axis)."""
         pp, _, shard, tp = self.coords(rank)
@@ -251,7 +256,7 @@ class LayoutPin:
     def members(self) -> int | None:
         """The member count the pin implies when both data-parallel degrees are fixed (None: the
         planner chooses it): `pp=P` alone means exactly P members. tp counts as 1 unless pinned: the
-        planner does not plan it yet, so it keeps it at 1 (and `parse_pin` refuses a pin above 1)."""
+        planner plans tp only where it is pinned, for now."""
         pp, replicas, shards, tp = self._wanted()
         if replicas is None or shards is None:
             return None
@@ -263,8 +268,9 @@ class LayoutPin:
     def _wanted(self) -> tuple[int | None, int | None, int | None, int | None]:
         """(pp, dp_replicate, dp_shard, tp) as pinned, a pipeline's omitted data-parallel degrees as 1."""
         implied = 1 if (self.pp or 1) > 1 else None
+        unsharded = 1 if (self.pp or 1) > 1 or (self.tp or 1) > 1 else None  # (tp runs with replicas only, for now)
         return (self.pp, implied if self.dp_replicate is None else self.dp_replicate,
-                implied if self.dp_shard is None else self.dp_shard, self.tp)
+                unsharded if self.dp_shard is None else self.dp_shard, self.tp)
 
     def describe(self) -> str:
         names = {v: k for k, v in PIN_KEYS.items()}
@@ -286,6 +292,7 @@ def parse_pin(text: str, *, source: str = "--layout") -> LayoutPin:
         if n < 1:
             raise LayoutError(f"{source}: {m.group(1)} must be >= 1, got {n}")
         values[dim] = n
-    if values.get("tp", 1) > 1:
-        raise LayoutError(f"{source}: tensor parallelism (tp) is not planned yet; pin dp, fsdp or pp")
+    if values.get("tp", 1) > 1 and (values.get("pp", 1) > 1 or values.get("dp_shard", 1) > 1):
+        raise LayoutError(f"{source}: tensor parallelism (tp) runs with data parallel replicas (dp) for now, "
+                          "not with fsdp or pp")
     return LayoutPin(**values)

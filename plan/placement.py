@@ -6,9 +6,11 @@ three things, as in DTensor (and DCP's chunks, whose offsets and sizes are these
 
 * *absent*: the pp axis. A tensor belongs to one graph unit, the unit to one pipeline stage
   (`Layout.stages`); ranks of every other stage hold nothing of it.
-* *replicated*: the dp_replicate axis (and, until tensor parallelism, tp): every coordinate holds
-  the same box.
-* *sharded along a dim*: the dp_shard axis cuts dim 0 the way FSDP2 does (`torch.chunk`: chunk
+* *replicated*: the dp_replicate axis, and the tp axis for a tensor tensor parallelism does not
+  split (`TensorShape.tp_dim` None: layer norms, embeddings): every coordinate holds the same box.
+* *sharded along a dim*: the tp axis cuts a split tensor along its `tp_dim` (a column-wise Linear's
+  weight and bias along dim 0, a row-wise one's weight along dim 1: DTensor's `Shard(d)`), and the
+  dp_shard axis then cuts dim 0 of what the tp rank holds, the way FSDP2 does (`torch.chunk`: chunk
   i of n holds rows [i·c, (i+1)·c), c = ceil(rows / n), clipped, so the last chunks may be short or
   empty).
 
@@ -41,6 +43,7 @@ class TensorShape:
     rows: int
     numel: int
     unit: str = ROOT_UNIT  # (the graph's: `plan.graph.TensorInfo.unit`)
+    tp_dim: int | None = None  # the dim tensor parallelism splits (0 or 1 of `shape`); None: replicated
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -128,10 +131,12 @@ def stage_of(layout: Layout, unit: str) -> int:
 
 def box_of(layout: Layout, rank: int, tensor: TensorShape) -> Box | None:
     """The box of `tensor` that `rank` holds under `layout`; None when its stage holds none of it."""
-    pp, _, shard, _ = layout.coords(rank)
+    pp, _, shard, tp = layout.coords(rank)
     if stage_of(layout, tensor.unit) != pp:
         return None
     box = Box.whole(tensor.shape)
+    if layout.tp > 1 and tensor.tp_dim is not None and tensor.shape:
+        box = box.chunk(tensor.tp_dim, tp, layout.tp)
     if layout.dp_shard > 1 and tensor.shape:
         box = box.chunk(0, shard, layout.dp_shard)
     return box

@@ -48,6 +48,7 @@ from plan.milp import ENGINES
 from plan.prediction import MemberCost, Plan, micro_batched, micro_sizes, predict, predict_sharded
 from plan.reshard import least_moving_order
 from plan.shares import assign, split_shares
+from plan.tensor import pinned_tensor_parallel
 
 __all__ = ["Alternative", "Candidate", "MemberCost", "Plan", "PlanLimits", "PlanResult", "assign", "make_plan",
            "predict", "score_members", "split_shares"]
@@ -133,7 +134,9 @@ def _choose(ctx: Ctx, pin: LayoutPin | None) -> PlanResult:
     guess = not any(d.samples_per_s for d in ctx.cluster.devices.values())
     weighed: list[Weighed] = []
     rep: Replicated | None = None
-    if pin is None or (pin.pp or 1) == 1:
+    if pin is not None and (pin.tp or 1) > 1:  # (tensor parallel is planned where it is pinned, for now)
+        weighed = pinned_tensor_parallel(ctx, pin)
+    elif pin is None or (pin.pp or 1) == 1:
         rep = replicated(ctx)
         best_rep = rep.best
         weighed.append(Weighed(describe(best_rep.plan) if best_rep else "dp_replicate",
@@ -144,8 +147,9 @@ def _choose(ctx: Ctx, pin: LayoutPin | None) -> PlanResult:
         weighed = [w for w in weighed if admitted(pin, w.shape)]
     # Speeds that are only a guess: no pipeline (its cut rests on them) unless nothing else runs.
     unless = GUESSED if guess and pin is None and any(w.scored for w in weighed) else ""
-    weighed += pipelines(ctx, pin=pin, unless=unless,
-                         above=min((w.scored.objective_s for w in weighed if w.scored is not None), default=math.inf))
+    if pin is None or (pin.tp or 1) == 1:
+        weighed += pipelines(ctx, pin=pin, unless=unless,
+                             above=min((w.scored.objective_s for w in weighed if w.scored is not None), default=math.inf))
     weighed = _distinct(weighed)
     rows = tuple(w.row() for w in weighed)
     runnable = [w.scored for w in weighed if w.scored is not None]

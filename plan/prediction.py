@@ -48,6 +48,7 @@ class Plan:
     micro: tuple[int, ...] = ()  # per member: samples per forward (0 or absent: the whole share at once)
     pp: int = 1  # pipeline stages
     stages: tuple[tuple[str, ...], ...] = ()  # graph units per pipeline stage, in order (() when pp = 1)
+    tp: int = 1  # members that split the model's Linears between them (tensor parallel)
 
     def __post_init__(self) -> None:
         assert len(self.members) == len(self.shares), "one share per member"
@@ -61,8 +62,8 @@ class Plan:
 
     @property
     def layout(self) -> Layout:
-        return Layout(members=self.members, shares=self.shares, pp=self.pp, stages=self.stages,
-                      dp_replicate=len(self.members) // (self.dp_shard * self.pp), dp_shard=self.dp_shard)
+        return Layout(members=self.members, shares=self.shares, pp=self.pp, stages=self.stages, tp=self.tp,
+                      dp_replicate=len(self.members) // (self.dp_shard * self.pp * self.tp), dp_shard=self.dp_shard)
 
     def reordered(self, members: Sequence[str]) -> Plan:
         """The same plan with its members in rank order `members` (each keeps its share, cost and
@@ -75,8 +76,9 @@ class Plan:
                        micro=tuple(self.micro[i] for i in at) if self.micro else ())
 
     def same_assignment(self, other: Plan | None) -> bool:
-        return other is not None and (self.members, self.shares, self.dp_shard, self.pp, self.stages, self.micro) == (
-            other.members, other.shares, other.dp_shard, other.pp, other.stages, other.micro)
+        return other is not None and (self.members, self.shares, self.dp_shard, self.pp, self.stages, self.micro,
+                                      self.tp) == (other.members, other.shares, other.dp_shard, other.pp,
+                                                   other.stages, other.micro, other.tp)
 
 
 def predict(cluster: Cluster, graph: Graph | None, members: Sequence[str], shares: Sequence[int]) -> Plan:

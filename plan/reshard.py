@@ -86,12 +86,12 @@ def copy_ring(layout: Layout, hosts: Mapping[str, str] | None = None) -> dict[st
     (and stage) it also keeps.
 
     Where every slice already lives on two members (dp_replicate >= 2, or one whole replica per
-    member: nothing sharded, no pipeline) there is no ring. Otherwise no two members hold the same
+    member: nothing sharded, staged or split by tensor) there is no ring. Otherwise no two members hold the same
     thing, and the members form one ring in which each keeps a copy of the previous member's part,
     ordered so that a neighbour is on another host where there is one (members taken round-robin
     across hosts): a pipeline stage's state is kept by a member of another stage. One member alone
     has nobody to keep its copy."""
-    if layout.dp_replicate > 1 or (not layout.sharded and layout.pp == 1) or layout.world < 2:
+    if layout.dp_replicate > 1 or layout.whole_replicas or layout.world < 2:
         return {}
     hosts = hosts or {}
     by_host: dict[str, list[str]] = defaultdict(list)

@@ -30,16 +30,21 @@ EVAL_CHUNK = 256  # held-out samples evaluated at once (bounds the memory of an 
 
 def evaluate(t: Loop, g: Group, model: nn.Module, *, lockstep: bool) -> None:
     """Every member sums the loss over its contiguous part of the held-out set (split like the
-    batch, by the epoch's shares), the sums are all-reduced, and rank 0 reports the mean. A
+    batch, by the epoch's shares; the tp ranks of a data-parallel slot evaluate its part together, the
+    first one counting it), the sums are all-reduced, and rank 0 reports the mean. A
     failure in between abandons it: every member that saw it says it was skipped. `lockstep`:
     every member runs as many forwards as the busiest one (a sharded model's forwards gather)."""
-    job = t.job
+    job, layout = t.job, g.layout
     total = len(job.eval_dataset)
-    busy = [r for r, s in enumerate(g.shares) if s > 0] or [0]  # members with samples split it
-    counts = [0] * len(g.shares)
-    for r, n in zip(busy, split_shares(total, [float(max(g.shares[r], 1)) for r in busy])):
-        counts[r] = n
-    part = share_slice(counts, g.rank)
+    # Split by data-parallel slot (the members of one, tp ranks, evaluate the same samples together,
+    # and the first of them counts them)
+    shares = [layout.shares[layout.dp_ranks(i)[0]] for i in range(layout.dp)]
+    busy = [i for i, s in enumerate(shares) if s > 0] or [0]  # slots with samples split it
+    counts = [0] * len(shares)
+    for i, n in zip(busy, split_shares(total, [float(max(shares[i], 1)) for i in busy])):
+        counts[i] = n
+    part = share_slice(counts, layout.dp_index(g.rank))
+    counted = layout.coords(g.rank)[3] == 0
     sums = torch.zeros(2, dtype=torch.float64, device=t.device)
     # Sharded: every member runs as many forwards as the busiest one (each gathers the units).
     rounds = -(-max(counts) // EVAL_CHUNK) if lockstep else -(-(part.stop - part.start) // EVAL_CHUNK)
@@ -55,8 +60,9 @@ def evaluate(t: Loop, g: Group, model: nn.Module, *, lockstep: bool) -> None:
                         continue
                     inputs, targets = job.eval_dataset[ids]
                     outputs = model(inputs.to(t.device))
-                    sums[0] += job.loss(outputs, targets.to(t.device)).double()
-                    sums[1] += len(ids)
+                    if counted:
+                        sums[0] += job.loss(outputs, targets.to(t.device)).double()
+                        sums[1] += len(ids)
         finally:
             model.train()
     _report(t, g, sums)

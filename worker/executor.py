@@ -144,8 +144,11 @@ class Executor(ABC):
         if self.pending:  # the interrupted step's gradients, kept for a roll forward
             for fqn, p in named:
                 grad = local_grad(p)
-                for piece in local.pieces.get(fqn, []):
-                    piece.data[GRAD] = grad.reshape(-1) if grad is not None else torch.zeros_like(piece.data[PARAM])
+                at = 0  # (a tensor's pieces are consecutive parts of its local elements: one, or a
+                for piece in local.pieces.get(fqn, []):  # row-wise split's one per row)
+                    n = piece.hi - piece.lo
+                    piece.data[GRAD] = grad.reshape(-1)[at:at + n] if grad is not None else torch.zeros_like(piece.data[PARAM])
+                    at += n
         if self.copies.copy is not None:
             local.adopt(self.copies.copy, self.copies.pieces(self.pending))
         return local

@@ -50,6 +50,7 @@ from worker.graph_measure import (estimate_whole, measure_block, optimizer_state
 from worker.graph_units import find_units, unit_inputs
 from worker import sequence
 from worker.job import Job, JobError
+from worker.tp_plan import tp_dims, tp_styles
 
 __all__ = ["capture_graph", "find_units"]
 
@@ -107,7 +108,8 @@ def _capture(job: Job, model: nn.Module, device: torch.device, n: int) -> Graph:
         if root is not None:
             layers.insert(0, root)
     state_bytes, state = optimizer_state(job, model)
-    return Graph(tuple(layers), optimizer_state_bytes=state_bytes, tensors=tensor_infos(model, units, state),
+    return Graph(tuple(layers), optimizer_state_bytes=state_bytes,
+                 tensors=tensor_infos(model, units, state, tp_dims(model, tp_styles(job, model))),
                  sequential=_is_sequence(model, layers))
 
 
@@ -146,7 +148,8 @@ def _coarse(job: Job, n: int) -> tuple[Graph, str]:
         costs = "FLOPs estimated as 2 per parameter per input position, activations unknown"
     name = type(model).__name__
     state_bytes, state = optimizer_state(job, model)
-    return Graph((layer,), optimizer_state_bytes=state_bytes, tensors=tensor_infos(model, {name: model}, state)), costs
+    return Graph((layer,), optimizer_state_bytes=state_bytes,
+                 tensors=tensor_infos(model, {name: model}, state, tp_dims(model, tp_styles(job, model)))), costs
 
 
 def _sample(job: Job, n: int, device: torch.device) -> Any:

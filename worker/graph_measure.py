@@ -25,6 +25,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -139,13 +140,16 @@ def estimate_whole(job: Job, model: nn.Module) -> Layer:
                  param_bytes=sum(tensor_bytes(q) for q in model.parameters()))
 
 
-def tensor_infos(model: nn.Module, units: dict[str, nn.Module], state: OptimizerState | None) -> tuple[TensorInfo, ...]:
-    """Every parameter of `model`: its fully qualified name, shape, dtype, unit and optimizer state."""
+def tensor_infos(model: nn.Module, units: dict[str, nn.Module], state: OptimizerState | None,
+                 tp_dims: Mapping[str, int | None] | None = None) -> tuple[TensorInfo, ...]:
+    """Every parameter of `model`: its fully qualified name, shape, dtype, unit, optimizer state and
+    the dim the job's tensor-parallel plan splits (`tp_dims`, by name)."""
     owner = {id(q): name for name, m in units.items() for q in m.parameters()}
     whole = len(units) == 1 and next(iter(units.values())) is model
     return tuple(TensorInfo(fqn=fqn, shape=tuple(q.shape), dtype=_dtype_name(q.dtype),
                             unit=owner.get(id(q), ROOT_UNIT) if not whole else next(iter(units)),
-                            state=state.get(id(q), ()) if state is not None else None)
+                            state=state.get(id(q), ()) if state is not None else None,
+                            tp_dim=(tp_dims or {}).get(fqn))
                  for fqn, q in model.named_parameters())
 
 

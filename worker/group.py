@@ -7,7 +7,7 @@ leaving holders of sharded state that only take part in the reshard). Once the r
 members train in a group of their own (`without_senders`, the store's "train/" part), so a
 sender's exit can never stall a step.
 
-`mesh` turns the epoch's group into the DeviceMesh FSDP2 wants (`worker.parallel.mesh`): the whole
+`mesh` (and `tp_mesh`, for tensor parallelism) turns the epoch's group into the DeviceMesh FSDP2 (DTensor) wants (`worker.parallel.mesh`): the whole
 group registered as the default group, and for HSDP this member's replica and shard sub-groups,
 formed with the epoch's timeout and registered too (FSDP2 shards over the shard group; the
 replica group carries the all-reduce that keeps the replicas equal). Every group it registers is an
@@ -74,6 +74,9 @@ def without_senders(g: Group, delta: PlanDelta, device: torch.device, *, timeout
                  shares=list(delta.shares), layout=g.layout, micro=list(delta.micro_batch))
 
 
+SPLIT_NAMES = {"dp_shard": "shard", "tp": "tp"}  # a split sub-group's name, by mesh dim
+
+
 @dataclass(slots=True)
 class ShardMesh:
     """Where a sharded executor runs: FSDP2's 1-D mesh (the whole group, or for HSDP this member's
@@ -86,27 +89,43 @@ class ShardMesh:
 def mesh(g: Group, device: torch.device, registered: list[dist.ProcessGroup], *, timeout_s: float,
          superseded: Callable[[], bool]) -> ShardMesh:
     """The mesh of a sharded layout over the epoch's group: 1-D over the members, or for HSDP and a
-    sharded pipeline stage 1-D over this member's shard group (with HSDP's replica group beside it). Appends every group it
-    registers to `registered` (the whole group first), as it registers it."""
+    sharded pipeline stage 1-D over this member's shard group (with HSDP's replica group beside it).
+    Appends every group it registers to `registered` (the whole group first), as it registers it."""
+    return _split_mesh(g, device, registered, "dp_shard", g.layout.shard_group(g.rank), timeout_s, superseded)
+
+
+def tp_mesh(g: Group, device: torch.device, registered: list[dist.ProcessGroup], *, timeout_s: float,
+            superseded: Callable[[], bool]) -> ShardMesh:
+    """The mesh tensor parallelism splits modules over (this member's tp group: the whole group when
+    tp is the only degree) and, with replicas, this member's replica group, over which the split
+    tensors' gradients are summed; registered as `mesh` registers FSDP2's."""
+    return _split_mesh(g, device, registered, "tp", g.layout.tp_group(g.rank), timeout_s, superseded)
+
+
+def _split_mesh(g: Group, device: torch.device, registered: list[dist.ProcessGroup], dim: str, split: list[int],
+                timeout_s: float, superseded: Callable[[], bool]) -> ShardMesh:
+    """A 1-D mesh named `dim` over the ranks `split` (this member's), the whole group registered first
+    as the default, the sub-groups (`split` where it is not the whole group, the replica group
+    where there are replicas) formed with the epoch's timeout and registered."""
     prefixed = dist.PrefixStore(f"epoch{g.epoch}/", g.store)  # type: ignore[attr-defined]
     whole = meshes.register(g.pg, prefixed, g.rank, len(g.members), g.epoch, device,
                             pg=AbortableGroup(g.pg, superseded=superseded))
     registered.append(whole)
-    if g.layout.dp_shard == len(g.members):  # FSDP over every member: the whole group is the shard group
-        return ShardMesh(meshes.mesh_of(whole, device, g.epoch))
+    if len(split) == len(g.members):  # (FSDP or tp over every member: the whole group is the split)
+        return ShardMesh(meshes.mesh_of(whole, device, g.epoch, dim))
     subs: dict[str, dist.ProcessGroup] = {}
-    axes = [("shard", g.layout.shard_group(g.rank))]  # (a pipeline stage's shards: FSDP x pp)
+    axes = [("split", split)]
     if g.layout.dp_replicate > 1:
         axes.insert(0, ("replicate", g.layout.replicate_group(g.rank)))
     for part, ranks in axes:
-        name = f"{part}{ranks[0]}"
+        name = f"{SPLIT_NAMES[dim] if part == 'split' else part}{ranks[0]}"  # (the group's store prefix)
         raw = comm.form_group(g.store, g.epoch, ranks.index(g.rank), len(ranks), device,
                               timeout_s=timeout_s, superseded=superseded, part=f"{name}/")
         sub_store = dist.PrefixStore(f"epoch{g.epoch}/{name}/", g.store)  # type: ignore[attr-defined]
         subs[part] = meshes.register(raw, sub_store, ranks.index(g.rank), len(ranks), g.epoch, device,
                                      part=name, ranks=ranks, pg=AbortableGroup(raw, superseded=superseded))
         registered.append(subs[part])
-    return ShardMesh(meshes.mesh_of(subs["shard"], device, g.epoch), replicate=subs.get("replicate"))
+    return ShardMesh(meshes.mesh_of(subs["split"], device, g.epoch, dim), replicate=subs.get("replicate"))
 
 
 def forget(registered: list[dist.ProcessGroup]) -> None:

@@ -16,6 +16,7 @@ import torch
 
 from worker import sequence
 from worker.job import JobError, load_job, resolve_job_ref
+from worker.tp_plan import tp_degrees
 
 
 def inspect_job(ref: str) -> dict[str, Any]:
@@ -23,6 +24,8 @@ def inspect_job(ref: str) -> dict[str, Any]:
     source = resolve_job_ref(ref)
     job = load_job(source.source, source.name, filename=source.path)
     num_params = _count_params(lambda: sequence.build(job), job.seed)
+    with torch.device("meta"):
+        degrees, why = tp_degrees(job, sequence.build(job))
     try:
         dataset_len = len(job.dataset)
     except Exception as exc:
@@ -41,6 +44,8 @@ def inspect_job(ref: str) -> dict[str, Any]:
         "num_params": num_params,
         "dataset_len": dataset_len,
         "description": job.description,
+        "tp_degrees": degrees,  # the tensor-parallel degrees the model admits (none without a plan)
+        "tp_why": why,
     }
 
 

@@ -23,6 +23,7 @@ import sys
 import types
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Callable, Iterable
 
 import torch
@@ -37,6 +38,8 @@ __all__ = [
     "share_slice",
     "small_dataset_warning",
 ]
+
+TP_STYLES = ("colwise", "rowwise")  # how Job.tp_plan may split a module (DTensor's Colwise/RowwiseParallel)
 
 
 class JobError(ValueError):
@@ -112,6 +115,17 @@ class Job:
     worker trains the sequence in every layout, and its children are the units a pipeline cuts
     between. The saved model keeps the model's own names (see worker/sequence.py)."""
 
+    tp_plan: Mapping[str, str] | None = None
+    """Tensor parallelism: module name patterns (`fnmatch`, over `model.named_modules()`: "*.attn.q")
+    -> "colwise" or "rowwise", each an `nn.Linear` (or `nn.Embedding`) split as DTensor's
+    `ColwiseParallel` / `RowwiseParallel` split it (Megatron: q, k, v and an MLP's first Linear
+    column-wise, their output Linears row-wise). Default: a Hugging Face model's own
+    (`config.base_model_tp_plan`); a job with neither is never given tp."""
+
+    tp_heads: int | None = None
+    """The attention heads a tensor-parallel degree must divide (every rank computes whole heads).
+    Default: a Hugging Face model's `num_attention_heads` and `num_key_value_heads`."""
+
     def __post_init__(self) -> None:
         for name in ("model", "optimizer", "loss"):
             value = getattr(self, name)
@@ -151,6 +165,13 @@ class Job:
         if self.blocks is not None and (isinstance(self.blocks, str) or not all(
                 isinstance(b, str) and b for b in self.blocks) or not self.blocks):
             raise JobError(f"Job.blocks must be a tuple of module paths or class names, got {self.blocks!r:.80}")
+        if self.tp_plan is not None and (not isinstance(self.tp_plan, Mapping) or not self.tp_plan or not all(
+                isinstance(k, str) and k and v in TP_STYLES for k, v in self.tp_plan.items())):
+            raise JobError(f"Job.tp_plan must map module name patterns to one of {', '.join(TP_STYLES)}, "
+                           f"got {self.tp_plan!r:.120}")
+        if self.tp_heads is not None and (isinstance(self.tp_heads, bool) or not isinstance(self.tp_heads, int)
+                                          or self.tp_heads <= 0):
+            raise JobError(f"Job.tp_heads must be a positive int (the attention heads), got {self.tp_heads!r:.80}")
         if self.sequence is not None and not callable(self.sequence):
             raise JobError(f"Job.sequence must be a function of the model, got {type(self.sequence).__name__}")
         if self.lr_schedule is not None:

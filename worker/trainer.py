@@ -53,6 +53,7 @@ from worker.parallel.meta import meta_model
 from worker.parallel.replicated import ReplicaExecutor
 from worker.parallel.slices import Incoming, LocalState, Outgoing, Pool, expect, from_module, pack_sends
 from worker.parallel.table import executor_for
+from worker.tp_plan import tp_dims, tp_styles
 from worker.parallel.update import apply_update
 from worker.save import save_state
 from worker.store import CoordinatorStore
@@ -111,6 +112,7 @@ class Trainer:
         # so each step sets every group's lr from its base again (exact under churn).
         self.base_lrs = [float(group["lr"]) for group in optimizer.param_groups]
         self.shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        self.tp_dims = tp_dims(model, tp_styles(self.job, model))  # (which dim tensor parallelism splits)
         self.step = 0  # optimizer steps applied
         return model, optimizer
 
@@ -496,8 +498,8 @@ class Trainer:
         known = self._graph is not None
         if self._tensors is None or self._tensors[0] != known:
             units = self.units() if known else []
-            self._tensors = (known, [TensorShape(n, shape[0] if shape else 0, math.prod(shape), unit_of(n, units))
-                                     for n, shape in self.shapes.items()])
+            self._tensors = (known, [TensorShape(n, shape[0] if shape else 0, math.prod(shape), unit_of(n, units),
+                                                 tp_dim=self.tp_dims.get(n)) for n, shape in self.shapes.items()])
         return self._tensors[1]
 
     def use_graph(self, graph: Graph) -> None:

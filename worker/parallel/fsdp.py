@@ -399,7 +399,7 @@ class FsdpExecutor(HoldsShards):
 
     @staticmethod
     def fits(layout: Layout) -> bool:
-        return layout.sharded and layout.pp == 1
+        return layout.sharded and layout.pp == 1 and layout.tp == 1
 
     @classmethod
     def build(cls, t: Loop, g: Group, local: LocalState) -> Executor:

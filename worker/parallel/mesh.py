@@ -47,7 +47,7 @@ def register(backend: Any, store: Any, rank: int, world: int, epoch: int, device
     return keeper.keep(pg)  # (destroyed off the trainer's thread, like the backend it wraps)
 
 
-def mesh_of(pg: dist.ProcessGroup, device: torch.device, epoch: int) -> DeviceMesh:
+def mesh_of(pg: dist.ProcessGroup, device: torch.device, epoch: int, dim: str = "dp_shard") -> DeviceMesh:
     """A 1-D mesh over `pg`: the whole group for pure sharding, this member's shard group (its
     replica row) for HSDP, whose replicas are kept equal by an all-reduce FSDP2 leaves to a hook
     (`worker.parallel.fsdp`: FSDP2's own HSDP all-reduce on a 2-D mesh is a blocking call that a
@@ -57,7 +57,7 @@ def mesh_of(pg: dist.ProcessGroup, device: torch.device, epoch: int) -> DeviceMe
     device type and names), and DTensor caches redistribution plans by mesh, so without it a new
     epoch's mesh over the same ranks would be served the old epoch's (unregistered) groups ("Could
     not resolve the process group registered under the name adaptrain-epoch1")."""
-    return DeviceMesh.from_group(pg, device.type, mesh_dim_names=(f"epoch{epoch}.dp_shard",))
+    return DeviceMesh.from_group(pg, device.type, mesh_dim_names=(f"epoch{epoch}.{dim}",))
 
 
 def forget(pg: dist.ProcessGroup | None) -> None:

@@ -8,8 +8,10 @@ from worker.executor import Executor
 from worker.parallel.fsdp import FsdpExecutor
 from worker.parallel.replicated import ReplicaExecutor
 from worker.parallel.staged import ShardedStageExecutor, StageExecutor
+from worker.parallel.tensor import TensorParallelExecutor
 
-EXECUTORS: tuple[type[Executor], ...] = (ReplicaExecutor, FsdpExecutor, StageExecutor, ShardedStageExecutor)
+EXECUTORS: tuple[type[Executor], ...] = (ReplicaExecutor, FsdpExecutor, StageExecutor, ShardedStageExecutor,
+                                         TensorParallelExecutor)
 
 
 def executor_for(layout: Layout) -> type[Executor]:

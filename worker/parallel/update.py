@@ -85,10 +85,11 @@ def apply_update(optimizer_factory: Callable[[Iterable[torch.nn.Parameter]], tor
 
 
 def _rows(flat: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """A flat slice of whole rows viewed with the parameter's trailing dimensions."""
+    """A flat slice of whole rows viewed with the parameter's trailing dimensions (flat where it is
+    part of a row: a row-wise tensor-parallel split's piece)."""
     if len(shape) <= 1:
         return flat
     per_row = 1
     for d in shape[1:]:
         per_row *= d
-    return flat.view(-1, *shape[1:]) if per_row else flat
+    return flat.view(-1, *shape[1:]) if per_row and flat.numel() % per_row == 0 else flat

@@ -1,0 +1,107 @@
+"""Tensor parallel layouts (dp x tp) as the planner weighs them: members, shares, the prediction. Pure.
+
+A tp group of T members splits the model's split tensors (the job's tp plan: `TensorInfo.tp_dim`)
+and computes every sample of its data-parallel slot together: each member computes its 1/T of the
+split Linears and the whole of the rest (layer norms, embeddings, an unsplit head), so its compute
+is the whole model's times `compute_fraction` (the split share of the parameters, as the Linears'
+FLOPs follow their parameters). Per step, each row-wise Linear all-reduces its output in the forward
+and each column-wise one its input's gradient in the backward, over the tp group: one block's
+boundary activation per sample each (`tp_comm_s`); the replicas then all-reduce each member's part
+of the gradients.
+
+For now tp is planned where it is pinned (`--layout tp=T`, with `dp=R` or R filled from the ready
+devices), whose degree the job was checked to admit at start (`worker.tp_plan.tp_degrees`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from plan.cluster import Cluster
+from plan.cost import allreduce_s, static_bytes
+from plan.graph import Graph
+from plan.layout import LayoutPin
+from plan.prediction import MemberCost, Plan
+from plan.shares import assign
+
+if TYPE_CHECKING:
+    from plan.candidates import Ctx, Weighed
+
+__all__ = ["compute_fraction", "pinned_tensor_parallel", "predict_tensor", "tp_comm_s"]
+
+
+def split_fraction(graph: Graph) -> float:
+    """The share of the parameters tensor parallelism splits (0 without a plan)."""
+    total = sum(t.numel for t in graph.tensors)
+    return sum(t.numel for t in graph.tensors if t.tp_dim is not None) / total if total else 0.0
+
+
+def compute_fraction(graph: Graph, tp: int) -> float:
+    """The share of the whole model's compute one member of a tp group of `tp` does."""
+    return 1.0 - split_fraction(graph) * (1.0 - 1.0 / tp)
+
+
+def tp_comm_s(graph: Graph, samples: int, tp: int, cluster: Cluster, members: Sequence[str]) -> float:
+    """The tp group's all-reduces of one step over `samples`: one per row-wise weight (forward) and
+    per column-wise weight (backward), each of a block's boundary activation per sample."""
+    if tp <= 1:
+        return 0.0
+    matrices = [t for t in graph.tensors if t.tp_dim is not None and len(t.shape) == 2]
+    units = {t.unit for t in matrices}
+    boundary = [layer.boundary_bytes for layer in graph.layers if layer.name in units and layer.boundary_bytes]
+    per_sample = sum(boundary) / len(boundary) if boundary else 0.0
+    return len(matrices) * allreduce_s(per_sample * samples, tp, cluster.link(members))
+
+
+def predict_tensor(cluster: Cluster, graph: Graph, slots: Sequence[Sequence[str]], shares: Sequence[int]) -> Plan:
+    """`slots` (each a tp group, in tp order; one per data-parallel replica) with `shares[r]` samples
+    of slot r: members in rank order (replica-major), each computing its slot's samples at its
+    fraction of the model, the slot waiting for its slowest member; then the tp all-reduces, and
+    the replicas' all-reduce of each member's part of the gradients."""
+    tp = len(slots[0])
+    speeds = cluster.speeds_for(graph.train_flops)
+    fixed = cluster.fixed_compute()
+    fraction = compute_fraction(graph, tp)
+    members = [m for slot in slots for m in slot]
+    part_bytes = graph.param_bytes * fraction
+    replicas = allreduce_s(part_bytes, len(slots), cluster.link(members))
+    tp_comm = max(tp_comm_s(graph, share, tp, cluster, slot) for slot, share in zip(slots, shares))
+    computes = {m: (fixed[m] + share / speeds[m]) * fraction if share > 0 else 0.0
+                for slot, share in zip(slots, shares) for m in slot}
+    overheads = {m: cluster.devices[m].overhead_s * fraction for m in members}
+    busiest = max((computes[m] + overheads[m] for m in members), default=0.0)
+    static = static_bytes(part_bytes, graph.optimizer_state_factor)
+    costs = tuple(MemberCost(name=m, samples=share, speed=speeds[m], compute_s=computes[m], overhead_s=overheads[m],
+                             wait_s=busiest - computes[m] - overheads[m],
+                             memory_bytes=static + graph.activation_bytes * share)
+                  for slot, share in zip(slots, shares) for m in slot)
+    comm = tp_comm + replicas
+    return Plan(members=tuple(members), shares=tuple(s for s, slot in zip(shares, slots) for _ in slot),
+                predicted_step_s=busiest + comm, comm_s=comm, costs=costs, tp=tp)
+
+
+def pinned_tensor_parallel(ctx: Ctx, pin: LayoutPin) -> list[Weighed]:
+    """The pinned dp x tp over the fastest ready devices: `dp=R` replicas where pinned, else as many
+    whole tp groups as the devices fill; or why it cannot run."""
+    from plan.candidates import Weighed
+
+    tp = pin.tp or 1
+    what = f"--layout {pin.describe()}"
+    layout = f"dp_replicate={pin.dp_replicate or '*'} x tp={tp}"
+    if not split_fraction(ctx.graph):
+        return [Weighed(layout, (1, pin.dp_replicate, 1), why_not=f"{what}: the job has no tensor-parallel plan")]
+    devices = ctx.ranked([m for m in ctx.fastest() if (ctx.caps[m] or 0) >= 1])
+    replicas = pin.dp_replicate or len(devices) // tp
+    if replicas < 1 or replicas * tp > len(devices):
+        return [Weighed(layout, (1, pin.dp_replicate, 1),
+                        why_not=f"{what}: needs {max(replicas, 1) * tp} members; {len(devices)} can train now")]
+    members = devices[:replicas * tp]
+    slots = [members[r * tp:(r + 1) * tp] for r in range(replicas)]
+    speeds = [min(ctx.speeds[m] for m in slot) for slot in slots]
+    overheads = [max(ctx.cluster.devices[m].overhead_s + ctx.fixed[m] for m in slot) for slot in slots]
+    shares = assign(speeds, overheads, [float(ctx.limits.global_batch)] * replicas, ctx.limits.global_batch)
+    if shares is None:
+        return [Weighed(layout, (1, replicas, 1), why_not=f"{what}: the batch does not split over {replicas} replicas")]
+    plan = predict_tensor(ctx.cluster, ctx.graph, slots, shares)
+    return [Weighed(plan.layout.describe(), (1, replicas, 1), scored=ctx.score(plan, what))]

@@ -1,0 +1,294 @@
+"""Tensor parallelism: the model's Linears split across a tp group with DTensor, replicas of that
+split across the data-parallel axis (dp x tp).
+
+Which modules are split, and how, is the job's (`Job.tp_plan`: module name patterns -> "colwise" or
+"rowwise"), or a Hugging Face model's own (`config.base_model_tp_plan`, under the base model's
+prefix); a job with neither never gets tp. Applied with torch's `parallelize_module`
+(`ColwiseParallel` / `RowwiseParallel`: Megatron's split, as torchtitan applies it) to the model
+built on the meta device, over the epoch's tp mesh (`worker.group.tp_mesh`: `AbortableGroup`s, so a
+stopped peer cannot hold DTensor's all-reduces for the group timeout), then materialised and filled
+with this member's boxes of every tensor (`plan.placement.box_of`: a column-wise weight's rows, a
+row-wise weight's column block, the rest whole).
+
+A step: every tp rank of a data-parallel slot computes the slot's samples (the activations are
+replicated between the split modules; DTensor all-reduces the row-wise outputs and the column-wise
+inputs' gradients), so the loss and the gradients of the tensors tp does not split are the same on
+each: the loss and those tensors' squared norm count once (tp rank 0's), the split tensors' local
+squares are summed over the tp group by the step's all-reduce. With replicas, every gradient is
+summed over the replica group (one flat buffer per dtype); without, each member keeps a copy of
+another's part (`worker.parallel.copies`: the ring `plan.reshard.copy_ring` gives). The optimizer
+steps the local tensors (`LocalStep`: no DTensor dispatch; elementwise, so exact).
+
+Which modules a job splits and which degrees it admits: `worker.tp_plan`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from plan.layout import Layout
+from plan.placement import TensorShape, ranges_of
+from transport import PlanDelta
+from worker import group as groups
+from worker.comm import AllOf, Superseded
+from worker.executor import Executor, Loop, is_comm_error, local_grad, pause, sleep, squared_norm
+from worker.group import Group
+from worker.job import sample_ids
+from worker.parallel.copies import Copies
+from worker.parallel.meta import meta_model
+from worker.parallel.shard_step import LocalStep
+from worker.parallel.slices import PARAM, LocalState, Piece
+from worker.tp_plan import tp_styles
+
+__all__ = ["TensorParallelExecutor"]
+
+def _parallel(styles: Mapping[str, str]) -> dict[str, Any]:
+    return {name: ColwiseParallel() if style == "colwise" else RowwiseParallel() for name, style in styles.items()}
+
+
+# --- the executor ------------------------------------------------------------------------------------
+
+
+class TensorParallelExecutor(Executor):
+    """dp x tp: the model's Linears split over this member's tp group, replicas across the rest."""
+
+    owns_default_group = True
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, at: tuple[Layout, int], copies: Copies,
+                 registered: list[dist.ProcessGroup], replicate: dist.ProcessGroup | None, tensors: list[TensorShape],
+                 stepper: LocalStep) -> None:
+        super().__init__(model, optimizer, at, copies)
+        self.registered = registered  # the epoch's groups as registered with c10d
+        self.replicate = replicate  # the replica group the gradients are summed over (None: one replica)
+        self.shapes = {t.name: t for t in tensors}
+        self.stepper = stepper  # the optimizer's step on the local tensors
+
+    @staticmethod
+    def fits(layout: Layout) -> bool:
+        return layout.tp > 1 and layout.pp == 1 and layout.dp_shard == 1
+
+    @classmethod
+    def build(cls, t: Loop, g: Group, local: LocalState) -> Executor:
+        registered: list[dist.ProcessGroup] = []
+        try:
+            on = groups.tp_mesh(g, t.device, registered, timeout_s=t.config.group_timeout_s,
+                                superseded=lambda: t.agent.superseded(g.epoch))
+            model = meta_model(t.job)
+            parallelize_module(model, on.mesh, _parallel(tp_styles(t.job, model)))
+            model.to_empty(device=t.device)
+            tensors = t.tensors
+            by_name = {s.name: s for s in tensors}
+            with torch.no_grad():
+                for fqn, p in model.named_parameters():
+                    _fill(local, fqn, PARAM, ranges_of(g.layout, g.rank, by_name[fqn]), _local(p).view(-1))
+                for name, buf in model.named_buffers():
+                    if name in local.buffers:
+                        buf.copy_(local.buffers[name])
+            optimizer = t.job.optimizer(model.parameters())
+            _load_optimizer(optimizer, model, g.layout, g.rank, local, by_name)
+        except BaseException:
+            groups.forget(registered)
+            raise
+        copies = Copies.of(g.layout, t.name, local, tensors)
+        stepper = LocalStep(optimizer, [p for p in model.parameters() if p.requires_grad], t.job.optimizer)
+        return cls(model, optimizer, (g.layout, g.rank), copies, registered, on.replicate, tensors, stepper)
+
+    def close(self) -> None:
+        super().close()
+        groups.forget(self.registered)
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def local_state(self, step: int) -> LocalState:
+        assert self.at is not None
+        layout, rank = self.at
+        local = LocalState(step=step, keys={})
+        by_param = {id(p): n for n, p in self.model.named_parameters()}
+        opt_state = {by_param[id(p)]: s for p, s in self.optimizer.state.items() if id(p) in by_param}
+        for fqn, p in self.model.named_parameters():
+            data = {PARAM: _local(p).detach().reshape(-1)}
+            scalars: dict[str, Any] = {}
+            for key, value in opt_state.get(fqn, {}).items():
+                if isinstance(value, torch.Tensor) and value.shape == p.shape:
+                    data[key] = _local(value).detach().reshape(-1)
+                else:
+                    scalars[key] = value
+            local.pieces[fqn] = _pieces(ranges_of(layout, rank, self.shapes[fqn]), data)
+            local.keys[fqn] = tuple(data)
+            local.dtypes[fqn] = {k: str(v.dtype).removeprefix("torch.") for k, v in data.items()}
+            local.scalars[fqn] = scalars
+        local.hyper = [{k: v for k, v in grp.items() if k != "params"} for grp in self.optimizer.param_groups]
+        local.buffers = {n: b.detach() for n, b in self.model.named_buffers()}
+        return self._with_redundancy(local, self.model.named_parameters())
+
+    def save(self, t: Loop, g: Group | None, directory: str, *, final: bool) -> None:
+        """Every split tensor gathered whole over its tp group (every member calls it); the first
+        member writes."""
+        assert g is not None, "a split model is gathered over the epoch's group"
+        model_state = {k: _whole(v) for k, v in self.model.state_dict().items()}
+        index = {fqn: i for i, (fqn, _) in enumerate(self.model.named_parameters())}
+        state = {index[fqn]: {k: _whole(v) for k, v in st.items()}
+                 for fqn, p in self.model.named_parameters() if (st := self.optimizer.state.get(p))}
+        if g.rank != 0:
+            return
+        optimizer_state = {"state": state, "param_groups": self.optimizer.state_dict()["param_groups"]}
+        t.write(directory, final, model_state, optimizer_state)
+
+    def evaluate(self, t: Loop, g: Group) -> None:
+        from worker.evaluate import evaluate
+
+        evaluate(t, g, self.model, lockstep=True)
+
+    def step(self, t: Loop, g: Group) -> PlanDelta | None:
+        """One exact step: the slot's samples through the split model (every tp rank of the slot the
+        same samples), the gradients summed over the replicas (or this member's sent to its copy's
+        keeper), then one all-reduce of the loss (tp rank 0's), the squared gradient norm (the split
+        tensors' shards from every tp rank, the others' from tp rank 0), the votes, and each member
+        steps its own tensors."""
+        t0 = time.perf_counter()
+        job, G = t.job, t.job.global_batch
+        start, stop = g.layout.batch_slice(g.rank)
+        ids = sample_ids(job.seed, t.step, len(job.dataset), G)[start:stop]
+        self.optimizer.zero_grad(set_to_none=True)
+        buffers = self.buffers()
+        buffers.begin()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=t.device)
+        size = g.micro[g.rank] or len(ids) or 1
+        t.computing = g.epoch
+        try:
+            for i in range(0, len(ids), size):
+                inputs, targets = job.dataset[ids[i:i + size]]
+                loss = job.loss(self.model(inputs.to(t.device)), targets.to(t.device))
+                pause(t, g, "forward")
+                (loss / G).backward()  # type: ignore[no-untyped-call]
+                loss_sum = loss_sum + loss.detach().double()
+        except Superseded:
+            raise
+        except Exception as e:
+            if is_comm_error(e) or t.agent.superseded(g.epoch):
+                raise Superseded(f"the step's tensor-parallel collectives failed: {str(e).splitlines()[0][:200]}") from None
+            raise
+        finally:
+            t.computing = 0
+        compute_s = time.perf_counter() - t0
+        factor = t.agent.slowdown
+        if factor > 1.0 and len(ids):  # the --slowdown test knob: its compute stretched
+            sleep(t, g, (factor - 1.0) * compute_s)
+            compute_s = time.perf_counter() - t0
+        pause(t, g, "backward")
+        t_comm = time.perf_counter()
+        grads = [gr for p in self.params if (gr := local_grad(p)) is not None]
+        if self.replicate is not None:
+            self._sum_over_replicas(t, g, grads)
+        t_copies = time.perf_counter()
+        self.copies.exchange(((_local(p), local_grad(p)) for p in self.params), g.members, g.pg,
+                             lambda work, buf: t.wait(g, work, buf), t.device)
+        self.redundancy_s = time.perf_counter() - t_copies
+        pause(t, g, "exchange")
+        self.pending = True
+        first = g.layout.coords(g.rank)[3] == 0
+        squares = torch.zeros((), dtype=torch.float64, device=t.device)
+        for p in self.params:
+            grad = local_grad(p)
+            if grad is not None and (first or isinstance(p, DTensor) and _split(p)):
+                squares = squares + squared_norm(grad)
+        buf, pending = self._votes(t, g, loss_sum if first else torch.zeros_like(loss_sum), squares)
+        votes = len(buf)
+        if buffers:
+            buf = torch.cat([buf, buffers.deltas(len(ids), G)])
+        t.wait(g, g.pg.allreduce([buf]), buf)
+        if buffers:
+            buffers.apply(buf[votes:])
+        comm_s = time.perf_counter() - t_comm
+        grad_norm = float(buf[1].sqrt())
+        pause(t, g, "optimizer")
+        lr = self._apply(t, grads, grad_norm, self.stepper.step)
+        return self._end(t, g, buf, pending, len(ids), (compute_s, comm_s, time.perf_counter() - t0), lr, grad_norm)
+
+    def _sum_over_replicas(self, t: Loop, g: Group, grads: list[torch.Tensor]) -> None:
+        """Every local gradient summed over this member's replica group: one flat buffer per dtype."""
+        assert self.replicate is not None
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for gr in grads:
+            by_dtype.setdefault(gr.dtype, []).append(gr)
+        works = []
+        flats = {}
+        for dtype, tensors in by_dtype.items():
+            flat = torch.cat([gr.reshape(-1) for gr in tensors])
+            flats[dtype] = flat
+            works.append((dist.all_reduce(flat, group=self.replicate, async_op=True), flat))
+        t.wait(g, AllOf(works))
+        for dtype, tensors in by_dtype.items():
+            at = 0
+            for gr in tensors:
+                gr.view(-1).copy_(flats[dtype][at:at + gr.numel()])
+                at += gr.numel()
+
+
+def _split(p: DTensor) -> bool:
+    return any(pl.is_shard() for pl in p.placements)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def _whole(value: Any) -> Any:
+    """A DTensor gathered whole (a collective over its mesh), on the CPU; anything else as it is."""
+    if isinstance(value, DTensor):
+        return value.full_tensor().detach().cpu()
+    return value.detach().cpu() if isinstance(value, torch.Tensor) else value
+
+
+def _pieces(ranges: Iterable[tuple[int, int]], data: Mapping[str, torch.Tensor]) -> list[Piece]:
+    """The local flat tensors `data` (key -> this member's elements, in the order of `ranges`) as one
+    piece per range, each a view of its part."""
+    out: list[Piece] = []
+    at = 0
+    for lo, hi in ranges:
+        if hi > lo:
+            out.append(Piece(lo, hi, {k: v[at:at + hi - lo] for k, v in data.items()}))
+            at += hi - lo
+    return out
+
+
+def _fill(local: LocalState, fqn: str, key: str, ranges: Iterable[tuple[int, int]], out: torch.Tensor) -> None:
+    """`out` (flat, this member's elements in the order of `ranges`) filled from `local`."""
+    at = 0
+    for lo, hi in ranges:
+        if hi > lo:
+            local.copy_to(fqn, key, lo, hi, out[at:at + hi - lo])
+            at += hi - lo
+
+
+def _load_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, layout: Layout, rank: int, local: LocalState,
+                    shapes: Mapping[str, TensorShape]) -> None:
+    """Hyper-parameters and per-parameter state from `local` (a fresh job starts with none); the
+    state of a split parameter is a DTensor placed like it."""
+    for group, hyper in zip(optimizer.param_groups, local.hyper):
+        group.update(hyper)
+    for fqn, p in model.named_parameters():
+        keys = [k for k in local.keys.get(fqn, ()) if k != PARAM]
+        if not keys and not local.scalars.get(fqn):
+            continue
+        shard = _local(p)
+        state: dict[str, Any] = {}
+        for key in keys:
+            values = torch.empty(shard.numel(), dtype=local.dtype(fqn, key), device=shard.device)
+            _fill(local, fqn, key, ranges_of(layout, rank, shapes[fqn]), values)
+            values = values.view(shard.shape)
+            state[key] = (DTensor.from_local(values, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
+                                             run_check=False) if isinstance(p, DTensor) else values)
+        for key, value in local.scalars.get(fqn, {}).items():
+            state[key] = value.clone() if isinstance(value, torch.Tensor) else value
+        optimizer.state[p] = state
