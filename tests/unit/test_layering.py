@@ -63,6 +63,7 @@ NO_KIND_BRANCHES = ("worker/trainer.py", "worker/executor.py", "worker/epoch.py"
                     "coordinator/replan.py", "coordinator/state.py", "coordinator/daemon.py", "coordinator/steps.py",
                     "transport/worker_side.py", "transport/codec.py")
 KIND = {"dp_shard", "sharded", "dp_replicate", "pp", "tp", "stages", "FsdpExecutor", "StageExecutor", "ShardedStageExecutor",
+        "TensorParallelExecutor",
         "ReplicaExecutor"}
 
 

@@ -80,3 +80,20 @@ def test_stages_are_checked() -> None:
         Layout(members=("a",), shares=(1,), stages=(("0",),))
     layout = Layout(members=("a", "b"), shares=(2, 2), pp=2, stages=(("0",), ("1", "2")))
     assert Layout.from_dict(layout.to_dict()) == layout and layout.to_dict()["stages"] == [["0"], ["1", "2"]]
+
+
+def test_tensor_parallel_splits_a_tensor_along_its_tp_dim_and_fsdp_then_cuts_dim_0() -> None:
+    """A row-wise weight (tp_dim 1) of 4 x 6 over tp=2: each tp rank holds a column block, one range
+    per row; a column-wise one (tp_dim 0) a block of rows; an unsplit one is whole on both; with
+    dp_shard=2 beside tp=2, FSDP cuts dim 0 of the tp rank's block."""
+    rowwise = TensorShape("proj.weight", 4, 24, tp_dim=1)
+    colwise = TensorShape("q.weight", 4, 24, tp_dim=0)
+    norm = TensorShape("ln.weight", 6, 6)
+    tp2 = Layout(members=("a", "b"), shares=(4, 4), tp=2)
+    assert ranges_of(tp2, 1, rowwise) == [(3, 6), (9, 12), (15, 18), (21, 24)]
+    assert ranges_of(tp2, 0, colwise) == [(0, 12)] and ranges_of(tp2, 1, colwise) == [(12, 24)]
+    assert ranges_of(tp2, 0, norm) == ranges_of(tp2, 1, norm) == [(0, 6)]
+    both = Layout(members=("a", "b", "c", "d"), shares=(2, 2, 2, 2), dp_shard=2, tp=2)
+    assert both.coords(3) == (0, 0, 1, 1)
+    assert ranges_of(both, 3, rowwise) == [(15, 18), (21, 24)]  # (rows 2-3 of the second column block)
+    assert ranges_of(both, 3, colwise) == [(18, 24)]

@@ -18,13 +18,15 @@ from plan.reshard import TensorShape, copy_ring, holdings, plan_reshard, survivo
 UNITS = [f"u{i}" for i in range(6)]  # the model's units, in order
 
 
-def _tensors(rng: random.Random) -> list[TensorShape]:
+def _tensors(rng: random.Random, *, split: bool = False) -> list[TensorShape]:
     out = []
     for i in range(rng.randint(1, 7)):
         rows = rng.choice([0, 1, 2, 3, 5, 7, 16, 31])
         cols = rng.choice([1, 3, 8])
         unit = rng.choice([*UNITS, ROOT_UNIT])
-        out.append(TensorShape(name=f"t{i}", rows=rows, numel=max(rows, 1) * cols if rows else 1, unit=unit))
+        tp_dim = rng.choice([None, 0, 1]) if split and rows else None  # (how tensor parallelism splits it)
+        out.append(TensorShape(name=f"t{i}", rows=rows, numel=max(rows, 1) * cols if rows else 1, unit=unit,
+                               tp_dim=tp_dim))
     return out
 
 
@@ -40,13 +42,15 @@ def _layout(rng: random.Random, names: list[str]) -> Layout:
     n = len(names)
     pp = rng.choice([d for d in range(1, min(n, 4) + 1) if n % d == 0]) if rng.random() < 0.4 else 1
     rest = n // pp
+    tp = rng.choice([d for d in range(1, rest + 1) if rest % d == 0]) if rng.random() < 0.4 else 1
+    rest //= tp
     replicate = rng.choice([d for d in range(1, rest + 1) if rest % d == 0])
     shard = rest // replicate
     per_slot = [rng.randint(0, 9) for _ in range(replicate * shard)]
-    probe = Layout(members=tuple(names), shares=(0,) * n, dp_replicate=replicate, dp_shard=shard, pp=pp,
+    probe = Layout(members=tuple(names), shares=(0,) * n, dp_replicate=replicate, dp_shard=shard, pp=pp, tp=tp,
                    stages=_cuts(rng, pp))
-    shares = tuple(per_slot[probe.dp_index(r)] for r in range(n))  # every stage of a slot computes its samples
-    return Layout(members=tuple(names), shares=shares, dp_replicate=replicate, dp_shard=shard, pp=pp,
+    shares = tuple(per_slot[probe.dp_index(r)] for r in range(n))  # every stage and tp rank of a slot computes its samples
+    return Layout(members=tuple(names), shares=shares, dp_replicate=replicate, dp_shard=shard, pp=pp, tp=tp,
                   stages=probe.stages)
 
 
@@ -60,7 +64,7 @@ def _case(rng: random.Random) -> tuple[Layout, Layout, list[str], list[TensorSha
     newcomers = [n for n in pool if n not in old_names]
     new_names = rng.sample(alive, rng.randint(1, len(alive))) + rng.sample(newcomers, rng.randint(0, min(3, len(newcomers))))
     rng.shuffle(new_names)
-    return old, _layout(rng, new_names[:8]), alive, _tensors(rng), hosts
+    return old, _layout(rng, new_names[:8]), alive, _tensors(rng, split=True), hosts
 
 
 def _simulate(seed: int) -> None:
