@@ -7,6 +7,9 @@ across two members with DTensor, each holding its half of those Linears.
   written whole (gathered from the split tensors), loadable into the plain model.
 - SIGKILL of a tp member in the backward: the worker on standby takes its half from the copy the
   other member keeps (a ring of copies covers tp slices); nothing is lost, the curve is the same.
+- Live, on a running job (`ctl layout`): replicas -> tp=2 -> a pipeline -> tp=2 -> FSDP, every change
+  entered without a restart, the curve the single-process one throughout; a tp the model cannot run
+  is refused by ctl too.
 - A pinned tp the model cannot run (3 does not divide the 4 heads) is refused at start with the reason.
 """
 
@@ -21,6 +24,7 @@ from typing import Any
 import pytest
 from localjob import LocalJob
 from test_recipe import JOB, _check_the_trained_model, single_process
+from test_layout_change import _relaid
 from test_sharded import _assert_exact, _wait_for_log
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,6 +69,31 @@ def test_a_tp_member_killed_in_the_backward_loses_nothing(tmp_path: Path) -> Non
         assert sorted(failure["layout"]["members"]) == ["w2", "w3"] and failure["layout"]["tp"] == 2
         exits = job.wait_workers(300)
         assert exits == {"w1": -signal.SIGKILL, "w2": 0, "w3": 0}, job.tails(exits)
+        assert job.wait_coordinator(30) == 0
+        events = job.events()
+        assert not [e for e in events if e["kind"] == "state_lost"]
+        _assert_exact(events, reference)
+
+
+@pytest.mark.timeout(400)
+def test_a_running_job_moves_between_tp_and_every_other_layout_live(tmp_path: Path) -> None:
+    reference = single_process()
+    with LocalJob(JOB, tmp_path, min_workers=2) as job:
+        job.start()
+        job.add_worker("w1", "--slowdown", "3")  # (margin for four changes before step 40)
+        job.add_worker("w2", "--slowdown", "3")
+        job.wait_step(3, 180)
+        with pytest.raises(RuntimeError, match="tp=3 cannot run"):
+            job.ctl("layout", "tp=3")
+        for spec, degrees in (("tp=2", (1, 1, 1, 2)), ("pp=2", (2, 1, 1, 1)), ("tp=2", (1, 1, 1, 2)),
+                              ("dp=1", (1, 1, 2, 1))):
+            seen = len(job.events())
+            assert job.ctl("layout", spec) == {"layout": spec}
+            plan = _relaid(job, spec, seen)
+            layout = plan["layout"]
+            assert (layout["pp"], layout["dp_replicate"], layout["dp_shard"], layout["tp"]) == degrees, (spec, layout)
+        exits = job.wait_workers(300)
+        assert exits == {"w1": 0, "w2": 0}, job.tails(exits)
         assert job.wait_coordinator(30) == 0
         events = job.events()
         assert not [e for e in events if e["kind"] == "state_lost"]
