@@ -96,7 +96,8 @@ def pinned_tensor_parallel(ctx: Ctx, pin: LayoutPin) -> list[Weighed]:
     if replicas < 1 or replicas * tp > len(devices):
         return [Weighed(layout, (1, pin.dp_replicate, 1),
                         why_not=f"{what}: needs {max(replicas, 1) * tp} members; {len(devices)} can train now")]
-    members = devices[:replicas * tp]
+    members = _keeping_positions(ctx.previous.members if ctx.previous is not None and ctx.previous.tp == tp else (),
+                                 devices[:replicas * tp])
     slots = [members[r * tp:(r + 1) * tp] for r in range(replicas)]
     speeds = [min(ctx.speeds[m] for m in slot) for slot in slots]
     overheads = [max(ctx.cluster.devices[m].overhead_s + ctx.fixed[m] for m in slot) for slot in slots]
@@ -105,3 +106,17 @@ def pinned_tensor_parallel(ctx: Ctx, pin: LayoutPin) -> list[Weighed]:
         return [Weighed(layout, (1, replicas, 1), why_not=f"{what}: the batch does not split over {replicas} replicas")]
     plan = predict_tensor(ctx.cluster, ctx.graph, slots, shares)
     return [Weighed(plan.layout.describe(), (1, replicas, 1), scored=ctx.score(plan, what))]
+
+
+def _keeping_positions(before: Sequence[str], chosen: Sequence[str]) -> list[str]:
+    """`chosen` in rank order, each member that held a rank of a layout of the same tp degree
+    (`before`, in rank order) at that rank where it still exists: its (replica, tp) coordinates and so
+    its slices stay, and a newcomer takes a departed member's place (a failure then moves only what
+    the dead member held, to its replacement). The rest fill the free ranks in `chosen`'s order."""
+    out: list[str | None] = [None] * len(chosen)
+    wanted = set(chosen)
+    for rank, name in enumerate(before[:len(chosen)]):
+        if name in wanted:
+            out[rank] = name
+    rest = iter([m for m in chosen if m not in set(out)])
+    return [m if m is not None else next(rest) for m in out]

@@ -10,6 +10,8 @@ across two members with DTensor, each holding its half of those Linears.
 - Live, on a running job (`ctl layout`): replicas -> tp=2 -> a pipeline -> tp=2 -> FSDP, every change
   entered without a restart, the curve the single-process one throughout; a tp the model cannot run
   is refused by ctl too.
+- Two replicas of tp=2 (`tp=2,dp=2`, four workers): exact; SIGKILL of one member in the backward,
+  a fifth worker takes its slices from the other replica, nothing lost.
 - A pinned tp the model cannot run (3 does not divide the 4 heads) is refused at start with the reason.
 """
 
@@ -69,6 +71,30 @@ def test_a_tp_member_killed_in_the_backward_loses_nothing(tmp_path: Path) -> Non
         assert sorted(failure["layout"]["members"]) == ["w2", "w3"] and failure["layout"]["tp"] == 2
         exits = job.wait_workers(300)
         assert exits == {"w1": -signal.SIGKILL, "w2": 0, "w3": 0}, job.tails(exits)
+        assert job.wait_coordinator(30) == 0
+        events = job.events()
+        assert not [e for e in events if e["kind"] == "state_lost"]
+        _assert_exact(events, reference)
+
+
+@pytest.mark.timeout(500)
+def test_replicas_of_tensor_parallel_groups_are_exact_and_survive_a_kill(tmp_path: Path) -> None:
+    reference = single_process()
+    with LocalJob(JOB, tmp_path, min_workers=4, coordinator_args=["--layout", "tp=2,dp=2"]) as job:
+        job.start()
+        job.add_worker("w1", "--pause-at", "backward@12")
+        for name in ("w2", "w3", "w4"):
+            job.add_worker(name)
+        job.wait_step(2, 300)
+        job.add_worker("w5")
+        job.wait_event(lambda e: e["kind"] == "standby" and e.get("worker") == "w5", 180, "w5 on standby")
+        _wait_for_log(job, "w1", "pausing at backward of step 12")
+        job.kill("w1")
+        failure = job.wait_event(lambda e: e["kind"] == "plan" and e["reason"] == "failure", 60, "failure plan")
+        layout = failure["layout"]
+        assert sorted(layout["members"]) == ["w2", "w3", "w4", "w5"] and (layout["tp"], layout["dp_replicate"]) == (2, 2)
+        exits = job.wait_workers(400)
+        assert exits == {"w1": -signal.SIGKILL, "w2": 0, "w3": 0, "w4": 0, "w5": 0}, job.tails(exits)
         assert job.wait_coordinator(30) == 0
         events = job.events()
         assert not [e for e in events if e["kind"] == "state_lost"]
