@@ -68,8 +68,11 @@ def test_a_pin_parses_and_refuses_what_cannot_run() -> None:
     assert parse_pin("pp=2,dp=2,fsdp=2").members == 8, "HSDP stages: 2 x 2 x 2"
     assert parse_pin("fsdp=3").admits(Layout(members=("a", "b", "c"), shares=(1, 1, 1), dp_shard=3))
     assert not parse_pin("fsdp=3").admits(Layout.replicated(["a", "b", "c"], [1, 1, 1]))
+    assert parse_pin("tp=2,dp=2").members == 4 and parse_pin("tp=2").members is None  # (replicas filled)
+    assert parse_pin("tp=2").admits(Layout(members=("a", "b", "c", "d"), shares=(1,) * 4, dp_replicate=2, tp=2))
     for bad, why in [("dp=0", ">= 1"), ("zero=2", "NAME=N"), ("dp=2,dp=3", "twice"),
-                     ("tp=2", "tensor parallelism \\(tp\\) is not planned yet"), ("dp=x", "NAME=N")]:
+                     ("tp=2,fsdp=2", "not with fsdp or pp"), ("pp=2,tp=2", "not with fsdp or pp"),
+                     ("dp=x", "NAME=N")]:
         with pytest.raises(LayoutError, match=why):
             parse_pin(bad)
 
