@@ -20,12 +20,16 @@ thread per process), on one model (default the 10M-parameter GPT, examples/gpt.p
                says it pays, or when more than --join-wait-max, 0.5 s, of it is left), and the same
                under --join-abandons always (every join does) and never (every join waits for the
                step boundary), and under auto with --join-wait-max none (no bound on the wait).
+  tensor       tensor parallel: for each of `--tp-layouts` (default tp=2 on 2 workers and tp=2,dp=2 on
+               4), global samples/s of adaptrain pinned to it against torchrun + `parallelize_module`
+               running the same layout (scripts/_torchrun_tp.py: a (dp, tp) mesh, the job's tp plan,
+               the dp gradients all-reduced, the same recipe); interleaved over `--repeats` rounds.
   kill         adaptrain sharded: SIGKILL of a member -> training again (its slices come back from
                the copy its keeper holds) and the next committed step; against torchrun elastic +
                FSDP2 with a DCP checkpoint every 5 steps (torchrun restarts every worker, which
                load the newest checkpoint), three workers each.
 
-Goals (issue #11): sharded >= 0.95x torchrun + FSDP2 samples/s; reshard >= 0.7x raw p2p; 10M join
+Goals: sharded and each tensor-parallel layout >= 0.95x torchrun's samples/s on the same layout; reshard >= 0.7x raw p2p; 10M join
 <= 1 s from ready to first step; kill -> next step <= 0.5 s. Prints a table, writes JSON.
 
 usage: python scripts/bench_parallel.py [--quick] [--workers 2,3] [--repeats R] [--sections ...] [--joins K]
@@ -51,7 +55,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from localjob import LocalJob, read_jsonl, write_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ("throughput", "reshard", "join", "kill")
+SECTIONS = ("throughput", "reshard", "join", "kill")  # (default; also: tensor)
+ALL_SECTIONS = (*SECTIONS, "tensor")
 JOINS = 9  # reshard: the newcomer's receive is measured over this many joins (the median is reported)
 
 
@@ -107,14 +112,15 @@ def adaptrain_throughput(job_ref: str, n: int, layout: str, warmup: int, steps: 
 
 
 def torchrun_throughput(job_ref: str, n: int, warmup: int, steps: int, workdir: Path, *,
-                        script: str = "_torchrun_fsdp.py") -> dict[str, Any]:
-    """torchrun --standalone with N processes of `script` (FSDP2, or _torchrun_job.py: DDP)."""
+                        script: str = "_torchrun_fsdp.py", extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """torchrun --standalone with N processes of `script` (FSDP2, _torchrun_job.py: DDP, or
+    _torchrun_tp.py: tensor parallel, `extra` its flags)."""
     batch, _ = _job_info(job_ref)
     workdir.mkdir(parents=True, exist_ok=True)
     events = workdir / "torchrun.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={n}",
            str(ROOT / "scripts" / script), "--job", job_ref, "--events", str(events),
-           "--steps", str(warmup + steps)]
+           "--steps", str(warmup + steps), *extra]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     with (workdir / "torchrun.log").open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -372,8 +378,44 @@ def _median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def tensor_rounds(job_ref: str, spec: str, repeats: int, warmup: int, steps: int, work: Path) -> dict[str, Any]:
+    """adaptrain pinned to the tensor-parallel layout `spec` against torchrun + parallelize_module on
+    the same layout, `repeats` interleaved rounds: each one's median samples/s and the median ratio."""
+    from plan.layout import parse_pin
+
+    pin = parse_pin(spec)
+    tp, replicas = pin.tp or 1, pin.dp_replicate or 1
+    n = tp * replicas
+    rounds = []
+    for k in range(repeats):
+        print(f"tensor parallel {spec} on {n} workers, round {k + 1}/{repeats} ...", flush=True)
+        ours = adaptrain_throughput(job_ref, n, spec, warmup, steps, work / f"tp-{spec}-{k}")
+        theirs = torchrun_throughput(job_ref, n, warmup, steps, work / f"torchrun-tp-{spec}-{k}",
+                                     script="_torchrun_tp.py", extra=("--tp", str(tp)))
+        rounds.append((ours, theirs))
+    mid = sorted(range(repeats), key=lambda i: rounds[i][0]["samples_per_s"])[repeats // 2]
+    return {"workers": n, "adaptrain": {**rounds[mid][0], "rounds": [r[0]["samples_per_s"] for r in rounds]},
+            "torchrun": {"samples_per_s": statistics.median(r[1]["samples_per_s"] for r in rounds),
+                         "rounds": [r[1]["samples_per_s"] for r in rounds]},
+            "ratio": statistics.median(r[0]["samples_per_s"] / r[1]["samples_per_s"] for r in rounds)}
+
+
 def table(r: dict[str, Any]) -> str:
     lines = [f"bench_parallel: {r['settings']['job']} ({r['settings']['machine']})", ""]
+    if "tensor" in r:
+        lines.append(f"{'layout':>10} {'workers':>8} {'adaptrain':>10} {'torchrun+TP':>12} {'ratio':>6}  rounds "
+                     "(adaptrain; torchrun)")
+        for spec, row in r["tensor"].items():
+            if "error" in row:
+                lines.append(f"{spec:>10} error: {row['error']}")
+                continue
+            lines.append(f"{spec:>10} {row['workers']:>8} {row['adaptrain']['samples_per_s']:>10.1f}"
+                         f" {row['torchrun']['samples_per_s']:>12.1f} {row['ratio']:>6.3f}  "
+                         f"{' '.join(f'{v:.1f}' for v in row['adaptrain']['rounds'])}; "
+                         f"{' '.join(f'{v:.1f}' for v in row['torchrun']['rounds'])}")
+        lines.append("  (samples/s: adaptrain's median round, torchrun's median; ratio: the median of the rounds' "
+                     "ratios; goal >= 0.95)")
+        lines.append("")
     if "throughput" in r:
         lines.append(f"{'workers':>8} {'replicated':>11} {'torchrun+DDP':>13} {'repl/DDP':>9} {'sharded':>9}"
                      f" {'torchrun+FSDP2':>15} {'shard/FSDP2':>12} {'copies':>7} {'peak MB repl':>13} {'peak MB shard':>14}")
@@ -446,7 +488,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--job", default="examples/gpt.py:job_10m", help="PATH.py:NAME (default the 10M GPT)")
     p.add_argument("--workers", default="2,3", help="comma-separated worker counts for throughput (default 2,3)")
-    p.add_argument("--sections", default=",".join(SECTIONS), help=f"any of {', '.join(SECTIONS)}")
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"any of {', '.join(ALL_SECTIONS)} "
+                   f"(default {','.join(SECTIONS)})")
+    p.add_argument("--tp-layouts", default="tp=2;tp=2,dp=2", metavar="SPECS",
+                   help="tensor section: the layouts to run, ';'-separated --layout specs (default tp=2;tp=2,dp=2)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--repeats", type=int, default=1, metavar="R",
@@ -463,9 +508,9 @@ def main(argv: list[str] | None = None) -> int:
                         "directory, removed at the end)")
     a = p.parse_args(argv)
     sections = tuple(s.strip() for s in a.sections.split(","))
-    unknown = set(sections) - set(SECTIONS)
+    unknown = set(sections) - set(ALL_SECTIONS)
     if unknown:
-        p.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+        p.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(ALL_SECTIONS)}")
     if a.quick:
         a.job, a.workers, a.warmup, a.steps = "examples/gpt.py:job", "2", 3, 10
     try:
@@ -497,6 +542,13 @@ def main(argv: list[str] | None = None) -> int:
                                                             script="_torchrun_job.py"),
                     })
                 result["throughput"][n] = _median_round(rounds)
+        if "tensor" in sections:
+            result["tensor"] = {}
+            for spec in (x.strip() for x in a.tp_layouts.split(";") if x.strip()):
+                try:
+                    result["tensor"][spec] = tensor_rounds(job_ref, spec, a.repeats, a.warmup, a.steps, work)
+                except (RuntimeError, TimeoutError) as e:  # reported in the table; the rest still runs
+                    result["tensor"][spec] = {"error": str(e).splitlines()[0][:300]}
         if "reshard" in sections:
             print("reshard and raw p2p ...", flush=True)
             result["raw_p2p"] = raw_p2p(work / "p2p")

@@ -1,7 +1,8 @@
 """Models users bring, trained by the real coordinator and workers on loopback: a plain Hugging Face
 `GPT2LMHeadModel` and `LlamaForCausalLM` built from a config (tests/system/jobs/hf_*.py, written as
 the README's "Writing a job" says: no wrapper module, the loss reads `outputs.logits`), replicated
-and sharded (FSDP2), through a SIGKILL of one of three workers; and a model graph capture cannot
+and sharded (FSDP2), and the Llama tensor parallel with its own plan (`config.base_model_tp_plan`:
+the job gives none), through a SIGKILL of one of three workers; and a model graph capture cannot
 take apart (tests/system/jobs/uncapturable.py), which trains on the coarse one-unit graph.
 
 Each run: `ctl graph` shows the blocks the capture found, the killed member is planned out, every
@@ -98,7 +99,8 @@ def _assert_exact(events: list[dict[str, Any]], reference: dict[int, float]) -> 
     ("hf_gpt2", "transformer.h", "dp=1"),
     ("hf_llama", "model.layers", "fsdp=1"),
     ("hf_llama", "model.layers", "dp=1"),
-], ids=["gpt2-replicated", "gpt2-sharded", "llama-replicated", "llama-sharded"])
+    ("hf_llama", "model.layers", "tp=2"),
+], ids=["gpt2-replicated", "gpt2-sharded", "llama-replicated", "llama-sharded", "llama-tensor-parallel"])
 def test_a_hugging_face_model_trains_exactly_through_a_kill(tmp_path: Path, name: str, blocks: str,
                                                             layout: str) -> None:
     reference = single_process(name)
@@ -109,6 +111,7 @@ def test_a_hugging_face_model_trains_exactly_through_a_kill(tmp_path: Path, name
     for plan in (e for e in events if e["kind"] == "plan" and e.get("layout") and len(e["layout"]["members"]) > 1):
         sharded = plan["layout"]["dp_shard"] == len(plan["layout"]["members"])  # (one member: both at once)
         assert sharded == (layout == "dp=1") and (sharded or plan["layout"]["dp_shard"] == 1), plan["layout"]
+        assert plan["layout"]["tp"] == (2 if layout == "tp=2" else 1), plan["layout"]  # (Llama's own tp plan)
     _assert_exact(events, reference)
     for worker in ("w1", "w3"):
         assert "graph capture failed" not in job.tail(worker, 10_000), job.tail(worker)

@@ -1,0 +1,56 @@
+"""Tensor-parallel layouts as the planner weighs them (plan.tensor): a pin's members and shares, the
+prediction, a failure's re-plan keeping the survivors' positions, and why one cannot run."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from test_planner_candidates import cluster, small
+
+from plan import PlanLimits, make_plan
+from plan.graph import Graph, TensorInfo
+from plan.layout import parse_pin
+from plan.tensor import compute_fraction
+
+
+def split_graph() -> Graph:
+    """`small()` whose units each hold a 1 MB matrix split by tp and a small unsplit vector."""
+    g = small()
+    tensors = []
+    for layer in g.layers:
+        tensors.append(TensorInfo(fqn=f"{layer.name}.w", shape=(500, 500), dtype="float32", unit=layer.name, tp_dim=0))
+        tensors.append(TensorInfo(fqn=f"{layer.name}.b", shape=(500,), dtype="float32", unit=layer.name))
+    return dataclasses.replace(g, tensors=tuple(tensors))
+
+
+def test_a_tp_pin_is_planned_as_replicas_of_tp_groups_computing_their_fraction() -> None:
+    graph = split_graph()
+    assert 0.5 < compute_fraction(graph, 2) < 0.51  # (the split half, and the bias whole)
+    c = cluster({f"d{i}": 100.0 + i for i in range(5)})
+    result = make_plan(c, graph, None, limits=PlanLimits(global_batch=40), pin=parse_pin("tp=2"))
+    plan = result.plan
+    assert plan is not None and plan.layout.describe() == "dp_replicate=2 x tp=2", result.reason
+    assert len(result.standby) == 1 and plan.layout.shares[0] == plan.layout.shares[1], plan.layout
+    assert sum(plan.layout.shares[::2]) == 40  # (a tp pair computes its slot's samples together)
+    one = next(cost for cost in plan.costs if cost.name == plan.members[0])
+    assert one.compute_s < one.samples / one.speed, "each member computes its fraction of the model"
+
+
+def test_a_failure_keeps_every_survivor_at_its_rank() -> None:
+    graph = split_graph()
+    four = cluster({f"d{i}": 100.0 for i in range(4)})
+    first = make_plan(four, graph, None, limits=PlanLimits(global_batch=40), pin=parse_pin("tp=2,dp=2"))
+    assert first.plan is not None
+    dead = first.plan.members[1]
+    after = cluster({**{m: 100.0 for m in first.plan.members if m != dead}, "new": 100.0})
+    again = make_plan(after, graph, first.plan, limits=PlanLimits(global_batch=40), pin=parse_pin("tp=2,dp=2"))
+    assert again.plan is not None
+    assert [m if m != "new" else dead for m in again.plan.members] == list(first.plan.members), again.plan.members
+
+
+def test_a_job_without_a_tp_plan_gets_no_tp_and_the_reason() -> None:
+    c = cluster({"a": 100.0, "b": 100.0})
+    result = make_plan(c, small(), None, limits=PlanLimits(global_batch=8), pin=parse_pin("tp=2"))
+    assert result.plan is None and "no tensor-parallel plan" in result.reason, result.reason
+    short = make_plan(cluster({"a": 100.0}), split_graph(), None, limits=PlanLimits(global_batch=8), pin=parse_pin("tp=2"))
+    assert short.plan is None and "needs 2 members; 1 can train now" in short.reason, short.reason
