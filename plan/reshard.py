@@ -25,6 +25,8 @@ carries that range of each of P's state tensors, and `element_bytes` counts them
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -143,10 +145,11 @@ def plan_reshard(before: Holdings, after: Holdings, *, split_min: int = SPLIT_MI
     tensors = sorted({t for h in after.values() for t in h})
     for tensor in tensors:
         held = {m: _union(h[tensor]) for m, h in sorted(before.items()) if h.get(tensor)}
+        starts = {m: [a for a, _ in r] for m, r in held.items()}
         for dst in sorted(after):
             need = subtract(_union(after[dst].get(tensor, [])), held.get(dst, []))
             for lo, hi in need:
-                for a, b, holders in _cover(lo, hi, {m: r for m, r in held.items() if m != dst}):
+                for a, b, holders in _cover(lo, hi, held, starts, dst):
                     if not holders:
                         missing.append((tensor, a, b))
                         continue
@@ -156,16 +159,27 @@ def plan_reshard(before: Holdings, after: Holdings, *, split_min: int = SPLIT_MI
                        sent=dict(sent))
 
 
-def _cover(lo: int, hi: int, held: Mapping[str, list[Range]]) -> list[tuple[int, int, list[str]]]:
-    """[lo, hi) cut at every holder's boundaries: (a, b, the members holding all of [a, b))."""
+def _cover(lo: int, hi: int, held: Mapping[str, list[Range]], starts: Mapping[str, list[int]],
+           skip: str) -> list[tuple[int, int, list[str]]]:
+    """[lo, hi) cut at every holder's boundaries (but `skip`'s): (a, b, the members holding all of
+    [a, b)). Each holder's ranges are sorted and disjoint (`starts`: their starts), so only those
+    that overlap [lo, hi) are looked at: a tensor split one range per row (a row-wise tp weight) has
+    hundreds of ranges per holder."""
+    near: dict[str, list[Range]] = {}
+    for m, ranges in held.items():
+        if m == skip:
+            continue
+        i = max(bisect.bisect_right(starts[m], lo) - 1, 0)
+        j = bisect.bisect_left(starts[m], hi, lo=i)
+        near[m] = [r for r in ranges[i:j] if r[1] > lo]
     cuts = {lo, hi}
-    for ranges in held.values():
+    for ranges in near.values():
         for a, b in ranges:
             cuts.update(x for x in (a, b) if lo < x < hi)
     points = sorted(cuts)
     out = []
     for a, b in zip(points, points[1:]):
-        out.append((a, b, [m for m, ranges in held.items() if any(x <= a and b <= y for x, y in ranges)]))
+        out.append((a, b, [m for m, ranges in near.items() if any(x <= a and b <= y for x, y in ranges)]))
     return out
 
 
@@ -212,11 +226,14 @@ def _union(ranges: Iterable[Range]) -> list[Range]:
 def subtract(ranges: Iterable[Range], minus: Iterable[Range]) -> list[Range]:
     """The parts of `ranges` that no range in `minus` covers."""
     minus = sorted(minus)
+    ends = list(itertools.accumulate((y for _, y in minus), max))  # (the furthest end so far: skip those before)
     out = []
     for a, b in ranges:
         cur = a
-        for x, y in minus:
-            if y <= cur or x >= b:
+        for x, y in minus[bisect.bisect_right(ends, a):]:
+            if x >= b:
+                break
+            if y <= cur:
                 continue
             if x > cur:
                 out.append((cur, x))
