@@ -292,7 +292,7 @@ def parse_pin(text: str, *, source: str = "--layout") -> LayoutPin:
         if n < 1:
             raise LayoutError(f"{source}: {m.group(1)} must be >= 1, got {n}")
         values[dim] = n
-    if values.get("tp", 1) > 1 and (values.get("pp", 1) > 1 or values.get("dp_shard", 1) > 1):
-        raise LayoutError(f"{source}: tensor parallelism (tp) runs with data parallel replicas (dp) for now, "
-                          "not with fsdp or pp")
+    if values.get("tp", 1) > 1 and values.get("dp_shard", 1) > 1:
+        raise LayoutError(f"{source}: tensor parallelism (tp) runs with replicas (dp) and pipelines (pp) for now, "
+                          "not with fsdp")
     return LayoutPin(**values)

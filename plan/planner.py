@@ -48,7 +48,7 @@ from plan.milp import ENGINES
 from plan.prediction import MemberCost, Plan, micro_batched, micro_sizes, predict, predict_sharded
 from plan.reshard import least_moving_order
 from plan.shares import assign, split_shares
-from plan.tensor import pinned_tensor_parallel
+from plan.tensor import pinned_pipeline_tensor, pinned_tensor_parallel
 
 __all__ = ["Alternative", "Candidate", "MemberCost", "Plan", "PlanLimits", "PlanResult", "assign", "make_plan",
            "predict", "score_members", "split_shares"]
@@ -135,7 +135,7 @@ def _choose(ctx: Ctx, pin: LayoutPin | None) -> PlanResult:
     weighed: list[Weighed] = []
     rep: Replicated | None = None
     if pin is not None and (pin.tp or 1) > 1:  # (tensor parallel is planned where it is pinned, for now)
-        weighed = pinned_tensor_parallel(ctx, pin)
+        weighed = pinned_pipeline_tensor(ctx, pin) if (pin.pp or 1) > 1 else pinned_tensor_parallel(ctx, pin)
     elif pin is None or (pin.pp or 1) == 1:
         rep = replicated(ctx)
         best_rep = rep.best

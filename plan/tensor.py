@@ -10,12 +10,14 @@ boundary activation per sample each (`tp_comm_s`); the replicas then all-reduce 
 of the gradients.
 
 For now tp is planned where it is pinned (`--layout tp=T`, with `dp=R` or R filled from the ready
-devices), whose degree the job was checked to admit at start (`worker.tp_plan.tp_degrees`).
+devices; `--layout pp=P,tp=T`: pipelines of split stages), whose degree the job was checked to admit
+at start (`worker.tp_plan.tp_degrees`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from plan.cluster import Cluster
@@ -28,7 +30,7 @@ from plan.shares import assign
 if TYPE_CHECKING:
     from plan.candidates import Ctx, Weighed
 
-__all__ = ["compute_fraction", "pinned_tensor_parallel", "predict_tensor", "tp_comm_s"]
+__all__ = ["compute_fraction", "pinned_pipeline_tensor", "pinned_tensor_parallel", "predict_tensor", "tp_comm_s"]
 
 
 def split_fraction(graph: Graph) -> float:
@@ -120,3 +122,44 @@ def _keeping_positions(before: Sequence[str], chosen: Sequence[str]) -> list[str
             out[rank] = name
     rest = iter([m for m in chosen if m not in set(out)])
     return [m if m is not None else next(rest) for m in out]
+
+
+def pinned_pipeline_tensor(ctx: Ctx, pin: LayoutPin) -> list[Weighed]:
+    """The pinned pp x tp (and replicas of it): the pipeline cut over one device of each tp group
+    (`plan._pipeline_pin.pipeline_plan`, the group's first rank standing for it), each position then
+    filled with its tp group, every member computing its fraction of its stage; or why it cannot run."""
+    from plan._pipeline_pin import pipeline_plan
+    from plan.candidates import Weighed
+
+    tp, stages, replicas = pin.tp or 1, pin.pp or 1, pin.dp_replicate or 1
+    what = f"--layout {pin.describe()}"
+    shape = (stages, replicas, 1)
+    if not split_fraction(ctx.graph):
+        return [Weighed(pin.describe(), shape, why_not=f"{what}: the job has no tensor-parallel plan")]
+    devices = ctx.ranked([m for m in ctx.fastest() if (ctx.caps[m] or 0) >= 1])
+    need = stages * replicas * tp
+    if len(devices) < need:
+        return [Weighed(pin.describe(), shape, why_not=f"{what}: needs {need} members; {len(devices)} can train now")]
+    previous = ctx.previous
+    same = previous is not None and (previous.tp, previous.pp) == (tp, stages)
+    chosen = _keeping_positions(previous.members if same and previous is not None else (), devices[:need])
+    groups = {chosen[i]: chosen[i:i + tp] for i in range(0, need, tp)}  # a tp group, by its first rank
+    cut = pipeline_plan(ctx.cluster, ctx.graph, list(groups), None, stages, global_batch=ctx.limits.global_batch,
+                        what=what, replicas=replicas)
+    if isinstance(cut, str):
+        return [Weighed(pin.describe(), shape, why_not=cut)]
+    fraction = compute_fraction(ctx.graph, tp)
+    costs = {c.name: c for c in cut.costs}
+    members = [m for lead in cut.members for m in groups[lead]]
+    lead_of = {m: lead for lead in cut.members for m in groups[lead]}
+    comm = tp_comm_s(ctx.graph, max(cut.shares), tp, ctx.cluster, members)
+    assert cut.predicted_step_s is not None
+    step = cut.predicted_step_s * fraction + comm
+    plan = Plan(members=tuple(members), shares=tuple(cut.shares[cut.members.index(lead_of[m])] for m in members),
+                predicted_step_s=step, comm_s=(cut.comm_s or 0.0) + comm,
+                costs=tuple(replace(costs[lead_of[m]], name=m, compute_s=costs[lead_of[m]].compute_s * fraction,
+                                    wait_s=step - costs[lead_of[m]].compute_s * fraction - costs[lead_of[m]].overhead_s)
+                            for m in members),
+                micro=tuple(cut.micro[cut.members.index(lead_of[m])] for m in members) if cut.micro else (),
+                pp=stages, stages=cut.stages, tp=tp)
+    return [Weighed(plan.layout.describe(), shape, scored=ctx.score(plan, what))]

@@ -93,6 +93,8 @@ def _through_the_pipeline(t: Loop, g: Group, stage: Stage) -> torch.Tensor:
     passes = max(-(-n // EVAL_CHUNK) for n in counts) if layout.sharded else 0
     loss, samples = evaluate_stage(stage, layout, g.rank, g.pg, lambda work, buf: t.wait(g, work, buf), t.job,
                                    torch.arange(part.start, part.stop), EVAL_CHUNK, t.device, passes=passes)
+    if layout.coords(g.rank)[3] != 0:  # (a last stage split by tp: its first tp rank counts the slot's loss)
+        loss, samples = 0.0, 0
     return torch.tensor([loss, float(samples)], dtype=torch.float64, device=t.device)
 
 

@@ -200,10 +200,11 @@ def test_a_sharded_job_resumes_after_a_total_loss_in_another_layout(tmp_path: Pa
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("layout,workers", [("pp=2", 2), ("pp=2,fsdp=2", 4)])
+@pytest.mark.parametrize("layout,workers", [("pp=2", 2), ("pp=2,fsdp=2", 4), ("tp=2", 2)])
 def test_a_pipeline_checkpoint_resumes_replicated_after_a_total_loss(tmp_path: Path, layout: str, workers: int) -> None:
-    """A pipeline (and one whose stages are sharded) writes its checkpoints as every layout does:
-    each member its own part (its stage, or its shards of it). Everything SIGKILLed after one; a
+    """A pipeline (and one whose stages are sharded), and a tensor-parallel job, write their
+    checkpoints as every layout does: each member its own part (its stage, its shards of it, its
+    tp slices: DCP's chunks of the DTensors). Everything SIGKILLed after one; a
     new coordinator on the same state dir, with no pin, and two new workers resume from it as
     replicas, every step after it the single-process recipe's."""
     reference = single_process()
@@ -222,7 +223,8 @@ def test_a_pipeline_checkpoint_resumes_replicated_after_a_total_loss(tmp_path: P
         job.wait_coordinator(30)
     old = LocalJob(GPT_JOB, tmp_path).events()
     written = [e for e in old if e["kind"] == "checkpoint"]
-    assert written and all(p["layout"]["pp"] == 2 for p in old if p["kind"] == "plan" and p.get("layout"))
+    pinned = ("tp", 2) if layout.startswith("tp") else ("pp", 2)
+    assert written and all(p["layout"][pinned[0]] == pinned[1] for p in old if p["kind"] == "plan" and p.get("layout"))
     with LocalJob(GPT_JOB, tmp_path, min_workers=2) as job:
         job.start()
         job.add_worker("n1")
@@ -233,7 +235,7 @@ def test_a_pipeline_checkpoint_resumes_replicated_after_a_total_loss(tmp_path: P
         events = job.events()
     _assert_exact(events, reference)
     plans = [e for e in events[len(old):] if e["kind"] == "plan" and e.get("layout")]
-    assert plans and plans[0]["layout"]["pp"] == 1, "resumed in the planner's layout, not a pipeline"
+    assert plans and plans[0]["layout"]["pp"] == plans[0]["layout"]["tp"] == 1, "resumed in the planner's layout"
 
 
 @pytest.mark.timeout(400)

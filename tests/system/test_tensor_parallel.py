@@ -12,6 +12,8 @@ across two members with DTensor, each holding its half of those Linears.
   is refused by ctl too.
 - Two replicas of tp=2 (`tp=2,dp=2`, four workers): exact; SIGKILL of one member in the backward,
   a fifth worker takes its slices from the other replica, nothing lost.
+- A pipeline of tp stages (`pp=2,tp=2`, four workers): exact, the written model whole; SIGKILL of a
+  member in the forward, a fifth worker takes its slices from the copy the ring keeps.
 - A pinned tp the model cannot run (3 does not divide the 4 heads) is refused at start with the reason.
 """
 
@@ -99,6 +101,36 @@ def test_replicas_of_tensor_parallel_groups_are_exact_and_survive_a_kill(tmp_pat
         events = job.events()
         assert not [e for e in events if e["kind"] == "state_lost"]
         _assert_exact(events, reference)
+
+
+@pytest.mark.timeout(500)
+def test_a_pipeline_of_tensor_parallel_stages_is_exact_through_a_kill(tmp_path: Path) -> None:
+    trained: dict[str, Any] = {}
+    reference = single_process(trained)
+    with LocalJob(JOB, tmp_path, min_workers=4, coordinator_args=["--layout", "pp=2,tp=2"]) as job:
+        job.start()
+        job.add_worker("w1")
+        job.add_worker("w2", "--pause-at", "forward@12")
+        for name in ("w3", "w4"):
+            job.add_worker(name)
+        job.wait_step(2, 300)
+        first = _tp_plans(job)[0]["layout"]
+        assert (first["pp"], first["tp"], len(first["stages"])) == (2, 2, 2), first
+        job.add_worker("w5")
+        job.wait_event(lambda e: e["kind"] == "standby" and e.get("worker") == "w5", 180, "w5 on standby")
+        _wait_for_log(job, "w2", "pausing at forward of step 12")
+        job.kill("w2")
+        failure = job.wait_event(lambda e: e["kind"] == "plan" and e["reason"] == "failure", 60, "failure plan")
+        layout = failure["layout"]
+        assert sorted(layout["members"]) == ["w1", "w3", "w4", "w5"] and (layout["pp"], layout["tp"]) == (2, 2)
+        exits = job.wait_workers(400)
+        assert exits == {"w1": 0, "w2": -signal.SIGKILL, "w3": 0, "w4": 0, "w5": 0}, job.tails(exits)
+        assert job.wait_coordinator(30) == 0
+        events = job.events()
+        assert not [e for e in events if e["kind"] == "state_lost"]
+        _assert_exact(events, reference)
+        finished = [e for e in events if e["kind"] == "finished"]
+        _check_the_trained_model(tmp_path, finished, job.tail("coordinator.out", 100_000), trained)
 
 
 @pytest.mark.timeout(400)

@@ -54,3 +54,14 @@ def test_a_job_without_a_tp_plan_gets_no_tp_and_the_reason() -> None:
     assert result.plan is None and "no tensor-parallel plan" in result.reason, result.reason
     short = make_plan(cluster({"a": 100.0}), split_graph(), None, limits=PlanLimits(global_batch=8), pin=parse_pin("tp=2"))
     assert short.plan is None and "needs 2 members; 1 can train now" in short.reason, short.reason
+
+
+def test_a_pinned_pipeline_of_tp_stages_puts_each_tp_group_on_one_stage() -> None:
+    graph = split_graph()
+    c = cluster({f"d{i}": 100.0 for i in range(4)})
+    result = make_plan(c, graph, None, limits=PlanLimits(global_batch=8), pin=parse_pin("pp=2,tp=2"))
+    plan = result.plan
+    assert plan is not None and plan.layout.describe() == "pp=2 x tp=2", result.reason
+    layout = plan.layout
+    assert [u for stage in layout.stages for u in stage] == [layer.name for layer in graph.layers]
+    assert {layout.coords(r)[0] for r in layout.tp_group(0)} == {0} and len(set(layout.shares)) == 1

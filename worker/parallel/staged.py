@@ -55,7 +55,8 @@ from worker.parallel.slices import LocalState, to_module
 
 Wait = Callable[[Any, torch.Tensor | None], None]  # the trainer's abortable wait (raises when superseded)
 
-__all__ = ["ShardedStageExecutor", "Stage", "StageExecutor", "apply_stage", "evaluate_stage", "gather_state", "neighbours", "whole_state"]
+__all__ = ["ShardedStageExecutor", "Stage", "StageExecutor", "apply_stage", "evaluate_stage", "gather_state", "gathered",
+           "neighbours", "whole_state"]
 
 
 @dataclass(slots=True)
@@ -207,7 +208,7 @@ class StageExecutor(Executor):
                                        timeout_s=t.config.group_timeout_s,
                                        superseded=lambda: t.agent.superseded(g.epoch), part=f"stage{stage.stage}/")
         return cls(stage, (g.layout, g.rank), Copies.of(g.layout, t.name, local, t.tensors),
-                   _flops_fraction(t, stage), replicas)
+                   flops_fraction(t, stage), replicas)
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -234,6 +235,15 @@ class StageExecutor(Executor):
     def _whole(self) -> tuple[dict[str, Any], dict[str, Any]] | None:
         """The stage's whole state where it must be gathered first (None: it is whole here)."""
         return None
+
+    def _norm_grads(self, g: Group, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The gradients this member's squared norm counts: every element once over the members of
+        one replica (a stage's, or a shard's: all of them)."""
+        return grads
+
+    def _counts_loss(self, g: Group) -> bool:
+        """Whether this member's loss sum counts (a last stage's, once per data-parallel slot)."""
+        return True
 
     def _sum_over_replicas(self, t: Loop, g: Group) -> None:
         """The stage's gradients summed over its replicas (every pipeline computed its own slice of
@@ -347,8 +357,9 @@ class StageExecutor(Executor):
         pause(t, g, "exchange")
         self.pending = True
         grads = [gr for p in self.params if (gr := local_grad(p)) is not None]
-        squares = sum((squared_norm(gr) for gr in grads), torch.zeros((), dtype=torch.float64, device=t.device))
-        buf, pending = self._votes(t, g, loss_sum, squares)
+        squares = sum((squared_norm(gr) for gr in self._norm_grads(g, grads)),
+                      torch.zeros((), dtype=torch.float64, device=t.device))
+        buf, pending = self._votes(t, g, loss_sum if self._counts_loss(g) else torch.zeros_like(loss_sum), squares)
         t_comm = time.perf_counter()
         t.wait(g, g.pg.allreduce([buf]), buf)
         comm_s = time.perf_counter() - t_comm + waited[0]
@@ -395,7 +406,7 @@ class ShardedStageExecutor(HoldsShards, StageExecutor):
             raise
         stage = Stage(module=module, optimizer=sharded.optimizer, stage=index, stages=g.layout.pp)
         return cls(stage, (g.layout, g.rank), Copies.of(g.layout, t.name, local, t.tensors),
-                   _flops_fraction(t, stage), sharded, registered)
+                   flops_fraction(t, stage), sharded, registered)
 
     def _sizes(self, g: Group, samples: int) -> tuple[int, ...]:
         return _even_micro_batches(g, samples)
@@ -413,21 +424,26 @@ class ShardedStageExecutor(HoldsShards, StageExecutor):
         return self._gathered()
 
     def _gathered(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The sharded stage's whole model and optimizer state (by parameter name), gathered from its
-        shards: a collective of the stage's shard group."""
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                             get_optimizer_state_dict)
+        return gathered(self.stage)
 
-        # (no cpu_offload: with it only the default group's rank 0 gets the state, and every stage's
-        # first shard needs its own)
-        options = StateDictOptions(full_state_dict=True)
-        model = get_model_state_dict(self.stage.module, options=options)
-        by_name: dict[str, Any] = dict(get_optimizer_state_dict(self.stage.module, self.stage.optimizer, options=options))
-        def cpu(v: Any) -> Any:
-            return v.detach().cpu() if isinstance(v, torch.Tensor) else v
 
-        return ({k: cpu(v) for k, v in model.items()},
-                {fqn: {k: cpu(v) for k, v in st.items()} for fqn, st in by_name["state"].items()})
+def gathered(stage: Stage) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A stage's whole model and optimizer state (by parameter name), gathered from its DTensors
+    (FSDP2's shards, tensor parallelism's slices): a collective of the groups they are split over."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    # (no cpu_offload: with it only the default group's rank 0 gets the state, and every stage's
+    # first shard needs its own)
+    options = StateDictOptions(full_state_dict=True)
+    model = get_model_state_dict(stage.module, options=options)
+    by_name: dict[str, Any] = dict(get_optimizer_state_dict(stage.module, stage.optimizer, options=options))
+
+    def cpu(v: Any) -> Any:
+        return v.detach().cpu() if isinstance(v, torch.Tensor) else v
+
+    return ({k: cpu(v) for k, v in model.items()},
+            {fqn: {k: cpu(v) for k, v in st.items()} for fqn, st in by_name["state"].items()})
 
 
 def _even_micro_batches(g: Group, samples: int) -> tuple[int, ...]:
@@ -443,7 +459,7 @@ def _even_micro_batches(g: Group, samples: int) -> tuple[int, ...]:
     return micro_batches(samples, count) if samples >= count else (1,) * samples + (0,) * (count - samples)
 
 
-def _flops_fraction(t: Loop, stage: Stage) -> float:
+def flops_fraction(t: Loop, stage: Stage) -> float:
     """The stage's units' share of the model's training FLOPs (1 when the graph does not say)."""
     layers = t.graph().layers
     total = sum(layer.train_flops for layer in layers)

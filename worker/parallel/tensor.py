@@ -1,5 +1,6 @@
 """Tensor parallelism: the model's Linears split across a tp group with DTensor, replicas of that
-split across the data-parallel axis (dp x tp).
+split across the data-parallel axis (dp x tp), and pipelines whose stages are split so (pp x tp:
+`TensorStageExecutor`).
 
 Which modules are split, and how, is the job's (`Job.tp_plan`: module name patterns -> "colwise" or
 "rowwise"), or a Hugging Face model's own (`config.base_model_tp_plan`, under the base model's
@@ -25,7 +26,8 @@ Which modules a job splits and which degrees it admits: `worker.tp_plan`.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -36,6 +38,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from plan.layout import Layout
 from plan.placement import TensorShape, ranges_of
+from plan.tensor import compute_fraction
 from transport import PlanDelta
 from worker import group as groups
 from worker.comm import AllOf, Superseded
@@ -46,9 +49,10 @@ from worker.parallel.copies import Copies
 from worker.parallel.meta import meta_model
 from worker.parallel.shard_step import LocalStep
 from worker.parallel.slices import PARAM, LocalState, Piece
+from worker.parallel.staged import Stage, StageExecutor, flops_fraction, gathered
 from worker.tp_plan import tp_styles
 
-__all__ = ["TensorParallelExecutor"]
+__all__ = ["TensorParallelExecutor", "TensorStageExecutor"]
 
 def _parallel(styles: Mapping[str, str]) -> dict[str, Any]:
     return {name: ColwiseParallel() if style == "colwise" else RowwiseParallel() for name, style in styles.items()}
@@ -82,18 +86,8 @@ class TensorParallelExecutor(Executor):
             on = groups.tp_mesh(g, t.device, registered, timeout_s=t.config.group_timeout_s,
                                 superseded=lambda: t.agent.superseded(g.epoch))
             model = meta_model(t.job)
-            parallelize_module(model, on.mesh, _parallel(tp_styles(t.job, model)))
-            model.to_empty(device=t.device)
             tensors = t.tensors
-            by_name = {s.name: s for s in tensors}
-            with torch.no_grad():
-                for fqn, p in model.named_parameters():
-                    _fill(local, fqn, PARAM, ranges_of(g.layout, g.rank, by_name[fqn]), _local(p).view(-1))
-                for name, buf in model.named_buffers():
-                    if name in local.buffers:
-                        buf.copy_(local.buffers[name])
-            optimizer = t.job.optimizer(model.parameters())
-            _load_optimizer(optimizer, model, g.layout, g.rank, local, by_name)
+            optimizer = split_module(t, model, tp_styles(t.job, model), on.mesh, g.layout, g.rank, local, tensors)
         except BaseException:
             groups.forget(registered)
             raise
@@ -111,24 +105,7 @@ class TensorParallelExecutor(Executor):
 
     def local_state(self, step: int) -> LocalState:
         assert self.at is not None
-        layout, rank = self.at
-        local = LocalState(step=step, keys={})
-        by_param = {id(p): n for n, p in self.model.named_parameters()}
-        opt_state = {by_param[id(p)]: s for p, s in self.optimizer.state.items() if id(p) in by_param}
-        for fqn, p in self.model.named_parameters():
-            data = {PARAM: _local(p).detach().reshape(-1)}
-            scalars: dict[str, Any] = {}
-            for key, value in opt_state.get(fqn, {}).items():
-                if isinstance(value, torch.Tensor) and value.shape == p.shape:
-                    data[key] = _local(value).detach().reshape(-1)
-                else:
-                    scalars[key] = value
-            local.pieces[fqn] = _pieces(ranges_of(layout, rank, self.shapes[fqn]), data)
-            local.keys[fqn] = tuple(data)
-            local.dtypes[fqn] = {k: str(v.dtype).removeprefix("torch.") for k, v in data.items()}
-            local.scalars[fqn] = scalars
-        local.hyper = [{k: v for k, v in grp.items() if k != "params"} for grp in self.optimizer.param_groups]
-        local.buffers = {n: b.detach() for n, b in self.model.named_buffers()}
+        local = split_state(self.model, self.optimizer, *self.at, self.shapes, step)
         return self._with_redundancy(local, self.model.named_parameters())
 
     def save(self, t: Loop, g: Group | None, directory: str, *, final: bool) -> None:
@@ -197,11 +174,8 @@ class TensorParallelExecutor(Executor):
         pause(t, g, "exchange")
         self.pending = True
         first = g.layout.coords(g.rank)[3] == 0
-        squares = torch.zeros((), dtype=torch.float64, device=t.device)
-        for p in self.params:
-            grad = local_grad(p)
-            if grad is not None and (first or isinstance(p, DTensor) and _split(p)):
-                squares = squares + squared_norm(grad)
+        squares = sum((squared_norm(gr) for gr in norm_grads(self.params, g.layout, g.rank)),
+                      torch.zeros((), dtype=torch.float64, device=t.device))
         buf, pending = self._votes(t, g, loss_sum if first else torch.zeros_like(loss_sum), squares)
         votes = len(buf)
         if buffers:
@@ -233,6 +207,57 @@ class TensorParallelExecutor(Executor):
             for gr in tensors:
                 gr.view(-1).copy_(flats[dtype][at:at + gr.numel()])
                 at += gr.numel()
+
+
+def split_module(t: Loop, module: nn.Module, styles: Mapping[str, str], mesh: Any, layout: Layout, rank: int,
+                 local: LocalState, tensors: Iterable[TensorShape]) -> torch.optim.Optimizer:
+    """`module` (on the meta device) split over `mesh` as `styles` say (those of its modules), then
+    materialised and filled with this member's boxes of `local`, and the job's optimizer over it
+    with the state `local` carries."""
+    names = {n for n, _ in module.named_modules()}
+    parallelize_module(module, mesh, _parallel({n: s for n, s in styles.items() if n in names}))
+    module.to_empty(device=t.device)
+    by_name = {s.name: s for s in tensors}
+    with torch.no_grad():
+        for fqn, p in module.named_parameters():
+            _fill(local, fqn, PARAM, ranges_of(layout, rank, by_name[fqn]), _local(p).view(-1))
+        for name, buf in module.named_buffers():
+            if name in local.buffers:
+                buf.copy_(local.buffers[name])
+    optimizer = t.job.optimizer(module.parameters())
+    _load_optimizer(optimizer, module, layout, rank, local, by_name)
+    return optimizer
+
+
+def split_state(module: nn.Module, optimizer: torch.optim.Optimizer, layout: Layout, rank: int,
+                shapes: Mapping[str, TensorShape], step: int) -> LocalState:
+    """What this member holds of a split module, as a LocalState: each tensor's boxes as pieces
+    (views of the local tensors: one piece per range, a row-wise weight's one per row)."""
+    local = LocalState(step=step, keys={})
+    by_param = {id(p): n for n, p in module.named_parameters()}
+    opt_state = {by_param[id(p)]: s for p, s in optimizer.state.items() if id(p) in by_param}
+    for fqn, p in module.named_parameters():
+        data = {PARAM: _local(p).detach().reshape(-1)}
+        scalars: dict[str, Any] = {}
+        for key, value in opt_state.get(fqn, {}).items():
+            if isinstance(value, torch.Tensor) and value.shape == p.shape:
+                data[key] = _local(value).detach().reshape(-1)
+            else:
+                scalars[key] = value
+        local.pieces[fqn] = _pieces(ranges_of(layout, rank, shapes[fqn]), data)
+        local.keys[fqn] = tuple(data)
+        local.dtypes[fqn] = {k: str(v.dtype).removeprefix("torch.") for k, v in data.items()}
+        local.scalars[fqn] = scalars
+    local.hyper = [{k: v for k, v in grp.items() if k != "params"} for grp in optimizer.param_groups]
+    local.buffers = {n: b.detach() for n, b in module.named_buffers()}
+    return local
+
+
+def norm_grads(params: Iterable[nn.Parameter], layout: Layout, rank: int) -> list[torch.Tensor]:
+    """The local gradients a tp member's squared norm counts: its slices of the split tensors, and
+    the others (the same on every tp rank) on the first tp rank only."""
+    first = layout.coords(rank)[3] == 0
+    return [gr for p in params if (gr := local_grad(p)) is not None and (first or isinstance(p, DTensor) and _split(p))]
 
 
 def _split(p: DTensor) -> bool:
@@ -292,3 +317,72 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, layout: 
         for key, value in local.scalars.get(fqn, {}).items():
             state[key] = value.clone() if isinstance(value, torch.Tensor) else value
         optimizer.state[p] = state
+
+
+# --- pipelines of tensor-parallel stages (pp x tp) ---------------------------------------------------
+
+
+class TensorStageExecutor(StageExecutor):
+    """A pipeline stage split over its tp group (pp x tp, and replicas of that): the stage built on
+    the meta device and split as the job's tp plan says (torchtitan's order: the pipeline split
+    first, then tp within each stage), its boundary activations (the same on every tp rank) passed
+    from each tp rank to the same tp rank of the next stage. The step is `StageExecutor.step` with
+    the hooks below: the local tensors sent to the copy's keeper and stepped, the norm and the loss
+    counted once per tp group."""
+
+    def __init__(self, stage: Stage, at: tuple[Layout, int], copies: Copies, fraction: float, replicas: Any,
+                 registered: list[dist.ProcessGroup], tensors: list[TensorShape], stepper: LocalStep) -> None:
+        super().__init__(stage, at, copies, fraction, replicas)
+        self.registered = registered
+        self.shapes = {t.name: t for t in tensors}
+        self.stepper = stepper
+
+    owns_default_group = True
+
+    @staticmethod
+    def fits(layout: Layout) -> bool:
+        return layout.pp > 1 and layout.tp > 1 and layout.dp_shard == 1
+
+    @classmethod
+    def build(cls, t: Loop, g: Group, local: LocalState) -> Executor:
+        registered: list[dist.ProcessGroup] = []
+        try:
+            on = groups.tp_mesh(g, t.device, registered, timeout_s=t.config.group_timeout_s,
+                                superseded=lambda: t.agent.superseded(g.epoch))
+            index = g.layout.coords(g.rank)[0]
+            model = meta_model(t.job)
+            module = nn.Sequential(OrderedDict((unit, model.get_submodule(unit)) for unit in g.layout.stages[index]))
+            tensors = t.tensors
+            optimizer = split_module(t, module, tp_styles(t.job, model), on.mesh, g.layout, g.rank, local, tensors)
+        except BaseException:
+            groups.forget(registered)
+            raise
+        stage = Stage(module=module, optimizer=optimizer, stage=index, stages=g.layout.pp)
+        fraction = flops_fraction(t, stage) * compute_fraction(t.graph(), g.layout.tp)
+        stepper = LocalStep(optimizer, [p for p in module.parameters() if p.requires_grad], t.job.optimizer)
+        return cls(stage, (g.layout, g.rank), Copies.of(g.layout, t.name, local, tensors), fraction, on.replicate,
+                   registered, tensors, stepper)
+
+    def close(self) -> None:
+        super().close()
+        groups.forget(self.registered)
+
+    def local_state(self, step: int) -> LocalState:
+        assert self.at is not None
+        local = split_state(self.stage.module, self.stage.optimizer, *self.at, self.shapes, step)
+        return self._with_redundancy(local, self.model.named_parameters())
+
+    def _grads_to_copy(self) -> Iterable[tuple[torch.Tensor, torch.Tensor | None]]:
+        return ((_local(p), local_grad(p)) for p in self.stage.module.parameters())
+
+    def _optimizer_step(self) -> Callable[[], Any]:
+        return self.stepper.step
+
+    def _whole(self) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        return gathered(self.stage)
+
+    def _norm_grads(self, g: Group, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        return norm_grads(self.stage.module.parameters(), g.layout, g.rank)
+
+    def _counts_loss(self, g: Group) -> bool:
+        return g.layout.coords(g.rank)[3] == 0
