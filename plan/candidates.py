@@ -167,7 +167,7 @@ class Ctx:
 
 def whole(plan: Plan) -> bool:
     """`plan.layout.whole_replicas` without building the layout (every member a replica)."""
-    return plan.pp == 1 and plan.dp_shard == 1
+    return plan.pp == 1 and plan.dp_shard == 1 and plan.tp == 1
 
 
 def context(cluster: Cluster, graph: Graph, previous: Plan | None, limits: PlanLimits,
@@ -214,8 +214,10 @@ def kind(plan: Plan) -> str:
     of 2 shards", "a pipeline of 3 stages", "replicated over 3 members"."""
     n = len(plan.members)
     if plan.tp > 1:
-        replicas = n // plan.tp
-        return f"tensor parallel over {plan.tp} members" + (f", {replicas} replicas" if replicas > 1 else "")
+        replicas = n // (plan.tp * plan.pp)
+        what = (f"a pipeline of {plan.pp} stages, each split over {plan.tp} members (tensor parallel)" if plan.pp > 1
+                else f"tensor parallel over {plan.tp} members")
+        return what + (f", {replicas} replicas" if replicas > 1 else "")
     if plan.pp > 1:
         return f"a pipeline of {plan.pp} stages"
     if plan.dp_shard > 1:

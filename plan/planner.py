@@ -255,6 +255,9 @@ def _reason(ctx: Ctx, chosen: Alternative, best: Alternative, runnable: list[Alt
                 if plan.pp > 1 else f"kept {chosen.description}: the best other plan ({other})")
         text += f" gains less than {MIN_GAIN:.0%} of a step"
         return f"{pinned}: {text}" if pinned else text
+    if plan.tp > 1 and pinned:
+        stages = f", stages {' | '.join(' '.join(s) for s in plan.stages)}" if plan.pp > 1 else ""
+        return f"{pinned}: {kind(plan)}{stages}, predicted {_ms(chosen)} ms/step"
     if plan.pp > 1 and pinned:
         return f"{pinned}: {describe_pipeline(plan, speeds)}"
     solved = rep.reason if rep is not None else ""
