@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -38,13 +38,13 @@ from worker.agent import Agent
 from worker.comm import Superseded
 from worker.config import TrainerConfig
 from worker.group import Group
-from worker.job import Job
+from worker.job import Job, sample_ids
 from worker.parallel.buffers import BufferSync
 from worker.parallel.copies import Copies
 from worker.parallel.slices import PARAM, LocalState, from_module
 from worker.parallel.update import GRAD
 
-__all__ = ["Executor", "Loop", "is_comm_error", "local_grad", "squared_norm"]
+__all__ = ["Executor", "Loop", "computing", "is_comm_error", "local_grad", "slot_samples", "squared_norm", "stretch"]
 
 
 class Loop(Protocol):
@@ -232,6 +232,43 @@ class Executor(ABC):
 
 
 # --- what every step shares ------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def computing(t: Loop, g: Group, what: str) -> Iterator[None]:
+    """A step's compute, whose collectives (FSDP2's gathers, DTensor's all-reduces) may fail with a
+    peer: such a failure, or any once the epoch is superseded, gives the step up (Superseded, naming
+    `what` failed); the job's own errors go through. `Loop.computing` is set meanwhile (the abandon
+    points' hooks read it)."""
+    t.computing = g.epoch
+    try:
+        yield
+    except Superseded:
+        raise
+    except Exception as e:
+        if is_comm_error(e) or t.agent.superseded(g.epoch):
+            raise Superseded(f"{what} failed: {str(e).splitlines()[0][:200]}") from None
+        raise
+    finally:
+        t.computing = 0
+
+
+def stretch(t: Loop, g: Group, compute_s: float, samples: int) -> float:
+    """The --slowdown test knob: this member's compute (`compute_s`) stretched by its factor, slept
+    (given up with the epoch); the compute it then took."""
+    factor = t.agent.slowdown
+    if factor <= 1.0 or not samples:
+        return compute_s
+    t0 = time.perf_counter()
+    sleep(t, g, (factor - 1.0) * compute_s)
+    return compute_s + time.perf_counter() - t0
+
+
+def slot_samples(t: Loop, g: Group) -> torch.Tensor:
+    """The sample ids of this step that this member's data-parallel slot computes (`Layout.batch_slice`:
+    every stage and tp rank of the slot computes the same)."""
+    start, stop = g.layout.batch_slice(g.rank)
+    return sample_ids(t.job.seed, t.step, len(t.job.dataset), t.job.global_batch)[start:stop]
 
 
 def sleep(t: Loop, g: Group, seconds: float, why: str = "the --slowdown stretch",

@@ -39,9 +39,9 @@ from plan.layout import Layout
 from transport import PlanDelta
 from worker import group as groups
 from worker.comm import Superseded
-from worker.executor import Executor, Loop, is_comm_error, local_grad, pause, sleep, squared_norm
+from worker.executor import Executor, Loop, computing, local_grad, pause, slot_samples, squared_norm, stretch
 from worker.group import Group
-from worker.job import Job, sample_ids
+from worker.job import Job
 from worker.parallel.copies import Copies
 from worker.parallel.meta import meta_model
 from worker.parallel.shard_step import LocalStep
@@ -450,8 +450,7 @@ class FsdpExecutor(HoldsShards):
         sharded = self.sharded
         t0 = time.perf_counter()
         job, G = t.job, t.job.global_batch
-        start, stop = g.layout.batch_slice(g.rank)
-        ids = sample_ids(job.seed, t.step, len(job.dataset), G)[start:stop]
+        ids = slot_samples(t, g)
         sharded.optimizer.zero_grad(set_to_none=True)
         buffers = self.buffers()
         buffers.begin()
@@ -463,8 +462,7 @@ class FsdpExecutor(HoldsShards):
         # the most (each pass gathers the units), with no samples once its own share is done.
         size = g.micro[g.rank] or len(ids) or 1
         passes = max((-(-s // (m or s)) if s else 1) for s, m in zip(g.shares, g.micro))
-        t.computing = g.epoch  # (until the compute ends: FSDP2's collectives may give the step up)
-        try:
+        with computing(t, g, "the step's gathers"):  # (FSDP2's collectives may give the step up)
             for i in range(passes):
                 chunk = ids[i * size:(i + 1) * size]
                 if len(chunk):
@@ -476,23 +474,12 @@ class FsdpExecutor(HoldsShards):
                 else:  # no samples left: the collectives of the pass still need this member
                     inputs, targets = job.dataset[torch.arange(1)]
                     (job.loss(sharded.model(inputs.to(t.device)), targets.to(t.device)) * 0).backward()  # type: ignore[no-untyped-call]
-        except Superseded:
-            raise
-        except Exception as e:
-            if is_comm_error(e) or t.agent.superseded(g.epoch):
-                raise Superseded(f"the step's gathers failed: {str(e).splitlines()[0][:200]}") from None
-            raise
-        finally:
-            t.computing = 0  # (evaluation and the final gather run FSDP2's hooks too: never given up)
-        # This member's own compute: the step so far less FSDP2's collectives (where it also waited
-        # for the slowest member), which count as communication, as the cost model has them.
+        # (`computing` ends with the compute: evaluation and the final gather run FSDP2's hooks too,
+        # and are never given up.) This member's own compute: the step so far less FSDP2's
+        # collectives (where it also waited for the slowest member), which count as communication,
+        # as the cost model has them.
         collectives_s = sharded.comm.take()
-        compute_s = time.perf_counter() - t0 - collectives_s
-        factor = t.agent.slowdown
-        if factor > 1.0 and len(ids):  # the --slowdown test knob: its own compute stretched
-            t_slow = time.perf_counter()
-            sleep(t, g, (factor - 1.0) * compute_s)
-            compute_s += time.perf_counter() - t_slow
+        compute_s = stretch(t, g, time.perf_counter() - t0 - collectives_s, len(ids))
         pause(t, g, "backward")
         # Every member gets its copy's gradients: from here on the step may be rolled forward.
         t_copies = time.perf_counter()

@@ -44,9 +44,9 @@ from transport import PlanDelta
 from worker import comm, state
 from worker import group as groups
 from worker.comm import AllOf
-from worker.executor import Executor, Loop, local_grad, pause, sleep, squared_norm
+from worker.executor import Executor, Loop, local_grad, pause, sleep, slot_samples, squared_norm
 from worker.group import Group
-from worker.job import Job, sample_ids
+from worker.job import Job
 from worker.parallel.copies import Copies
 from worker.parallel.fsdp import HoldsShards, Sharded, mixed_precision, shard_module
 from worker.parallel.meta import meta_model
@@ -292,8 +292,7 @@ class StageExecutor(Executor):
         stage = self.stage
         t0 = time.perf_counter()
         job, G = t.job, t.job.global_batch
-        start, stop = g.layout.batch_slice(g.rank)
-        ids = sample_ids(job.seed, t.step, len(job.dataset), G)[start:stop]
+        ids = slot_samples(t, g)
         stage.optimizer.zero_grad(set_to_none=True)
         sizes = self._sizes(g, len(ids))
         self._collectives_s()  # (a sharded stage: FSDP2's gathers and scatters of this step from here on)

@@ -41,10 +41,9 @@ from plan.placement import TensorShape, ranges_of
 from plan.tensor import compute_fraction
 from transport import PlanDelta
 from worker import group as groups
-from worker.comm import AllOf, Superseded
-from worker.executor import Executor, Loop, is_comm_error, local_grad, pause, sleep, squared_norm
+from worker.comm import AllOf
+from worker.executor import Executor, Loop, computing, local_grad, pause, slot_samples, squared_norm, stretch
 from worker.group import Group
-from worker.job import sample_ids
 from worker.parallel.copies import Copies
 from worker.parallel.meta import meta_model
 from worker.parallel.shard_step import LocalStep
@@ -81,16 +80,7 @@ class TensorParallelExecutor(Executor):
 
     @classmethod
     def build(cls, t: Loop, g: Group, local: LocalState) -> Executor:
-        registered: list[dist.ProcessGroup] = []
-        try:
-            on = groups.tp_mesh(g, t.device, registered, timeout_s=t.config.group_timeout_s,
-                                superseded=lambda: t.agent.superseded(g.epoch))
-            model = meta_model(t.job)
-            tensors = t.tensors
-            optimizer = split_module(t, model, tp_styles(t.job, model), on.mesh, g.layout, g.rank, local, tensors)
-        except BaseException:
-            groups.forget(registered)
-            raise
+        model, optimizer, on, registered, tensors = split_on_tp_mesh(t, g, local, lambda whole: whole)
         copies = Copies.of(g.layout, t.name, local, tensors)
         stepper = LocalStep(optimizer, [p for p in model.parameters() if p.requires_grad], t.job.optimizer)
         return cls(model, optimizer, (g.layout, g.rank), copies, registered, on.replicate, tensors, stepper)
@@ -134,34 +124,20 @@ class TensorParallelExecutor(Executor):
         steps its own tensors."""
         t0 = time.perf_counter()
         job, G = t.job, t.job.global_batch
-        start, stop = g.layout.batch_slice(g.rank)
-        ids = sample_ids(job.seed, t.step, len(job.dataset), G)[start:stop]
+        ids = slot_samples(t, g)
         self.optimizer.zero_grad(set_to_none=True)
         buffers = self.buffers()
         buffers.begin()
         loss_sum = torch.zeros((), dtype=torch.float64, device=t.device)
         size = g.micro[g.rank] or len(ids) or 1
-        t.computing = g.epoch
-        try:
+        with computing(t, g, "the step's tensor-parallel collectives"):
             for i in range(0, len(ids), size):
                 inputs, targets = job.dataset[ids[i:i + size]]
                 loss = job.loss(self.model(inputs.to(t.device)), targets.to(t.device))
                 pause(t, g, "forward")
                 (loss / G).backward()  # type: ignore[no-untyped-call]
                 loss_sum = loss_sum + loss.detach().double()
-        except Superseded:
-            raise
-        except Exception as e:
-            if is_comm_error(e) or t.agent.superseded(g.epoch):
-                raise Superseded(f"the step's tensor-parallel collectives failed: {str(e).splitlines()[0][:200]}") from None
-            raise
-        finally:
-            t.computing = 0
-        compute_s = time.perf_counter() - t0
-        factor = t.agent.slowdown
-        if factor > 1.0 and len(ids):  # the --slowdown test knob: its compute stretched
-            sleep(t, g, (factor - 1.0) * compute_s)
-            compute_s = time.perf_counter() - t0
+        compute_s = stretch(t, g, time.perf_counter() - t0, len(ids))
         pause(t, g, "backward")
         t_comm = time.perf_counter()
         grads = [gr for p in self.params if (gr := local_grad(p)) is not None]
@@ -207,6 +183,25 @@ class TensorParallelExecutor(Executor):
             for gr in tensors:
                 gr.view(-1).copy_(flats[dtype][at:at + gr.numel()])
                 at += gr.numel()
+
+
+def split_on_tp_mesh(t: Loop, g: Group, local: LocalState, part: Callable[[nn.Module], nn.Module]
+                     ) -> tuple[nn.Module, torch.optim.Optimizer, groups.ShardMesh, list[dist.ProcessGroup], list[TensorShape]]:
+    """The epoch's tp mesh (its groups registered first: forming them can be superseded, and then
+    nothing is left registered), and `part` of the job's meta model (the whole model, or a stage of
+    it) split over it and loaded (`split_module`): (module, optimizer, mesh, registered, tensors)."""
+    registered: list[dist.ProcessGroup] = []
+    try:
+        on = groups.tp_mesh(g, t.device, registered, timeout_s=t.config.group_timeout_s,
+                            superseded=lambda: t.agent.superseded(g.epoch))
+        model = meta_model(t.job)
+        module = part(model)
+        tensors = t.tensors
+        optimizer = split_module(t, module, tp_styles(t.job, model), on.mesh, g.layout, g.rank, local, tensors)
+    except BaseException:
+        groups.forget(registered)
+        raise
+    return module, optimizer, on, registered, tensors
 
 
 def split_module(t: Loop, module: nn.Module, styles: Mapping[str, str], mesh: Any, layout: Layout, rank: int,
@@ -345,18 +340,10 @@ class TensorStageExecutor(StageExecutor):
 
     @classmethod
     def build(cls, t: Loop, g: Group, local: LocalState) -> Executor:
-        registered: list[dist.ProcessGroup] = []
-        try:
-            on = groups.tp_mesh(g, t.device, registered, timeout_s=t.config.group_timeout_s,
-                                superseded=lambda: t.agent.superseded(g.epoch))
-            index = g.layout.coords(g.rank)[0]
-            model = meta_model(t.job)
-            module = nn.Sequential(OrderedDict((unit, model.get_submodule(unit)) for unit in g.layout.stages[index]))
-            tensors = t.tensors
-            optimizer = split_module(t, module, tp_styles(t.job, model), on.mesh, g.layout, g.rank, local, tensors)
-        except BaseException:
-            groups.forget(registered)
-            raise
+        index = g.layout.coords(g.rank)[0]
+        module, optimizer, on, registered, tensors = split_on_tp_mesh(
+            t, g, local, lambda model: nn.Sequential(OrderedDict((u, model.get_submodule(u)) for u in g.layout.stages[index])))
+        assert isinstance(module, nn.Sequential)
         stage = Stage(module=module, optimizer=optimizer, stage=index, stages=g.layout.pp)
         fraction = flops_fraction(t, stage) * compute_fraction(t.graph(), g.layout.tp)
         stepper = LocalStep(optimizer, [p for p in module.parameters() if p.requires_grad], t.job.optimizer)
