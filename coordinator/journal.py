@@ -159,7 +159,7 @@ def recover(values: dict[str, Any], *, now: float, flag: LayoutPin | None = None
     delta = PlanDelta(**{**data, "layout": MeshLayout(**data["layout"]),
                          "previous": MeshLayout(**data["previous"]) if data.get("previous") else None})
     plan = Plan(members=tuple(delta.members), shares=tuple(delta.shares), dp_shard=delta.layout.dp_shard,
-                pp=delta.layout.pp, stages=tuple(tuple(stage) for stage in delta.layout.stages),
+                pp=delta.layout.pp, stages=tuple(tuple(stage) for stage in delta.layout.stages), tp=delta.layout.tp,
                 micro=tuple(delta.micro_batch) if any(delta.micro_batch) else ())
     devices = {n: _device(d) for n, d in (values.get("devices") or {}).items()}
     return dataclasses.replace(state, delta=delta, recovered_plan=plan, recovered_devices=devices,

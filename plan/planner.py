@@ -108,7 +108,7 @@ def make_plan(cluster: Cluster, graph: Graph | None, previous: Plan | None, *, l
         result = _by_speed(cluster, previous.members if previous else tuple(holders or ()), limits)
         return _pinned(cluster, graph, result, pin, limits) if pin is not None and result.plan is not None else result
     ctx = context(cluster, graph, previous, limits, holders)
-    if limits.policy == "even" and not pipeline_pin:
+    if limits.policy == "even" and not pipeline_pin and (pin is None or (pin.tp or 1) == 1):
         return _even(ctx, pin)
     return _choose(ctx, pin)
 

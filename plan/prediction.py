@@ -241,7 +241,7 @@ def micro_batched(plan: Plan, graph: Graph | None, caps: Mapping[str, float | No
     """A replicated `plan` whose members run a share larger than their memory's cap (`caps`: the most
     samples a member trains at once beside its whole state) as micro-batches of that cap: the
     share is bounded by speed, the micro-batch by memory. (A pipeline's micro-batches are its own.)"""
-    if graph is None or plan.pp > 1 or plan.dp_shard > 1:  # (not whole replicas; cheaper than plan.layout)
+    if graph is None or plan.pp > 1 or plan.dp_shard > 1 or plan.tp > 1:  # (not whole replicas; cheaper than plan.layout)
         return plan
     return _with_micro(plan, graph, micro_sizes(plan.shares, [caps.get(m) for m in plan.members]))
 
@@ -260,7 +260,15 @@ def _with_micro(plan: Plan, graph: Graph, micro: tuple[int, ...]) -> Plan:
 
 def repredict(cluster: Cluster, graph: Graph | None, plan: Plan) -> Plan:
     """`plan`'s members, shares and layout, predicted again (new speeds, fitted constants); a
-    pipeline keeps its cut and micro-batches (with no graph there is nothing to predict it from)."""
+    pipeline keeps its cut and micro-batches (with no graph there is nothing to predict it from);
+    a pipeline of tp stages keeps its prediction too."""
+    if plan.tp > 1:
+        if graph is None or plan.pp > 1:
+            return plan
+        from plan.tensor import predict_tensor  # (plan.tensor builds on this module)
+
+        slots = [list(plan.members[i:i + plan.tp]) for i in range(0, len(plan.members), plan.tp)]
+        return replace(predict_tensor(cluster, graph, slots, plan.shares[::plan.tp]), micro=plan.micro)
     if plan.pp > 1:
         if graph is None:
             return plan

@@ -21,10 +21,10 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from plan.cluster import Cluster
-from plan.cost import allreduce_s, static_bytes
+from plan.cost import allreduce_s, samples_that_fit, static_bytes
 from plan.graph import Graph
 from plan.layout import LayoutPin
-from plan.prediction import MemberCost, Plan
+from plan.prediction import MemberCost, Plan, micro_sizes
 from plan.shares import assign
 
 if TYPE_CHECKING:
@@ -83,9 +83,19 @@ def predict_tensor(cluster: Cluster, graph: Graph, slots: Sequence[Sequence[str]
                 predicted_step_s=busiest + comm, comm_s=comm, costs=costs, tp=tp)
 
 
+def holds_its_part(ctx: Ctx, tp: int) -> list[str]:
+    """The ready devices, fastest first, whose memory holds a tp member's part (its fraction of the
+    parameters, their gradients and optimizer state) beside one sample: tp also runs a model no
+    device can hold whole."""
+    g = ctx.graph
+    static = static_bytes(g.param_bytes * compute_fraction(g, tp), g.optimizer_state_factor)
+    return [m for m in ctx.fastest()
+            if (samples_that_fit(ctx.cluster.devices[m].memory_bytes, static, g.activation_bytes) or 0) >= 1]
+
+
 def pinned_tensor_parallel(ctx: Ctx, pin: LayoutPin) -> list[Weighed]:
-    """The pinned dp x tp over the fastest ready devices: `dp=R` replicas where pinned, else as many
-    whole tp groups as the devices fill; or why it cannot run."""
+    """The pinned dp x tp over the fastest ready devices that hold a member's part: `dp=R` replicas
+    where pinned, else as many whole tp groups as the devices fill; or why it cannot run."""
     from plan.candidates import Weighed
 
     tp = pin.tp or 1
@@ -93,7 +103,7 @@ def pinned_tensor_parallel(ctx: Ctx, pin: LayoutPin) -> list[Weighed]:
     layout = f"dp_replicate={pin.dp_replicate or '*'} x tp={tp}"
     if not split_fraction(ctx.graph):
         return [Weighed(layout, (1, pin.dp_replicate, 1), why_not=f"{what}: the job has no tensor-parallel plan")]
-    devices = ctx.ranked([m for m in ctx.fastest() if (ctx.caps[m] or 0) >= 1])
+    devices = ctx.ranked(holds_its_part(ctx, tp))
     replicas = pin.dp_replicate or len(devices) // tp
     if replicas < 1 or replicas * tp > len(devices):
         return [Weighed(layout, (1, pin.dp_replicate, 1),
@@ -103,10 +113,15 @@ def pinned_tensor_parallel(ctx: Ctx, pin: LayoutPin) -> list[Weighed]:
     slots = [members[r * tp:(r + 1) * tp] for r in range(replicas)]
     speeds = [min(ctx.speeds[m] for m in slot) for slot in slots]
     overheads = [max(ctx.cluster.devices[m].overhead_s + ctx.fixed[m] for m in slot) for slot in slots]
+    static = static_bytes(ctx.graph.param_bytes * compute_fraction(ctx.graph, tp), ctx.graph.optimizer_state_factor)
+    caps = [min(samples_that_fit(ctx.cluster.devices[m].memory_bytes, static, ctx.graph.activation_bytes) or 0.0,
+                float(ctx.limits.global_batch)) for m in members[::tp]]  # (a replica's share runs in micro-batches)
     shares = assign(speeds, overheads, [float(ctx.limits.global_batch)] * replicas, ctx.limits.global_batch)
     if shares is None:
         return [Weighed(layout, (1, replicas, 1), why_not=f"{what}: the batch does not split over {replicas} replicas")]
-    plan = predict_tensor(ctx.cluster, ctx.graph, slots, shares)
+    micro = micro_sizes(shares, caps)  # (a share larger than a member's memory holds at once: micro-batches)
+    plan = replace(predict_tensor(ctx.cluster, ctx.graph, slots, shares),
+                   micro=tuple(m for m in micro for _ in range(tp)) if any(micro) else ())
     return [Weighed(plan.layout.describe(), (1, replicas, 1), scored=ctx.score(plan, what))]
 
 
