@@ -183,9 +183,15 @@ def pipelined(cluster: Cluster, graph: Graph, pipeline: PipelinePlan,
 
 def reported_compute(plan: Plan, graph: Graph | None) -> dict[str, float]:
     """Per member, the compute seconds its step reports should show if the plan's prediction holds:
-    its predicted compute, except that a pipeline stage reports its compute as the whole model's
+    its predicted compute, except that a pipeline stage and a tp member report theirs as the whole model's
     (over its units' share of the training FLOPs, worker/parallel/staged.py: so its speed reads as the device's),
     and so is expected at that scale."""
+    if graph is not None and plan.tp > 1:  # (a tp member reports its compute as the whole model's too)
+        from plan.tensor import compute_fraction
+
+        split = compute_fraction(graph, plan.tp)
+        whole = reported_compute(replace(plan, tp=1), graph) if plan.pp > 1 else {c.name: c.compute_s for c in plan.costs}
+        return {name: s / split for name, s in whole.items()}
     if plan.pp == 1 or graph is None:
         return {c.name: c.compute_s for c in plan.costs}
     flops = {layer.name: layer.train_flops for layer in graph.layers}

@@ -163,7 +163,10 @@ class TensorParallelExecutor(Executor):
         grad_norm = float(buf[1].sqrt())
         pause(t, g, "optimizer")
         lr = self._apply(t, grads, grad_norm, self.stepper.step)
-        return self._end(t, g, buf, pending, len(ids), (compute_s, comm_s, time.perf_counter() - t0), lr, grad_norm)
+        # (its compute reported as the whole model's, as a pipeline stage's is: the coordinator reads
+        # a member's speed in whole-model samples/s)
+        whole_s = compute_s / compute_fraction(t.graph(), g.layout.tp)
+        return self._end(t, g, buf, pending, len(ids), (whole_s, comm_s, time.perf_counter() - t0), lr, grad_norm)
 
     def _sum_over_replicas(self, t: Loop, g: Group, grads: list[torch.Tensor]) -> None:
         """Every local gradient summed over this member's replica group: one flat buffer per dtype."""
