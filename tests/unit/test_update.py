@@ -62,3 +62,33 @@ def test_an_update_on_slices_equals_the_whole_parameters_update_bit_for_bit(name
         assert GRAD not in piece.data
         if "step" in local.scalars[n]:
             assert float(local.scalars[n]["step"]) == 2.0
+
+
+def test_a_row_wise_copy_of_one_piece_per_row_is_updated_as_one_tensor_bit_for_bit() -> None:
+    """The copy of a row-wise tp slice (columns [3, 6) of a 4 x 6 weight: one piece per row, the
+    pieces consecutive views of one buffer, as `Copies.of` lays them out) is stepped as one tensor
+    and equals the whole parameter's update on those elements, over three steps (the first creates
+    Adam's state, split back over the pieces)."""
+    torch.manual_seed(1)
+    whole = torch.nn.Parameter(torch.randn(4, 6))
+    factory = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)  # noqa: E731
+    optimizer = factory([whole])
+    ranges = [(r * 6 + 3, r * 6 + 6) for r in range(4)]
+    buf = torch.cat([whole.detach().reshape(-1)[lo:hi] for lo, hi in ranges])
+    pieces = [Piece(lo, hi, {PARAM: buf[3 * i:3 * i + 3]}) for i, (lo, hi) in enumerate(ranges)]
+    local = LocalState(step=0, keys={"w": (PARAM,)}, dtypes={"w": {PARAM: "float32"}}, pieces={"w": pieces},
+                       hyper=[{k: v for k, v in optimizer.param_groups[0].items() if k != "params"}])
+    for _ in range(3):
+        grad = torch.randn(4, 6)
+        whole.grad = grad.clone()
+        grads = torch.cat([grad.reshape(-1)[lo:hi] for lo, hi in ranges])
+        for i, piece in enumerate(pieces):
+            piece.data[GRAD] = grads[3 * i:3 * i + 3]
+        assert apply_update(factory, local, local.pieces, {"w": (4, 6)}, lambda i: 1e-2, 1.0) == 4
+        optimizer.step()
+    state = optimizer.state[whole]
+    for piece in pieces:
+        assert torch.equal(piece.data[PARAM], whole.detach().reshape(-1)[piece.lo:piece.hi])
+        assert torch.equal(piece.data["exp_avg_sq"], state["exp_avg_sq"].reshape(-1)[piece.lo:piece.hi])
+    assert pieces[1].data["exp_avg"].storage_offset() == pieces[0].data["exp_avg"].storage_offset() + 3, \
+        "the state created on the first step is split back as consecutive views (joined again next step)"

@@ -83,8 +83,7 @@ class Copies:
                           scalars={f: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in sc.items()}
                                    for f, sc in local.scalars.items()})
         for t in tensors:  # (the source's slices, or its stage's tensors whole; nothing of another stage)
-            copy.pieces[t.name] = [Piece(lo, hi, {k: local.fresh(t.name, k, lo, hi) for k in local.keys[t.name]})
-                                   for lo, hi in ranges_of(layout, src, t) if hi > lo]
+            copy.pieces[t.name] = _in_one_buffer(local, t.name, [r for r in ranges_of(layout, src, t) if r[1] > r[0]])
         return Copies(keeper, source, copy)
 
     def exchange(self, named_grads: Iterable[tuple[torch.Tensor, torch.Tensor | None]], members: Sequence[str],
@@ -209,6 +208,21 @@ class Copies:
                 for piece in pieces:
                     piece.data.pop(GRAD, None)
         return self.copy.pieces
+
+
+def _in_one_buffer(local: LocalState, fqn: str, ranges: Sequence[tuple[int, int]]) -> list[Piece]:
+    """`fqn`'s `ranges` of `local` as pieces whose tensors are consecutive views of one buffer per
+    key (a row-wise tp split has a range per row): the copy's update then steps them as one tensor
+    (`worker.parallel.update`), not hundreds."""
+    total = sum(hi - lo for lo, hi in ranges)
+    buffers = {k: torch.empty(total, dtype=local.dtype(fqn, k), device=local.pieces[fqn][0].data[k].device)
+               for k in local.keys[fqn]} if ranges else {}
+    pieces, at = [], 0
+    for lo, hi in ranges:
+        data = {k: local.copy_to(fqn, k, lo, hi, buf[at:at + hi - lo]) for k, buf in buffers.items()}
+        pieces.append(Piece(lo, hi, data))
+        at += hi - lo
+    return pieces
 
 
 def _kept_or_fresh(kept: Mapping[torch.dtype, torch.Tensor], dtype: torch.dtype, numel: int,

@@ -43,10 +43,9 @@ def apply_update(optimizer_factory: Callable[[Iterable[torch.nn.Parameter]], tor
     updated. The per-parameter scalars (Adam's `step`) in `local.scalars` advance with it."""
     params: list[torch.nn.Parameter] = []
     order: list[tuple[str, Piece]] = []
+    runs: dict[int, list[Piece]] = {}  # id of a run's stand-in piece -> the pieces it joins
     for fqn, ps in pieces.items():
-        for piece in ps:
-            if GRAD not in piece.data or piece.hi <= piece.lo:
-                continue
+        for piece in _joined([q for q in ps if GRAD in q.data and q.hi > q.lo], runs):
             view = _rows(piece.data[PARAM], shapes[fqn])
             p = torch.nn.Parameter(view, requires_grad=True)
             p.grad = _rows(piece.data[GRAD], shapes[fqn])
@@ -69,19 +68,54 @@ def apply_update(optimizer_factory: Callable[[Iterable[torch.nn.Parameter]], tor
             optimizer.state[p] = state
     with torch.no_grad():
         optimizer.step()
+    updated = 0
     for p, (fqn, piece) in zip(params, order):
         after = optimizer.state.get(p, {})
+        joined = runs.get(id(piece), [piece])
         for key, value in after.items():
             if isinstance(value, torch.Tensor) and value.shape == p.shape and key not in piece.data:
-                piece.data[key] = value.reshape(-1)  # a fresh job: the optimizer created its state now
-        del piece.data[GRAD]
-        local.keys[fqn] = tuple(piece.data)
-        local.dtypes[fqn] = {k: str(v.dtype).removeprefix("torch.") for k, v in piece.data.items()}
+                flat, at = value.reshape(-1), 0  # a fresh job: the optimizer created its state now
+                for q in joined:
+                    q.data[key] = flat[at:at + q.hi - q.lo]
+                    at += q.hi - q.lo
+        updated += len(joined)
+        for q in joined:
+            q.data.pop(GRAD, None)
+        local.keys[fqn] = tuple(joined[0].data)
+        local.dtypes[fqn] = {k: str(v.dtype).removeprefix("torch.") for k, v in joined[0].data.items()}
     # Scalars (the step count) are one per parameter, the same for every slice: take the first.
     for p, (fqn, _) in zip(params, order):
         local.scalars[fqn] = {k: v for k, v in optimizer.state.get(p, {}).items()
                               if not (isinstance(v, torch.Tensor) and v.shape == p.shape)}
-    return len(order)
+    return updated
+
+
+def _joined(pieces: list[Piece], runs: dict[int, list[Piece]]) -> list[Piece]:
+    """`pieces`, a run of them whose tensors (every key's) are consecutive views of one buffer
+    stood in for by one piece over the whole run (recorded in `runs`, by the stand-in's id): an
+    element-wise step of the run is the steps of its pieces, and a row-wise tp split's copy has a
+    piece per row."""
+    if len(pieces) < 2 or not _consecutive(pieces):
+        return pieces
+    first = pieces[0]
+    total = sum(q.hi - q.lo for q in pieces)
+    stand_in = Piece(first.lo, first.lo + total, {k: v.as_strided((total,), (1,)) for k, v in first.data.items()})
+    runs[id(stand_in)] = pieces
+    return [stand_in]
+
+
+def _consecutive(pieces: list[Piece]) -> bool:
+    keys = pieces[0].data.keys()
+    for a, b in zip(pieces, pieces[1:]):
+        if b.data.keys() != keys:
+            return False
+        for k in keys:
+            x, y = a.data[k], b.data[k]
+            if (x.dim() != 1 or y.dim() != 1 or not x.is_contiguous() or not y.is_contiguous() or x.dtype != y.dtype
+                    or y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+                    or y.storage_offset() != x.storage_offset() + x.numel()):
+                return False
+    return True
 
 
 def _rows(flat: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
