@@ -28,10 +28,14 @@ from worker.parallel.slices import PARAM, LocalState, Piece
 GRAD = "grad"  # a piece's pending gradient (never moved by a reshard: not a companion key)
 
 # Optimizers whose multi-tensor (foreach) step is, element by element, the same arithmetic as their
-# per-tensor step: on the CPU, where torch defaults to the per-tensor one, the copy's update takes the
-# multi-tensor one (one call per operation instead of one per tensor: 3.4 -> 2.6 ms for half of the
-# small GPT), and stays bit for bit the owner's (tests/unit/test_update.py checks both against it).
+# per-tensor step: where torch defaults to the per-tensor one (the CPU), the copy's update of many
+# small tensors takes the multi-tensor one (one call per operation instead of one per tensor: 3.4 ->
+# 2.6 ms for half of the small GPT) and stays bit for bit the owner's (tests/unit/test_update.py
+# checks both against it). Of large tensors it is slower (measured, AdamW on one CPU thread, 24
+# tensors: 16K elements each 2.2 -> 1.8 ms, 65K each 5.8 -> 10.0 ms: it makes its temporaries for
+# every tensor at once), so only up to FOREACH_UP_TO elements per tensor on average.
 SAME_ARITHMETIC_FOREACH = (torch.optim.Adam, torch.optim.AdamW)
+FOREACH_UP_TO = 32_768
 
 
 def apply_update(optimizer_factory: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer],
@@ -59,7 +63,8 @@ def apply_update(optimizer_factory: Callable[[Iterable[torch.nn.Parameter]], tor
     for index, (group, hyper) in enumerate(zip(optimizer.param_groups, local.hyper)):
         group.update({k: v for k, v in hyper.items() if k != "lr"})
         group["lr"] = lr(index)
-        if group.get("foreach") is None and type(optimizer) in SAME_ARITHMETIC_FOREACH:
+        if (group.get("foreach") is None and type(optimizer) in SAME_ARITHMETIC_FOREACH and group["params"]
+                and sum(p.numel() for p in group["params"]) <= FOREACH_UP_TO * len(group["params"])):
             group["foreach"] = True
     for p, (fqn, piece) in zip(params, order):
         state: dict[str, Any] = {k: _rows(v, shapes[fqn]) for k, v in piece.data.items() if k not in (PARAM, GRAD)}
