@@ -67,12 +67,13 @@ class TensorParallelExecutor(Executor):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, at: tuple[Layout, int], copies: Copies,
                  registered: list[dist.ProcessGroup], replicate: dist.ProcessGroup | None, tensors: list[TensorShape],
-                 stepper: LocalStep) -> None:
+                 stepper: LocalStep, fraction: float) -> None:
         super().__init__(model, optimizer, at, copies)
         self.registered = registered  # the epoch's groups as registered with c10d
         self.replicate = replicate  # the replica group the gradients are summed over (None: one replica)
         self.shapes = {t.name: t for t in tensors}
         self.stepper = stepper  # the optimizer's step on the local tensors
+        self.fraction = fraction  # this member's share of the whole model's compute
 
     @staticmethod
     def fits(layout: Layout) -> bool:
@@ -83,7 +84,8 @@ class TensorParallelExecutor(Executor):
         model, optimizer, on, registered, tensors = split_on_tp_mesh(t, g, local, lambda whole: whole)
         copies = Copies.of(g.layout, t.name, local, tensors)
         stepper = LocalStep(optimizer, [p for p in model.parameters() if p.requires_grad], t.job.optimizer)
-        return cls(model, optimizer, (g.layout, g.rank), copies, registered, on.replicate, tensors, stepper)
+        return cls(model, optimizer, (g.layout, g.rank), copies, registered, on.replicate, tensors, stepper,
+                   compute_fraction(t.graph(), g.layout.tp))
 
     def close(self) -> None:
         super().close()
@@ -165,7 +167,7 @@ class TensorParallelExecutor(Executor):
         lr = self._apply(t, grads, grad_norm, self.stepper.step)
         # (its compute reported as the whole model's, as a pipeline stage's is: the coordinator reads
         # a member's speed in whole-model samples/s)
-        whole_s = compute_s / compute_fraction(t.graph(), g.layout.tp)
+        whole_s = compute_s / self.fraction
         return self._end(t, g, buf, pending, len(ids), (whole_s, comm_s, time.perf_counter() - t0), lr, grad_norm)
 
     def _sum_over_replicas(self, t: Loop, g: Group, grads: list[torch.Tensor]) -> None:
