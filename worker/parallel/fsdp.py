@@ -50,7 +50,7 @@ from worker.parallel.slices import PARAM, LocalState, Piece
 Wait = Callable[[Any, torch.Tensor | None], None]  # the trainer's abortable wait (raises when superseded)
 
 __all__ = ["AbortableAllReduce", "CommTime", "FsdpExecutor", "HoldsShards", "KeptShard", "Sharded", "apply_fsdp", "extract",
-           "mixed_precision", "shard_module"]
+           "mixed_precision", "save_gathered", "shard_module"]
 
 
 @dataclass(slots=True)
@@ -360,6 +360,26 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, params: dict[str, nn.Param
         optimizer.state[p] = state
 
 
+def save_gathered(t: Loop, g: Group, model: nn.Module, optimizer: torch.optim.Optimizer, directory: str, *,
+                  final: bool) -> None:
+    """The whole model and optimizer state of a model whose parameters are DTensors (FSDP2's shards,
+    tensor parallelism's slices), gathered by every member; rank 0 writes it, the optimizer's state
+    keyed by parameter index as `optimizer.state_dict()` of the plain model gives it."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = get_model_state_dict(model, options=options)
+    by_name: dict[str, Any] = dict(get_optimizer_state_dict(model, optimizer, options=options))
+    if g.rank != 0:
+        return
+    index = {fqn: i for i, (fqn, _) in enumerate(model.named_parameters())}
+    optimizer_state = {"state": {index[fqn]: st for fqn, st in by_name["state"].items()},
+                       "param_groups": [{**grp, "params": [index[f] for f in grp["params"]]}
+                                        for grp in by_name["param_groups"]]}
+    t.write(directory, final, model_state, optimizer_state)
+
+
 # --- the executor ------------------------------------------------------------------------------------
 
 
@@ -423,22 +443,8 @@ class FsdpExecutor(HoldsShards):
 
     def save(self, t: Loop, g: Group | None, directory: str, *, final: bool) -> None:
         """Gather the full model and optimizer state from the shards (every member), rank 0 writes."""
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                             get_optimizer_state_dict)
-
         assert g is not None, "a sharded model is gathered over the epoch's group"
-
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_state = get_model_state_dict(self.model, options=options)
-        by_name: dict[str, Any] = dict(get_optimizer_state_dict(self.model, self.optimizer, options=options))
-        if g.rank != 0:
-            return
-        # What `optimizer.state_dict()` of the plain model gives: state keyed by parameter index.
-        index = {fqn: i for i, (fqn, _) in enumerate(self.model.named_parameters())}
-        optimizer_state = {"state": {index[fqn]: st for fqn, st in by_name["state"].items()},
-                           "param_groups": [{**grp, "params": [index[f] for f in grp["params"]]}
-                                            for grp in by_name["param_groups"]]}
-        t.write(directory, final, model_state, optimizer_state)
+        save_gathered(t, g, self.model, self.optimizer, directory, final=final)
 
     def step(self, t: Loop, g: Group) -> PlanDelta | None:
         """One exact step with FSDP2: each member computes its slice of the batch (a member with no

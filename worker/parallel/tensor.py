@@ -45,6 +45,7 @@ from worker.comm import AllOf
 from worker.executor import Executor, Loop, computing, local_grad, pause, slot_samples, squared_norm, stretch
 from worker.group import Group
 from worker.parallel.copies import Copies
+from worker.parallel.fsdp import save_gathered
 from worker.parallel.meta import meta_model
 from worker.parallel.shard_step import LocalStep
 from worker.parallel.slices import PARAM, LocalState, Piece
@@ -101,17 +102,9 @@ class TensorParallelExecutor(Executor):
         return self._with_redundancy(local, self.model.named_parameters())
 
     def save(self, t: Loop, g: Group | None, directory: str, *, final: bool) -> None:
-        """Every split tensor gathered whole over its tp group (every member calls it); the first
-        member writes."""
+        """Every split tensor gathered whole over its tp group (every member calls it); rank 0 writes."""
         assert g is not None, "a split model is gathered over the epoch's group"
-        model_state = {k: _whole(v) for k, v in self.model.state_dict().items()}
-        index = {fqn: i for i, (fqn, _) in enumerate(self.model.named_parameters())}
-        state = {index[fqn]: {k: _whole(v) for k, v in st.items()}
-                 for fqn, p in self.model.named_parameters() if (st := self.optimizer.state.get(p))}
-        if g.rank != 0:
-            return
-        optimizer_state = {"state": state, "param_groups": self.optimizer.state_dict()["param_groups"]}
-        t.write(directory, final, model_state, optimizer_state)
+        save_gathered(t, g, self.model, self.optimizer, directory, final=final)
 
     def evaluate(self, t: Loop, g: Group) -> None:
         from worker.evaluate import evaluate
@@ -266,13 +259,6 @@ def _split(p: DTensor) -> bool:
 
 def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
-
-
-def _whole(value: Any) -> Any:
-    """A DTensor gathered whole (a collective over its mesh), on the CPU; anything else as it is."""
-    if isinstance(value, DTensor):
-        return value.full_tensor().detach().cpu()
-    return value.detach().cpu() if isinstance(value, torch.Tensor) else value
 
 
 def _pieces(ranges: Iterable[tuple[int, int]], data: Mapping[str, torch.Tensor]) -> list[Piece]:
