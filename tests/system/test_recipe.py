@@ -28,10 +28,11 @@ NUM_STEPS = 40
 FIELDS = ("loss", "lr", "grad_norm")
 
 
-def single_process(keep: dict[str, Any] | None = None) -> dict[int, dict[str, float]]:
-    """The recipe in one process, step by step (1-based, like the `step` events); `keep` receives
-    the trained model."""
-    job = load_job(GPT.read_text(), "job_short", filename=str(GPT))
+def single_process(keep: dict[str, Any] | None = None, job_file: Path = GPT,
+                   function: str = "job_short") -> dict[int, dict[str, float]]:
+    """The recipe (`function` of `job_file`) in one process, step by step (1-based, like the `step`
+    events); `keep` receives the trained model."""
+    job = load_job(job_file.read_text(), function, filename=str(job_file))
     torch.manual_seed(job.seed)
     model = job.model()
     opt = job.optimizer(model.parameters())
