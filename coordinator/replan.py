@@ -132,11 +132,18 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
                                                              f"the planner makes with the layout {pin_text(state.layout)}"})]
         return replace(state, replan_wanted=None, result=result, plan=new, tracker=tracker, kept=kept,
                        standby=frozenset(result.standby)), [*said, *told, *benched]
-    if calm and not abort and reason in GAIN_REASONS and state.plan is not None:
+    # A join whose newcomer the plan leaves out changes only how the running members are laid out
+    # (new speeds measured meanwhile): that must pay for itself too, as a speed change's re-plan.
+    reorders = (reason == "join" and state.plan is not None and state.resume is None
+                and set(new.members) == set(state.plan.members))
+    if calm and not abort and (reason in GAIN_REASONS or reorders) and state.plan is not None:
         verdict = _worth_it(state, new, result, horizon)
-        if not verdict.switch:  # the current plan stays, and so does its standby
+        if not verdict.switch:  # the current plan stays, and so does its standby (and the newcomer's)
             kept_state = _keep(state, verdict.detail)
-            return kept_state, [*said, Log("kept", {"reason": reason, "detail": kept_state.kept})]
+            if reorders:
+                kept_state = replace(kept_state, standby=frozenset(result.standby))
+            return kept_state, [*said, Log("kept", {"reason": reason, "detail": kept_state.kept}),
+                                *(benched if reorders else [])]
         result = replace(result, reason=f"{result.reason}; {verdict.detail}")
     state = replace(state, standby=frozenset(result.standby))
     abandons, if_missed = False, ""

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from plan.cluster import Cluster
 from plan.cost import allreduce_s, samples_that_fit, static_bytes
 from plan.graph import Graph
-from plan.layout import LayoutPin
+from plan.layout import Layout, LayoutPin
 from plan.prediction import MemberCost, Plan, micro_sizes
 from plan.shares import assign
 
@@ -159,7 +159,11 @@ def pinned_pipeline_tensor(ctx: Ctx, pin: LayoutPin) -> list[Weighed]:
     same = previous is not None and (previous.tp, previous.pp) == (tp, stages)
     chosen = _keeping_positions(previous.members if same and previous is not None else (), devices[:need])
     groups = {chosen[i]: chosen[i:i + tp] for i in range(0, need, tp)}  # a tp group, by its first rank
-    cut = pipeline_plan(ctx.cluster, ctx.graph, list(groups), None, stages, global_batch=ctx.limits.global_batch,
+    # (the pipeline the groups' first ranks ran, so that each group keeps its stage where it can)
+    was = ctx.before
+    before = (Layout(members=was.members[::tp], shares=was.shares[::tp], pp=stages, dp_replicate=was.dp_replicate,
+                     stages=was.stages) if same and was is not None else None)
+    cut = pipeline_plan(ctx.cluster, ctx.graph, list(groups), before, stages, global_batch=ctx.limits.global_batch,
                         what=what, replicas=replicas)
     if isinstance(cut, str):
         return [Weighed(pin.describe(), shape, why_not=cut)]

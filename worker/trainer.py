@@ -235,6 +235,7 @@ class Trainer:
             self.checkpoints.wait(self.config.group_timeout_s)
         if delta.resume_path and not self._resume(delta):
             return None
+        packing: Callable[[], Outgoing | None] = lambda: None  # noqa: E731
         try:
             # While the group forms (the members may still be finishing a step): a member that
             # holds nothing makes its memory and its receives ready, a holder packs what it sends.
@@ -286,6 +287,12 @@ class Trainer:
             self.epoch_tried = delta.epoch - 1
             time.sleep(RETRY_S)
             return None
+        finally:
+            # The packing thread reads the held state (a deferred copy update applied first): it
+            # ends before anything else may read or change that state, the next entry's packing
+            # included (an entry given up once left it running, and the next one packed a copy
+            # half way through that update: a replacement started from a wrong copy).
+            packing()
         self.agent.epoch = delta.epoch
         self.agent.step = self.step
         seconds = time.perf_counter() - t0

@@ -88,3 +88,26 @@ def test_a_deferred_copy_update_keeps_the_copy_bit_for_bit_the_sources_state() -
             assert set(kept[name]) == {PARAM, "exp_avg", "exp_avg_sq"}, kept[name].keys()
             for key, value in state[name].items():
                 assert torch.equal(kept[name][key], value), (name, key)
+
+
+def test_a_copy_read_while_another_thread_applies_its_deferred_update_waits_for_it() -> None:
+    """An epoch's entry reads the copy (flushing a deferred update) in a thread while its group
+    forms; a reader at the same time (the next entry's) must see the copy updated, not half way:
+    its flush returns once the update is applied, and the update is applied once."""
+    copies = Copies.none()
+    applied: list[int] = []
+    started = threading.Event()
+
+    def update() -> None:
+        started.set()
+        time.sleep(0.05)  # (long enough for the other reader to ask meanwhile)
+        applied.append(1)
+    copies.deferred = update
+    other = threading.Thread(target=copies.flush)
+    other.start()
+    started.wait(5)
+    copies.flush()
+    seen = list(applied)
+    other.join()
+    assert seen == [1], "the second reader returned before the update was applied"
+    assert applied == [1] and copies.deferred is None

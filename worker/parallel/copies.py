@@ -19,6 +19,7 @@ early never holds gradients a deferred update still reads.
 
 from __future__ import annotations
 
+import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -64,6 +65,7 @@ class Copies:
     # A receive posted early in the step (`receive`): its works and buffers.
     _incoming: tuple[list[tuple[Any, torch.Tensor]], dict[torch.dtype, torch.Tensor]] | None = None
     deferred: Callable[[], None] | None = None  # the last step's update of the copy, not yet applied
+    _flushing: threading.Lock = field(default_factory=threading.Lock)
 
     @staticmethod
     def none() -> Copies:
@@ -189,13 +191,16 @@ class Copies:
             self.flush()
 
     def flush(self) -> float:
-        """Apply a deferred update now (nothing without one); the seconds it took."""
-        apply, self.deferred = self.deferred, None
-        if apply is None:
-            return 0.0
-        t0 = time.perf_counter()
-        apply()
-        return time.perf_counter() - t0
+        """Apply a deferred update now (nothing without one); the seconds it took. Once, whichever
+        thread asks, and a second asker returns only when it is applied (an epoch's entry reads the
+        copy in a thread while its group forms)."""
+        with self._flushing:
+            apply, self.deferred = self.deferred, None
+            if apply is None:
+                return 0.0
+            t0 = time.perf_counter()
+            apply()
+            return time.perf_counter() - t0
 
     def pieces(self, pending: bool) -> Mapping[str, list[Piece]]:
         """The copy's pieces for a LocalState (a deferred update applied first); their gradients only
