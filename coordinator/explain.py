@@ -73,7 +73,7 @@ def explain(state: State, now: Phase | None = None) -> dict[str, Any]:
     out["kept"] = state.kept
     if plan.pp > 1:
         out["stages"] = _stages(plan)
-    elif g is not None:
+    elif g is not None and plan.tp == 1:  # (a tp layout's placements differ tensor by tensor)
         first = placements(g, plan.layout)[g.layers[0].name]
         out["placements"] = {kind: describe(spec) for kind, spec in first.items()}
     return out

@@ -214,9 +214,11 @@ def kind(plan: Plan) -> str:
     of 2 shards", "a pipeline of 3 stages", "replicated over 3 members"."""
     n = len(plan.members)
     if plan.tp > 1:
-        replicas = n // (plan.tp * plan.pp)
+        replicas = n // (plan.tp * plan.pp * plan.dp_shard)
         what = (f"a pipeline of {plan.pp} stages, each split over {plan.tp} members (tensor parallel)" if plan.pp > 1
                 else f"tensor parallel over {plan.tp} members")
+        if plan.dp_shard > 1:
+            what += f", each member's part sharded over {plan.dp_shard} (FSDP2)"
         return what + (f", {replicas} replicas" if replicas > 1 else "")
     if plan.pp > 1:
         return f"a pipeline of {plan.pp} stages"

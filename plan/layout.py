@@ -9,7 +9,7 @@ A `Layout` has four degrees, validated in the manner of torchtitan's `ParallelDi
   slice of the batch.
 * `pp`: pipeline stages. `stages` names the graph units of each stage, in pipeline order (empty
   when pp = 1); a rank of stage s holds only those units' tensors (`plan.placement`).
-* `tp`: tensor-parallel ranks (1 until a later issue; validated now).
+* `tp`: tensor-parallel ranks (the model's Linears split between them).
 
 Every degree is >= 1 and their product is the number of members. Members are in rank order, and a
 rank's coordinates on the mesh `(pp, dp_replicate, dp_shard, tp)` are row-major (tp fastest), as in
@@ -268,7 +268,7 @@ class LayoutPin:
     def _wanted(self) -> tuple[int | None, int | None, int | None, int | None]:
         """(pp, dp_replicate, dp_shard, tp) as pinned, a pipeline's omitted data-parallel degrees as 1."""
         implied = 1 if (self.pp or 1) > 1 else None
-        unsharded = 1 if (self.pp or 1) > 1 or (self.tp or 1) > 1 else None  # (tp runs with replicas only, for now)
+        unsharded = 1 if (self.pp or 1) > 1 or (self.tp or 1) > 1 else None  # (tp shards only where fsdp is pinned)
         return (self.pp, implied if self.dp_replicate is None else self.dp_replicate,
                 unsharded if self.dp_shard is None else self.dp_shard, self.tp)
 
@@ -292,7 +292,7 @@ def parse_pin(text: str, *, source: str = "--layout") -> LayoutPin:
         if n < 1:
             raise LayoutError(f"{source}: {m.group(1)} must be >= 1, got {n}")
         values[dim] = n
-    if values.get("tp", 1) > 1 and values.get("dp_shard", 1) > 1:
-        raise LayoutError(f"{source}: tensor parallelism (tp) runs with replicas (dp) and pipelines (pp) for now, "
-                          "not with fsdp")
+    if values.get("tp", 1) > 1 and values.get("dp_shard", 1) > 1 and values.get("pp", 1) > 1:
+        raise LayoutError(f"{source}: tensor parallelism (tp) runs with fsdp, or with pipelines (pp), but not with "
+                          "both at once for now")
     return LayoutPin(**values)

@@ -1,4 +1,5 @@
-"""Tensor parallel layouts (dp x tp) as the planner weighs them: members, shares, the prediction. Pure.
+"""Tensor parallel layouts (dp x tp, FSDP x tp, pp x tp) as the planner weighs them: members, shares,
+the prediction. Pure.
 
 A tp group of T members splits the model's split tensors (the job's tp plan: `TensorInfo.tp_dim`)
 and computes every sample of its data-parallel slot together: each member computes its 1/T of the
@@ -10,7 +11,8 @@ boundary activation per sample each (`tp_comm_s`); the replicas then all-reduce 
 of the gradients.
 
 For now tp is planned where it is pinned (`--layout tp=T`, with `dp=R` or R filled from the ready
-devices; `--layout pp=P,tp=T`: pipelines of split stages), whose degree the job was checked to admit
+devices, and `fsdp=S`: each tp member's part sharded over S; `--layout pp=P,tp=T`: pipelines of
+split stages), whose degree the job was checked to admit
 at start (`worker.tp_plan.tp_degrees`).
 """
 
@@ -21,7 +23,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from plan.cluster import Cluster
-from plan.cost import allreduce_s, samples_that_fit, static_bytes
+from plan.cost import allreduce_s, samples_that_fit, sharded_static_bytes, static_bytes, step_comm_s
 from plan.graph import Graph
 from plan.layout import Layout, LayoutPin
 from plan.prediction import MemberCost, Plan, micro_sizes
@@ -56,73 +58,94 @@ def tp_comm_s(graph: Graph, samples: int, tp: int, cluster: Cluster, members: Se
     return len(matrices) * allreduce_s(per_sample * samples, tp, cluster.link(members))
 
 
-def predict_tensor(cluster: Cluster, graph: Graph, slots: Sequence[Sequence[str]], shares: Sequence[int]) -> Plan:
-    """`slots` (each a tp group, in tp order; one per data-parallel replica) with `shares[r]` samples
-    of slot r: members in rank order (replica-major), each computing its slot's samples at its
-    fraction of the model, the slot waiting for its slowest member; then the tp all-reduces, and
-    the replicas' all-reduce of each member's part of the gradients."""
+def predict_tensor(cluster: Cluster, graph: Graph, slots: Sequence[Sequence[str]], shares: Sequence[int], *,
+                   shards: int = 1) -> Plan:
+    """`slots` (each a tp group, in tp order; one per data-parallel slot, in rank order) with
+    `shares[r]` samples of slot r: members in rank order, each computing its slot's samples at its
+    fraction of the model, the slot waiting for its slowest member; then the tp all-reduces, and the
+    data-parallel communication of each member's part of the model: the replicas' all-reduce, or
+    with `shards` > 1 (FSDP x tp: consecutive slots shard their part between them) FSDP2's gathers
+    and reduce-scatters of it (and the all-reduce across the replicas of the shards, HSDP)."""
     tp = len(slots[0])
     speeds = cluster.speeds_for(graph.train_flops)
     fixed = cluster.fixed_compute()
     fraction = compute_fraction(graph, tp)
     members = [m for slot in slots for m in slot]
     part_bytes = graph.param_bytes * fraction
-    replicas = allreduce_s(part_bytes, len(slots), cluster.link(members))
+    link = cluster.link(members)
+    if shards > 1:  # (FSDP2 over a tp split gathers each unit's tp part: the unit's bytes times the fraction)
+        data_parallel = step_comm_s(graph, len(slots), shards, link) * fraction
+        static = sharded_static_bytes(graph, shards, copies=len(slots) == shards,
+                                      optimizer_state_factor=graph.optimizer_state_factor) * fraction
+    else:
+        data_parallel = allreduce_s(part_bytes, len(slots), link)
+        static = static_bytes(part_bytes, graph.optimizer_state_factor)
     tp_comm = max(tp_comm_s(graph, share, tp, cluster, slot) for slot, share in zip(slots, shares))
     computes = {m: (fixed[m] + share / speeds[m]) * fraction if share > 0 else 0.0
                 for slot, share in zip(slots, shares) for m in slot}
     overheads = {m: cluster.devices[m].overhead_s * fraction for m in members}
     busiest = max((computes[m] + overheads[m] for m in members), default=0.0)
-    static = static_bytes(part_bytes, graph.optimizer_state_factor)
     costs = tuple(MemberCost(name=m, samples=share, speed=speeds[m], compute_s=computes[m], overhead_s=overheads[m],
                              wait_s=busiest - computes[m] - overheads[m],
                              memory_bytes=static + graph.activation_bytes * share)
                   for slot, share in zip(slots, shares) for m in slot)
-    comm = tp_comm + replicas
+    comm = tp_comm + data_parallel
     return Plan(members=tuple(members), shares=tuple(s for s, slot in zip(shares, slots) for _ in slot),
-                predicted_step_s=busiest + comm, comm_s=comm, costs=costs, tp=tp)
+                predicted_step_s=busiest + comm, comm_s=comm, costs=costs, tp=tp, dp_shard=shards)
 
 
-def holds_its_part(ctx: Ctx, tp: int) -> list[str]:
+def holds_its_part(ctx: Ctx, tp: int, shards: int = 1) -> list[str]:
     """The ready devices, fastest first, whose memory holds a tp member's part (its fraction of the
-    parameters, their gradients and optimizer state) beside one sample: tp also runs a model no
-    device can hold whole."""
+    parameters, their gradients and optimizer state; with `shards` > 1 its shard of that, and a
+    copy of another's) beside one sample: tp also runs a model no device can hold whole."""
     g = ctx.graph
-    static = static_bytes(g.param_bytes * compute_fraction(g, tp), g.optimizer_state_factor)
+    static = _static(g, tp, shards)
     return [m for m in ctx.fastest()
             if (samples_that_fit(ctx.cluster.devices[m].memory_bytes, static, g.activation_bytes) or 0) >= 1]
 
 
+def _static(graph: Graph, tp: int, shards: int) -> float:
+    """A member's parameters, gradients and optimizer state under tp (and FSDP over `shards`)."""
+    if shards > 1:
+        return sharded_static_bytes(graph, shards, optimizer_state_factor=graph.optimizer_state_factor) * \
+            compute_fraction(graph, tp)
+    return static_bytes(graph.param_bytes * compute_fraction(graph, tp), graph.optimizer_state_factor)
+
+
 def pinned_tensor_parallel(ctx: Ctx, pin: LayoutPin) -> list[Weighed]:
-    """The pinned dp x tp over the fastest ready devices that hold a member's part: `dp=R` replicas
-    where pinned, else as many whole tp groups as the devices fill; or why it cannot run."""
+    """The pinned dp x tp (and FSDP x tp, HSDP x tp) over the fastest ready devices that hold a
+    member's part: `dp=R` replicas where pinned, else as many whole groups (tp x fsdp members) as
+    the devices fill; or why it cannot run."""
     from plan.candidates import Weighed
 
-    tp = pin.tp or 1
+    tp, shards = pin.tp or 1, pin.dp_shard or 1
     what = f"--layout {pin.describe()}"
-    layout = f"dp_replicate={pin.dp_replicate or '*'} x tp={tp}"
+    layout = f"dp_replicate={pin.dp_replicate or '*'} x " + (f"dp_shard={shards} x " if shards > 1 else "") + f"tp={tp}"
     if not split_fraction(ctx.graph):
-        return [Weighed(layout, (1, pin.dp_replicate, 1), why_not=f"{what}: the job has no tensor-parallel plan")]
-    devices = ctx.ranked(holds_its_part(ctx, tp))
-    replicas = pin.dp_replicate or len(devices) // tp
-    if replicas < 1 or replicas * tp > len(devices):
-        return [Weighed(layout, (1, pin.dp_replicate, 1),
-                        why_not=f"{what}: needs {max(replicas, 1) * tp} members; {len(devices)} can train now")]
-    members = _keeping_positions(ctx.previous.members if ctx.previous is not None and ctx.previous.tp == tp else (),
-                                 devices[:replicas * tp])
-    slots = [members[r * tp:(r + 1) * tp] for r in range(replicas)]
+        return [Weighed(layout, (1, pin.dp_replicate, shards), why_not=f"{what}: the job has no tensor-parallel plan")]
+    devices = ctx.ranked(holds_its_part(ctx, tp, shards))
+    group = tp * shards  # (the members of one replica)
+    replicas = pin.dp_replicate or len(devices) // group
+    if replicas < 1 or replicas * group > len(devices):
+        return [Weighed(layout, (1, pin.dp_replicate, shards),
+                        why_not=f"{what}: needs {max(replicas, 1) * group} members; {len(devices)} can train now")]
+    previous = ctx.previous
+    same = previous is not None and (previous.tp, previous.dp_shard) == (tp, shards)
+    members = _keeping_positions(previous.members if same and previous is not None else (), devices[:replicas * group])
+    slots = [members[r * tp:(r + 1) * tp] for r in range(replicas * shards)]
     speeds = [min(ctx.speeds[m] for m in slot) for slot in slots]
     overheads = [max(ctx.cluster.devices[m].overhead_s + ctx.fixed[m] for m in slot) for slot in slots]
-    static = static_bytes(ctx.graph.param_bytes * compute_fraction(ctx.graph, tp), ctx.graph.optimizer_state_factor)
+    static = _static(ctx.graph, tp, shards)
     caps = [min(samples_that_fit(ctx.cluster.devices[m].memory_bytes, static, ctx.graph.activation_bytes) or 0.0,
-                float(ctx.limits.global_batch)) for m in members[::tp]]  # (a replica's share runs in micro-batches)
-    shares = assign(speeds, overheads, [float(ctx.limits.global_batch)] * replicas, ctx.limits.global_batch)
+                float(ctx.limits.global_batch)) for m in members[::tp]]  # (a slot's share runs in micro-batches)
+    shares = assign(speeds, overheads, [float(ctx.limits.global_batch)] * len(slots), ctx.limits.global_batch)
     if shares is None:
-        return [Weighed(layout, (1, replicas, 1), why_not=f"{what}: the batch does not split over {replicas} replicas")]
+        return [Weighed(layout, (1, replicas, shards),
+                        why_not=f"{what}: the batch does not split over {len(slots)} data-parallel slots")]
     micro = micro_sizes(shares, caps)  # (a share larger than a member's memory holds at once: micro-batches)
-    plan = replace(predict_tensor(ctx.cluster, ctx.graph, slots, shares),
+    plan = replace(predict_tensor(ctx.cluster, ctx.graph, slots, shares, shards=shards),
                    micro=tuple(m for m in micro for _ in range(tp)) if any(micro) else ())
-    return [Weighed(plan.layout.describe(), (1, replicas, 1), scored=ctx.score(plan, what))]
+    return [Weighed(plan.layout.describe(), (1, replicas, shards), scored=ctx.score(plan, what))]
 
 
 def _keeping_positions(before: Sequence[str], chosen: Sequence[str]) -> list[str]:

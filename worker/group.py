@@ -79,11 +79,14 @@ SPLIT_NAMES = {"dp_shard": "shard", "tp": "tp"}  # a split sub-group's name, by 
 
 @dataclass(slots=True)
 class ShardMesh:
-    """Where a sharded executor runs: FSDP2's 1-D mesh (the whole group, or for HSDP this member's
-    shard group) and, for HSDP, this member's replica group, over which its shards are all-reduced."""
+    """Where a sharded or split executor runs: the 1-D mesh FSDP2 shards over (the whole group, or
+    this member's shard group) or tensor parallelism splits over; with FSDP x tp, `tp` too (the two
+    dims of one 2-D mesh); and with replicas, this member's replica group, over which its shards or
+    slices are all-reduced."""
 
     mesh: DeviceMesh
     replicate: dist.ProcessGroup | None = None
+    tp: DeviceMesh | None = None  # FSDP x tp: the mesh's tp dim (`mesh` is its dp_shard dim)
 
 
 def mesh(g: Group, device: torch.device, registered: list[dist.ProcessGroup], *, timeout_s: float,
@@ -91,7 +94,7 @@ def mesh(g: Group, device: torch.device, registered: list[dist.ProcessGroup], *,
     """The mesh of a sharded layout over the epoch's group: 1-D over the members, or for HSDP and a
     sharded pipeline stage 1-D over this member's shard group (with HSDP's replica group beside it).
     Appends every group it registers to `registered` (the whole group first), as it registers it."""
-    return _split_mesh(g, device, registered, "dp_shard", g.layout.shard_group(g.rank), timeout_s, superseded)
+    return _split_mesh(g, device, registered, [("dp_shard", g.layout.shard_group(g.rank))], timeout_s, superseded)
 
 
 def tp_mesh(g: Group, device: torch.device, registered: list[dist.ProcessGroup], *, timeout_s: float,
@@ -99,33 +102,52 @@ def tp_mesh(g: Group, device: torch.device, registered: list[dist.ProcessGroup],
     """The mesh tensor parallelism splits modules over (this member's tp group: the whole group when
     tp is the only degree) and, with replicas, this member's replica group, over which the split
     tensors' gradients are summed; registered as `mesh` registers FSDP2's."""
-    return _split_mesh(g, device, registered, "tp", g.layout.tp_group(g.rank), timeout_s, superseded)
+    return _split_mesh(g, device, registered, [("tp", g.layout.tp_group(g.rank))], timeout_s, superseded)
 
 
-def _split_mesh(g: Group, device: torch.device, registered: list[dist.ProcessGroup], dim: str, split: list[int],
-                timeout_s: float, superseded: Callable[[], bool]) -> ShardMesh:
-    """A 1-D mesh named `dim` over the ranks `split` (this member's), the whole group registered first
-    as the default, the sub-groups (`split` where it is not the whole group, the replica group
-    where there are replicas) formed with the epoch's timeout and registered."""
+def shard_tp_mesh(g: Group, device: torch.device, registered: list[dist.ProcessGroup], *, timeout_s: float,
+                  superseded: Callable[[], bool]) -> ShardMesh:
+    """FSDP x tp (and HSDP x tp): the 2-D mesh (dp_shard, tp) of this member's replica, from its
+    shard and tp groups (torchtitan's order: tp splits the modules over the inner dim, FSDP2 shards
+    the split parameters over the outer one), and its replica group with replicas."""
+    return _split_mesh(g, device, registered, [("dp_shard", g.layout.shard_group(g.rank)),
+                                               ("tp", g.layout.tp_group(g.rank))], timeout_s, superseded)
+
+
+def _split_mesh(g: Group, device: torch.device, registered: list[dist.ProcessGroup],
+                dims: list[tuple[str, list[int]]], timeout_s: float, superseded: Callable[[], bool]) -> ShardMesh:
+    """The mesh over `dims` (each a mesh dim's name and this member's group along it, outermost
+    first), the whole group registered first as the default; each dim's group, where it is not the
+    whole group, and the replica group where there are replicas, formed with the epoch's timeout and
+    registered. A 1-D mesh is over its one group; a 2-D one is built from its two groups and the
+    grid of whole-group ranks they span (`DeviceMesh.from_group`: `init_device_mesh` would form its
+    sub-groups with the 30-minute default timeout, and not abortably)."""
     prefixed = dist.PrefixStore(f"epoch{g.epoch}/", g.store)  # type: ignore[attr-defined]
     whole = meshes.register(g.pg, prefixed, g.rank, len(g.members), g.epoch, device,
                             pg=AbortableGroup(g.pg, superseded=superseded))
     registered.append(whole)
-    if len(split) == len(g.members):  # (FSDP or tp over every member: the whole group is the split)
-        return ShardMesh(meshes.mesh_of(whole, device, g.epoch, dim))
-    subs: dict[str, dist.ProcessGroup] = {}
-    axes = [("split", split)]
+    if len(dims) == 1 and len(dims[0][1]) == len(g.members):  # (FSDP or tp over every member: the whole group)
+        return ShardMesh(meshes.mesh_of(whole, device, g.epoch, dims[0][0]))
+    axes = [(SPLIT_NAMES[dim], ranks) for dim, ranks in dims]
     if g.layout.dp_replicate > 1:
         axes.insert(0, ("replicate", g.layout.replicate_group(g.rank)))
+    subs: dict[str, dist.ProcessGroup] = {}
     for part, ranks in axes:
-        name = f"{SPLIT_NAMES[dim] if part == 'split' else part}{ranks[0]}"  # (the group's store prefix)
+        name = f"{part}{ranks[0]}"  # (the group's store prefix)
         raw = comm.form_group(g.store, g.epoch, ranks.index(g.rank), len(ranks), device,
                               timeout_s=timeout_s, superseded=superseded, part=f"{name}/")
         sub_store = dist.PrefixStore(f"epoch{g.epoch}/{name}/", g.store)  # type: ignore[attr-defined]
         subs[part] = meshes.register(raw, sub_store, ranks.index(g.rank), len(ranks), g.epoch, device,
                                      part=name, ranks=ranks, pg=AbortableGroup(raw, superseded=superseded))
         registered.append(subs[part])
-    return ShardMesh(meshes.mesh_of(subs["split"], device, g.epoch, dim), replicate=subs.get("replicate"))
+    replicate = subs.get("replicate")
+    if len(dims) == 1:
+        dim = dims[0][0]
+        return ShardMesh(meshes.mesh_of(subs[SPLIT_NAMES[dim]], device, g.epoch, dim), replicate=replicate)
+    pp, rep, _, _ = g.layout.coords(g.rank)
+    grid = [[g.layout.rank_of(pp, rep, s, t) for t in range(g.layout.tp)] for s in range(g.layout.dp_shard)]
+    both = meshes.grid_of([subs["shard"], subs["tp"]], grid, device, g.epoch, ("dp_shard", "tp"))
+    return ShardMesh(both[f"epoch{g.epoch}.dp_shard"], replicate=replicate, tp=both[f"epoch{g.epoch}.tp"])
 
 
 def forget(registered: list[dist.ProcessGroup]) -> None:

@@ -40,7 +40,8 @@ def _tp_plans(job: LocalJob) -> list[dict[str, Any]]:
     ("tp=2", 2, "backward", {"tp": 2, "dp_replicate": 1}),
     ("tp=2,dp=2", 4, "backward", {"tp": 2, "dp_replicate": 2}),
     ("pp=2,tp=2", 4, "forward", {"tp": 2, "pp": 2}),
-], ids=["tp", "dp-x-tp", "pp-x-tp"])
+    ("tp=2,fsdp=2", 4, "backward", {"tp": 2, "dp_shard": 2}),
+], ids=["tp", "dp-x-tp", "pp-x-tp", "fsdp-x-tp"])
 def test_a_tp_layout_is_exact_through_a_kill(tmp_path: Path, layout: str, workers: int, phase: str,
                                              degrees: dict[str, int]) -> None:
     """`layout` over `workers`, one more on standby; the first member is SIGKILLed paused in the
@@ -95,6 +96,33 @@ def test_a_running_job_moves_between_tp_and_every_other_layout_live(tmp_path: Pa
             assert (layout["pp"], layout["dp_replicate"], layout["dp_shard"], layout["tp"]) == degrees, (spec, layout)
         exits = job.wait_workers(300)
         assert exits == {"w1": 0, "w2": 0}, job.tails(exits)
+        assert job.wait_coordinator(30) == 0
+        events = job.events()
+        assert not [e for e in events if e["kind"] == "state_lost"]
+        _assert_exact(events, reference)
+
+
+@pytest.mark.timeout(500)
+def test_four_workers_move_between_the_tp_hybrids_live(tmp_path: Path) -> None:
+    """Four workers under `--layout tp=2,dp=2`, then `ctl layout` to FSDP x tp (each tp member's
+    part sharded over two), to pp x tp, and to FSDP over all four: every change live, only what
+    changes owner moved, every step the single-process recipe's."""
+    reference = single_process()
+    names = ["w1", "w2", "w3", "w4"]
+    with LocalJob(JOB, tmp_path, min_workers=4, coordinator_args=["--layout", "tp=2,dp=2"]) as job:
+        job.start()
+        for name in names:
+            job.add_worker(name, "--slowdown", "2")  # (margin for three changes before step 40)
+        job.wait_step(3, 180)
+        first = _tp_plans(job)[0]["layout"]
+        assert (first["dp_replicate"], first["dp_shard"], first["tp"]) == (2, 1, 2), first
+        for spec, degrees in (("fsdp=2,tp=2", (1, 1, 2, 2)), ("pp=2,tp=2", (2, 1, 1, 2)), ("fsdp=4", (1, 1, 4, 1))):
+            seen = len(job.events())
+            assert job.ctl("layout", spec) == {"layout": spec}
+            layout = _relaid(job, spec, seen)["layout"]
+            assert (layout["pp"], layout["dp_replicate"], layout["dp_shard"], layout["tp"]) == degrees, (spec, layout)
+        exits = job.wait_workers(300)
+        assert exits == {name: 0 for name in names}, job.tails(exits)
         assert job.wait_coordinator(30) == 0
         events = job.events()
         assert not [e for e in events if e["kind"] == "state_lost"]

@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from plan.graph import ROOT_UNIT
 from plan.layout import Layout
+from plan.placement import TensorShape, ranges_of
 from transport import PlanDelta
 from worker import group as groups
 from worker.comm import Superseded
@@ -45,7 +46,7 @@ from worker.job import Job
 from worker.parallel.copies import Copies
 from worker.parallel.meta import meta_model
 from worker.parallel.shard_step import LocalStep
-from worker.parallel.slices import PARAM, LocalState, Piece
+from worker.parallel.slices import PARAM, LocalState, pieces_over
 
 Wait = Callable[[Any, torch.Tensor | None], None]  # the trainer's abortable wait (raises when superseded)
 
@@ -130,6 +131,7 @@ class Sharded:
     # layout: the copies take their gradients from `kept`, with no exchange.
     reduced_everywhere: bool = False
     kept: KeptShard | None = None  # the copy's source's gradient shards (where this member keeps a copy)
+    shapes: dict[str, TensorShape] = field(default_factory=dict)  # each parameter's, by name: what it holds of it
 
 
 def mixed_precision(job: Job) -> MixedPrecisionPolicy | None:
@@ -142,20 +144,24 @@ def mixed_precision(job: Job) -> MixedPrecisionPolicy | None:
 def apply_fsdp(job: Job, units: Sequence[str], layout: Layout, rank: int, mesh: DeviceMesh, local: LocalState,
                device: torch.device, *, replicate: dist.ProcessGroup | None = None,
                mp_policy: MixedPrecisionPolicy | None = None, wait: Wait | None = None,
-               give_up: Callable[[], None] | None = None, keep: int | None = None) -> Sharded:
+               give_up: Callable[[], None] | None = None, keep: int | None = None,
+               tensors: Sequence[TensorShape] | None = None) -> Sharded:
     """The job's model sharded (`shard_module`), built on the meta device."""
     return shard_module(job, meta_model(job), units, layout, rank, mesh, local, device, replicate=replicate,
-                        mp_policy=mp_policy, wait=wait, give_up=give_up, keep=keep)
+                        mp_policy=mp_policy, wait=wait, give_up=give_up, keep=keep, tensors=tensors)
 
 
 def shard_module(job: Job, model: nn.Module, units: Sequence[str], layout: Layout, rank: int, mesh: DeviceMesh,
                  local: LocalState, device: torch.device, *, replicate: dist.ProcessGroup | None = None,
                  mp_policy: MixedPrecisionPolicy | None = None, wait: Wait | None = None,
-                 give_up: Callable[[], None] | None = None, keep: int | None = None) -> Sharded:
+                 give_up: Callable[[], None] | None = None, keep: int | None = None,
+                 tensors: Sequence[TensorShape] | None = None) -> Sharded:
     """`model` (on the meta device: the job's whole model, or a pipeline stage of it whose parameters
-    keep the whole model's names), each of `units` (module paths: the graph's layers but the root)
-    sharded on its own and then the root, over `mesh`, and loaded with this member's slices of
-    `local`, with the job's optimizer over the shards. HSDP:
+    keep the whole model's names; with tensor parallelism, already split over its tp mesh), each of
+    `units` (module paths: the graph's layers but the root) sharded on its own and then the root,
+    over `mesh`, and loaded with this member's boxes of `local` (`plan.placement.ranges_of` of
+    `tensors`, the graph's tensors: needed for a stage or a tp split; without them each parameter
+    is taken as the whole model's, dim 0 sharded), with the job's optimizer over the shards. HSDP:
     `mesh` is this member's shard group and `replicate` its replica group, over which every reduced
     gradient shard is summed. `wait` (the trainer's abortable wait) waits for every collective;
     without it they are waited for plainly. `give_up` is called before each collective is issued
@@ -164,7 +170,8 @@ def shard_module(job: Job, model: nn.Module, units: Sequence[str], layout: Layou
     On gloo each reduce-scatter runs as an all-reduce (`AbortableReduceScatter`); `keep`: the rank
     (in the shard group) whose gradient shards this member keeps from them (`Sharded.kept`: the
     copy's; None where the backend reduce-scatters natively or the reduce dtype differs from the
-    parameters', and the copies exchange their gradients instead: `Sharded.reduced_everywhere`)."""
+    parameters', and the copies exchange their gradients instead: `Sharded.reduced_everywhere`; and
+    with tensor parallelism, whose copies may be of another tp rank's slices)."""
     if (replicate is not None) != (layout.dp_replicate > 1):
         raise ValueError(f"{layout.describe()}: a replica group is needed exactly when dp_replicate > 1")
     kwargs: dict[str, Any] = {"mesh": mesh}
@@ -183,7 +190,10 @@ def shard_module(job: Job, model: nn.Module, units: Sequence[str], layout: Layou
     comm = CommTime()
     by_all_reduce = dist.get_backend(mesh.get_group()) == "gloo"
     reduce_dtype = mp_policy.reduce_dtype if mp_policy is not None else None
-    everywhere = by_all_reduce and wait is not None and all(reduce_dtype in (None, p.dtype) for p in model.parameters())
+    everywhere = (by_all_reduce and wait is not None and layout.tp == 1
+                  and all(reduce_dtype in (None, p.dtype) for p in model.parameters()))
+    shapes = ({t.name: t for t in tensors} if tensors is not None else
+              {fqn: TensorShape(fqn, p.shape[0] if p.dim() else 0, p.numel()) for fqn, p in model.named_parameters()})
     kept = KeptShard(keep) if everywhere and keep is not None else None
     for module in model.modules():
         if isinstance(module, FSDPModule):  # exact sums on gloo (no PREMUL_SUM)
@@ -198,19 +208,16 @@ def shard_module(job: Job, model: nn.Module, units: Sequence[str], layout: Layou
     model.to_empty(device=device)
     with torch.no_grad():
         for fqn, p in model.named_parameters():
-            lo, hi = _range(layout, rank, p)
-            shard = _local(p)
-            if hi > lo:
-                local.copy_to(fqn, PARAM, lo, hi, shard.view(-1))
+            local.fill(fqn, PARAM, ranges_of(layout, rank, shapes[fqn]), _local(p).view(-1))
         for name, buf in model.named_buffers():
             if name in local.buffers:
                 buf.copy_(local.buffers[name])
     params = dict(model.named_parameters())  # (all sharded now: nothing has run)
     optimizer = job.optimizer(params.values())
-    _load_optimizer(optimizer, params, layout, rank, local)
+    _load_optimizer(optimizer, params, layout, rank, local, shapes)
     return Sharded(model=model, optimizer=optimizer, mesh=mesh, comm=comm, params=params,
                    stepper=LocalStep(optimizer, list(params.values()), job.optimizer),
-                   reduced_everywhere=everywhere, kept=kept)
+                   reduced_everywhere=everywhere, kept=kept, shapes=shapes)
 
 
 class _FreshBuffers:
@@ -309,7 +316,6 @@ def extract(sharded: Sharded, layout: Layout, rank: int, step: int) -> LocalStat
     by_param = {id(p): n for n, p in sharded.params.items()}
     opt_state = {by_param[id(p)]: s for p, s in optimizer.state.items() if id(p) in by_param}
     for fqn, p in sharded.params.items():
-        lo, hi = _range(layout, rank, p)
         data = {PARAM: _local(p).detach().reshape(-1)}
         scalars: dict[str, Any] = {}
         for key, value in opt_state.get(fqn, {}).items():
@@ -317,7 +323,7 @@ def extract(sharded: Sharded, layout: Layout, rank: int, step: int) -> LocalStat
                 data[key] = value.to_local().detach().reshape(-1)
             else:
                 scalars[key] = value
-        local.pieces[fqn] = [Piece(lo, hi, data)] if hi > lo else []
+        local.pieces[fqn] = pieces_over(ranges_of(layout, rank, sharded.shapes[fqn]), data)
         local.keys[fqn] = tuple(data)
         local.dtypes[fqn] = {k: str(v.dtype).removeprefix("torch.") for k, v in data.items()}
         local.scalars[fqn] = scalars
@@ -330,13 +336,8 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
 
 
-def _range(layout: Layout, rank: int, p: torch.Tensor) -> tuple[int, int]:
-    rows = p.shape[0] if p.dim() else 0
-    return layout.slice_of(rank, rows, p.numel())
-
-
 def _load_optimizer(optimizer: torch.optim.Optimizer, params: dict[str, nn.Parameter], layout: Layout, rank: int,
-                    local: LocalState) -> None:
+                    local: LocalState, shapes: dict[str, TensorShape]) -> None:
     """Hyper-parameters and per-parameter state from `local` (a fresh job starts with none)."""
     for group, hyper in zip(optimizer.param_groups, local.hyper):
         group.update(hyper)
@@ -344,12 +345,12 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, params: dict[str, nn.Param
         keys = [k for k in local.keys.get(fqn, ()) if k != PARAM]
         if not keys and not local.scalars.get(fqn):
             continue
-        lo, hi = _range(layout, rank, p)
         shard = _local(p)
         state: dict[str, Any] = {}
         for key in keys:
-            values = (local.fresh(fqn, key, lo, hi, shard.device) if hi > lo
-                      else torch.empty(0, dtype=local.dtype(fqn, key), device=shard.device)).view(shard.shape)
+            values = local.fill(fqn, key, ranges_of(layout, rank, shapes[fqn]),
+                                torch.empty(shard.numel(), dtype=local.dtype(fqn, key), device=shard.device)
+                                ).view(shard.shape)
             if isinstance(p, DTensor):
                 state[key] = DTensor.from_local(values, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
                                                 run_check=False)
@@ -412,10 +413,11 @@ class FsdpExecutor(HoldsShards):
     """FSDP2 (and HSDP) on the epoch's registered groups: every layout whose state is sharded."""
 
     def __init__(self, sharded: Sharded, at: tuple[Layout, int], copies: Copies,
-                 registered: list[dist.ProcessGroup]) -> None:
+                 registered: list[dist.ProcessGroup], fraction: float = 1.0) -> None:
         super().__init__(sharded.model, sharded.optimizer, at, copies)
         self.sharded = sharded
         self.registered = registered
+        self.fraction = fraction  # this member's share of the compute of its samples (1/tp's, split by tp)
 
     @staticmethod
     def fits(layout: Layout) -> bool:
@@ -435,7 +437,8 @@ class FsdpExecutor(HoldsShards):
             sharded = apply_fsdp(t.job, t.units(), g.layout, g.rank, on.mesh, local, t.device,
                                  replicate=on.replicate, mp_policy=mp,
                                  wait=lambda work, buf: t.wait(g, work, buf), give_up=t.give_up_if_superseded,
-                                 keep=g.members.index(copies.source) if copies.source is not None else None)
+                                 keep=g.members.index(copies.source) if copies.source is not None else None,
+                                 tensors=tensors)
         except BaseException:
             groups.forget(registered)
             raise
@@ -486,6 +489,9 @@ class FsdpExecutor(HoldsShards):
         # as the cost model has them.
         collectives_s = sharded.comm.take()
         compute_s = stretch(t, g, time.perf_counter() - t0 - collectives_s, len(ids))
+        # (reported as the whole model's for these samples: the coordinator reads a member's speed
+        # in whole-model samples/s)
+        compute_s /= self.fraction
         pause(t, g, "backward")
         # Every member gets its copy's gradients: from here on the step may be rolled forward.
         t_copies = time.perf_counter()
@@ -500,10 +506,11 @@ class FsdpExecutor(HoldsShards):
         pause(t, g, "exchange")
         self.pending = True
         grads = [gr for p in self.params if (gr := local_grad(p)) is not None]
-        squares = sum((squared_norm(gr) for gr in grads), torch.zeros((), dtype=torch.float64, device=t.device))
+        squares = sum((squared_norm(gr) for gr in self._norm_grads(g)),
+                      torch.zeros((), dtype=torch.float64, device=t.device))
         # The vote: the switch to a planned delta, and a `ctl save` and a checkpoint every member has
         # (writing either is a collective: all of them take it at the same step boundary).
-        buf, pending = self._votes(t, g, loss_sum, squares)
+        buf, pending = self._votes(t, g, loss_sum if self._counts_loss(g) else torch.zeros_like(loss_sum), squares)
         votes = len(buf)
         if buffers:  # (the members' updates of the model's buffers this step, weighted by their shares)
             buf = torch.cat([buf, buffers.deltas(len(ids), G)])
@@ -519,3 +526,13 @@ class FsdpExecutor(HoldsShards):
             raise Superseded
         lr = self._apply(t, grads, grad_norm, sharded.stepper.step)  # (the shards' local tensors: no DTensor dispatch)
         return self._end(t, g, buf, pending, len(ids), (compute_s, comm_s, time.perf_counter() - t0), lr, grad_norm)
+
+    # --- hooks (tensor parallelism's: `worker.parallel.tensor.ShardedTensorExecutor`) ----------------
+
+    def _norm_grads(self, g: Group) -> list[torch.Tensor]:
+        """The local gradients this member's squared norm counts: every shard's."""
+        return [gr for p in self.params if (gr := local_grad(p)) is not None]
+
+    def _counts_loss(self, g: Group) -> bool:
+        """Whether this member's loss counts in the step's (every member computes its own samples)."""
+        return True

@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from worker import keeper
 
-__all__ = ["forget", "mesh_of", "register"]
+__all__ = ["forget", "grid_of", "mesh_of", "register"]
 
 
 def register(backend: Any, store: Any, rank: int, world: int, epoch: int, device: torch.device, *,
@@ -58,6 +58,15 @@ def mesh_of(pg: dist.ProcessGroup, device: torch.device, epoch: int, dim: str = 
     epoch's mesh over the same ranks would be served the old epoch's (unregistered) groups ("Could
     not resolve the process group registered under the name adaptrain-epoch1")."""
     return DeviceMesh.from_group(pg, device.type, mesh_dim_names=(f"epoch{epoch}.{dim}",))
+
+
+def grid_of(pgs: list[dist.ProcessGroup], grid: list[list[int]], device: torch.device, epoch: int,
+            dims: tuple[str, str]) -> DeviceMesh:
+    """A 2-D mesh over `grid` (the whole group's ranks, `dims[0]` by `dims[1]`) from this member's
+    group along each dim (`pgs`, in the order of `dims`), named with the epoch as `mesh_of` names
+    its dim."""
+    return DeviceMesh.from_group(pgs, device.type, mesh=torch.tensor(grid, dtype=torch.int),
+                                 mesh_dim_names=tuple(f"epoch{epoch}.{d}" for d in dims))
 
 
 def forget(pg: dist.ProcessGroup | None) -> None:

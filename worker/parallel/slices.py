@@ -41,7 +41,7 @@ arrived (docs/benchmarks.md has the figures, beside raw gloo p2p).
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from itertools import zip_longest
@@ -72,6 +72,18 @@ class Piece:
     lo: int
     hi: int
     data: dict[str, torch.Tensor]  # companion key -> 1-D tensor of hi - lo elements
+
+
+def pieces_over(ranges: Iterable[Range], data: Mapping[str, torch.Tensor]) -> list[Piece]:
+    """A member's local flat tensors `data` (companion key -> its elements of one tensor, in the
+    order of `ranges`) as one piece per range, each a view of its part."""
+    out: list[Piece] = []
+    at = 0
+    for lo, hi in ranges:
+        if hi > lo:
+            out.append(Piece(lo, hi, {k: v[at:at + hi - lo] for k, v in data.items()}))
+            at += hi - lo
+    return out
 
 
 @dataclass(slots=True)
@@ -114,6 +126,16 @@ class LocalState:
         """Copy elements [lo, hi) of companion `key` of `fqn` into `out` (flat, hi - lo elements),
         piece by piece (no intermediate tensor when several pieces hold them); returns `out`."""
         return _copy_parts(self._parts(fqn, key, lo, hi), out)
+
+    def fill(self, fqn: str, key: str, ranges: Iterable[Range], out: torch.Tensor) -> torch.Tensor:
+        """`out` (flat: a member's local elements of `fqn`, in the order of `ranges`, as
+        `plan.placement.ranges_of` gives them) filled from companion `key`; returns `out`."""
+        at = 0
+        for lo, hi in ranges:
+            if hi > lo:
+                self.copy_to(fqn, key, lo, hi, out[at:at + hi - lo])
+                at += hi - lo
+        return out
 
     def fresh(self, fqn: str, key: str, lo: int, hi: int, device: torch.device | None = None) -> torch.Tensor:
         """Elements [lo, hi) of companion `key` of `fqn`, copied into a tensor of their own on `device`

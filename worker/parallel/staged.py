@@ -399,7 +399,8 @@ class ShardedStageExecutor(HoldsShards, StageExecutor):
             module = nn.Sequential(OrderedDict((unit, model.get_submodule(unit)) for unit in units))
             sharded = shard_module(t.job, module, units, g.layout, g.rank, on.mesh, local, t.device,
                                    replicate=on.replicate, mp_policy=mixed_precision(t.job),
-                                   wait=lambda work, buf: t.wait(g, work, buf), give_up=t.give_up_if_superseded)
+                                   wait=lambda work, buf: t.wait(g, work, buf), give_up=t.give_up_if_superseded,
+                                   tensors=t.tensors)
         except BaseException:
             groups.forget(registered)
             raise

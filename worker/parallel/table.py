@@ -8,10 +8,10 @@ from worker.executor import Executor
 from worker.parallel.fsdp import FsdpExecutor
 from worker.parallel.replicated import ReplicaExecutor
 from worker.parallel.staged import ShardedStageExecutor, StageExecutor
-from worker.parallel.tensor import TensorParallelExecutor, TensorStageExecutor
+from worker.parallel.tensor import ShardedTensorExecutor, TensorParallelExecutor, TensorStageExecutor
 
 EXECUTORS: tuple[type[Executor], ...] = (ReplicaExecutor, FsdpExecutor, StageExecutor, ShardedStageExecutor,
-                                         TensorParallelExecutor, TensorStageExecutor)
+                                         TensorParallelExecutor, ShardedTensorExecutor, TensorStageExecutor)
 
 
 def executor_for(layout: Layout) -> type[Executor]:

@@ -45,14 +45,14 @@ from worker.comm import AllOf
 from worker.executor import Executor, Loop, computing, local_grad, pause, slot_samples, squared_norm, stretch
 from worker.group import Group
 from worker.parallel.copies import Copies
-from worker.parallel.fsdp import save_gathered
+from worker.parallel.fsdp import FsdpExecutor, mixed_precision, save_gathered, shard_module
 from worker.parallel.meta import meta_model
 from worker.parallel.shard_step import LocalStep
-from worker.parallel.slices import PARAM, LocalState, Piece
+from worker.parallel.slices import PARAM, LocalState, pieces_over
 from worker.parallel.staged import Stage, StageExecutor, flops_fraction, gathered
 from worker.tp_plan import tp_styles
 
-__all__ = ["TensorParallelExecutor", "TensorStageExecutor"]
+__all__ = ["ShardedTensorExecutor", "TensorParallelExecutor", "TensorStageExecutor"]
 
 def _parallel(styles: Mapping[str, str]) -> dict[str, Any]:
     return {name: ColwiseParallel() if style == "colwise" else RowwiseParallel() for name, style in styles.items()}
@@ -145,7 +145,7 @@ class TensorParallelExecutor(Executor):
         pause(t, g, "exchange")
         self.pending = True
         first = g.layout.coords(g.rank)[3] == 0
-        squares = sum((squared_norm(gr) for gr in norm_grads(self.params, g.layout, g.rank)),
+        squares = sum((squared_norm(gr) for gr in norm_grads(self._named(), g.layout, g.rank, self.shapes)),
                       torch.zeros((), dtype=torch.float64, device=t.device))
         buf, pending = self._votes(t, g, loss_sum if first else torch.zeros_like(loss_sum), squares)
         votes = len(buf)
@@ -162,6 +162,9 @@ class TensorParallelExecutor(Executor):
         # a member's speed in whole-model samples/s)
         whole_s = compute_s / self.fraction
         return self._end(t, g, buf, pending, len(ids), (whole_s, comm_s, time.perf_counter() - t0), lr, grad_norm)
+
+    def _named(self) -> Iterable[tuple[str, nn.Parameter]]:
+        return ((n, p) for n, p in self.model.named_parameters() if p.requires_grad)
 
     def _sum_over_replicas(self, t: Loop, g: Group, grads: list[torch.Tensor]) -> None:
         """Every local gradient summed over this member's replica group: one flat buffer per dtype."""
@@ -213,7 +216,7 @@ def split_module(t: Loop, module: nn.Module, styles: Mapping[str, str], mesh: An
     by_name = {s.name: s for s in tensors}
     with torch.no_grad():
         for fqn, p in module.named_parameters():
-            _fill(local, fqn, PARAM, ranges_of(layout, rank, by_name[fqn]), _local(p).view(-1))
+            local.fill(fqn, PARAM, ranges_of(layout, rank, by_name[fqn]), _local(p).view(-1))
         for name, buf in module.named_buffers():
             if name in local.buffers:
                 buf.copy_(local.buffers[name])
@@ -237,7 +240,7 @@ def split_state(module: nn.Module, optimizer: torch.optim.Optimizer, layout: Lay
                 data[key] = _local(value).detach().reshape(-1)
             else:
                 scalars[key] = value
-        local.pieces[fqn] = _pieces(ranges_of(layout, rank, shapes[fqn]), data)
+        local.pieces[fqn] = pieces_over(ranges_of(layout, rank, shapes[fqn]), data)
         local.keys[fqn] = tuple(data)
         local.dtypes[fqn] = {k: str(v.dtype).removeprefix("torch.") for k, v in data.items()}
         local.scalars[fqn] = scalars
@@ -246,40 +249,18 @@ def split_state(module: nn.Module, optimizer: torch.optim.Optimizer, layout: Lay
     return local
 
 
-def norm_grads(params: Iterable[nn.Parameter], layout: Layout, rank: int) -> list[torch.Tensor]:
+def norm_grads(named: Iterable[tuple[str, nn.Parameter]], layout: Layout, rank: int,
+               shapes: Mapping[str, TensorShape]) -> list[torch.Tensor]:
     """The local gradients a tp member's squared norm counts: its slices of the split tensors, and
-    the others (the same on every tp rank) on the first tp rank only."""
+    the others (the same on every tp rank of its slot; with FSDP, its shards of them) on the first
+    tp rank only."""
     first = layout.coords(rank)[3] == 0
-    return [gr for p in params if (gr := local_grad(p)) is not None and (first or isinstance(p, DTensor) and _split(p))]
-
-
-def _split(p: DTensor) -> bool:
-    return any(pl.is_shard() for pl in p.placements)
+    return [gr for fqn, p in named if (gr := local_grad(p)) is not None
+            and (first or shapes[fqn].tp_dim is not None and bool(shapes[fqn].shape))]
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
-
-
-def _pieces(ranges: Iterable[tuple[int, int]], data: Mapping[str, torch.Tensor]) -> list[Piece]:
-    """The local flat tensors `data` (key -> this member's elements, in the order of `ranges`) as one
-    piece per range, each a view of its part."""
-    out: list[Piece] = []
-    at = 0
-    for lo, hi in ranges:
-        if hi > lo:
-            out.append(Piece(lo, hi, {k: v[at:at + hi - lo] for k, v in data.items()}))
-            at += hi - lo
-    return out
-
-
-def _fill(local: LocalState, fqn: str, key: str, ranges: Iterable[tuple[int, int]], out: torch.Tensor) -> None:
-    """`out` (flat, this member's elements in the order of `ranges`) filled from `local`."""
-    at = 0
-    for lo, hi in ranges:
-        if hi > lo:
-            local.copy_to(fqn, key, lo, hi, out[at:at + hi - lo])
-            at += hi - lo
 
 
 def _load_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, layout: Layout, rank: int, local: LocalState,
@@ -296,13 +277,57 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, layout: 
         state: dict[str, Any] = {}
         for key in keys:
             values = torch.empty(shard.numel(), dtype=local.dtype(fqn, key), device=shard.device)
-            _fill(local, fqn, key, ranges_of(layout, rank, shapes[fqn]), values)
+            local.fill(fqn, key, ranges_of(layout, rank, shapes[fqn]), values)
             values = values.view(shard.shape)
             state[key] = (DTensor.from_local(values, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
                                              run_check=False) if isinstance(p, DTensor) else values)
         for key, value in local.scalars.get(fqn, {}).items():
             state[key] = value.clone() if isinstance(value, torch.Tensor) else value
         optimizer.state[p] = state
+
+
+# --- FSDP over a tensor-parallel split (FSDP x tp, HSDP x tp) ----------------------------------------
+
+
+class ShardedTensorExecutor(FsdpExecutor):
+    """FSDP x tp (and HSDP x tp): the model's Linears split over this member's tp group, then every
+    unit sharded with FSDP2 over its shard group (torchtitan's order, on one 2-D mesh: FSDP2 shards
+    the split parameters' tp-local blocks along dim 0, which is `plan.placement.box_of`'s box). The
+    step is `FsdpExecutor.step` with the tp hooks: the loss and the tensors tp does not split count
+    once per tp group, the compute reported as the whole model's. The copies are always exchanged
+    (a member's copy may be of another tp rank's shards, which its reduce-scatters never saw)."""
+
+    @staticmethod
+    def fits(layout: Layout) -> bool:
+        return layout.tp > 1 and layout.pp == 1 and layout.dp_shard > 1
+
+    @classmethod
+    def build(cls, t: Loop, g: Group, local: LocalState) -> Executor:
+        registered: list[dist.ProcessGroup] = []
+        try:
+            on = groups.shard_tp_mesh(g, t.device, registered, timeout_s=t.config.group_timeout_s,
+                                      superseded=lambda: t.agent.superseded(g.epoch))
+            assert on.tp is not None
+            model = meta_model(t.job)
+            names = {n for n, _ in model.named_modules()}
+            parallelize_module(model, on.tp, _parallel({n: s for n, s in tp_styles(t.job, model).items() if n in names}))
+            tensors = t.tensors
+            sharded = shard_module(t.job, model, t.units(), g.layout, g.rank, on.mesh, local, t.device,
+                                   replicate=on.replicate, mp_policy=mixed_precision(t.job),
+                                   wait=lambda work, buf: t.wait(g, work, buf), give_up=t.give_up_if_superseded,
+                                   tensors=tensors)
+        except BaseException:
+            groups.forget(registered)
+            raise
+        return cls(sharded, (g.layout, g.rank), Copies.of(g.layout, t.name, local, tensors), registered,
+                   compute_fraction(t.graph(), g.layout.tp))
+
+    def _norm_grads(self, g: Group) -> list[torch.Tensor]:
+        return norm_grads(((n, p) for n, p in self.sharded.params.items() if p.requires_grad), g.layout, g.rank,
+                          self.sharded.shapes)
+
+    def _counts_loss(self, g: Group) -> bool:
+        return g.layout.coords(g.rank)[3] == 0
 
 
 # --- pipelines of tensor-parallel stages (pp x tp) ---------------------------------------------------
@@ -360,7 +385,7 @@ class TensorStageExecutor(StageExecutor):
         return gathered(self.stage)
 
     def _norm_grads(self, g: Group, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        return norm_grads(self.stage.module.parameters(), g.layout, g.rank)
+        return norm_grads(self.stage.module.named_parameters(), g.layout, g.rank, self.shapes)
 
     def _counts_loss(self, g: Group) -> bool:
         return g.layout.coords(g.rank)[3] == 0
