@@ -40,11 +40,12 @@ arrived (docs/benchmarks.md has the figures, beside raw gloo p2p).
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
-from itertools import zip_longest
+from itertools import islice, zip_longest
 from typing import Any
 
 import torch
@@ -72,6 +73,10 @@ class Piece:
     lo: int
     hi: int
     data: dict[str, torch.Tensor]  # companion key -> 1-D tensor of hi - lo elements
+
+
+def _start(piece: Piece) -> int:
+    return piece.lo
 
 
 def pieces_over(ranges: Iterable[Range], data: Mapping[str, torch.Tensor]) -> list[Piece]:
@@ -146,7 +151,14 @@ class LocalState:
     def _parts(self, fqn: str, key: str, lo: int, hi: int) -> list[torch.Tensor]:
         parts = []
         at = lo
-        for p in self.pieces.get(fqn, []):
+        pieces = self.pieces.get(fqn, [])
+        # (sorted by lo: start at the last piece that starts by `lo`, found by bisection, a row-wise
+        # split holding a piece per row; where that one ends before `lo`, an earlier piece may
+        # overlap it and cover `lo`: scan from the first)
+        first = bisect_right(pieces, lo, key=_start) - 1
+        if first < 0 or pieces[first].hi <= lo:
+            first = 0
+        for p in islice(pieces, first, None):
             if p.hi <= at or p.lo >= hi:
                 continue
             if p.lo > at:
@@ -582,7 +594,10 @@ def _messages(local: LocalState, transfers: list[Transfer]) -> list[tuple[torch.
 def _assemble(local: LocalState, needed: Mapping[str, Sequence[Range]], recvs: Sequence[Transfer],
               arriving: Mapping[Transfer, dict[str, torch.Tensor]], device: torch.device) -> LocalState:
     """The new state: exactly the `needed` ranges, each as pieces that are views, of the arenas where
-    a range arrives and of the held pieces elsewhere (cut where the source changes; nothing copied)."""
+    a range arrives and of the held pieces elsewhere (cut where the source changes; nothing copied).
+    A tensor's transfers and held pieces are each disjoint and sorted: each range finds its own by
+    bisection (a row-wise tp split needs a range per row, and as many arrive: a scan per range was
+    quadratic, seconds for a small model)."""
     out = LocalState(step=local.step, keys=local.keys, dtypes=local.dtypes, scalars=local.scalars, hyper=local.hyper,
                      buffers=local.buffers)
     incoming: dict[str, list[Transfer]] = defaultdict(list)
@@ -590,21 +605,25 @@ def _assemble(local: LocalState, needed: Mapping[str, Sequence[Range]], recvs: S
         incoming[t.tensor].append(t)
     for fqn, ranges in needed.items():
         keys = local.keys[fqn]
-        here = incoming.get(fqn, [])
+        here = sorted(incoming.get(fqn, []), key=lambda t: t.lo)
+        here_lo = [t.lo for t in here]
         held = _disjoint(sorted(local.pieces.get(fqn, []), key=lambda p: p.lo))
+        held_lo = [h.lo for h in held]
         pieces: list[Piece] = []
         for lo, hi in ranges:
             if hi <= lo:
                 continue
             parts: list[Piece] = []
-            for t in here:
+            covered: list[Range] = []
+            for t in _overlapping(here, here_lo, lo, hi):
                 a, b = max(lo, t.lo), min(hi, t.hi)
+                covered.append((a, b))
                 if a == t.lo and b == t.hi:  # (the usual case: a transfer brings a part of one range)
                     parts.append(Piece(a, b, {k: arriving[t][k] for k in keys}))
-                elif a < b:
+                else:
                     parts.append(Piece(a, b, {k: arriving[t][k][a - t.lo:b - t.lo] for k in keys}))
-            for h in held:
-                for a, b in subtract([(max(lo, h.lo), min(hi, h.hi))], [(t.lo, t.hi) for t in here]):
+            for h in _overlapping(held, held_lo, lo, hi):
+                for a, b in subtract([(max(lo, h.lo), min(hi, h.hi))], covered):
                     parts.append(Piece(a, b, {k: h.data[k][a - h.lo:b - h.lo].to(device) for k in keys}))
             parts.sort(key=lambda p: p.lo)
             if sum(p.hi - p.lo for p in parts) != hi - lo:
@@ -613,6 +632,15 @@ def _assemble(local: LocalState, needed: Mapping[str, Sequence[Range]], recvs: S
             pieces.extend(parts)
         out.pieces[fqn] = pieces
     return out
+
+
+def _overlapping(spans: Sequence[Any], starts: Sequence[int], lo: int, hi: int) -> Iterator[Any]:
+    """Those of `spans` (disjoint, sorted by `.lo`; `starts` their `.lo`s) that overlap [lo, hi)."""
+    i = max(bisect_right(starts, lo) - 1, 0)
+    while i < len(spans) and spans[i].lo < hi:
+        if spans[i].hi > lo:
+            yield spans[i]
+        i += 1
 
 
 def _disjoint(pieces: list[Piece]) -> list[Piece]:
