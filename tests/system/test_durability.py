@@ -200,11 +200,11 @@ def test_a_sharded_job_resumes_after_a_total_loss_in_another_layout(tmp_path: Pa
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("layout,workers", [("pp=2", 2), ("pp=2,fsdp=2", 4), ("tp=2", 2)])
+@pytest.mark.parametrize("layout,workers", [("pp=2", 2), ("pp=2,fsdp=2", 4), ("tp=2", 2), ("tp=2,fsdp=2", 4)])
 def test_a_pipeline_checkpoint_resumes_replicated_after_a_total_loss(tmp_path: Path, layout: str, workers: int) -> None:
-    """A pipeline (and one whose stages are sharded), and a tensor-parallel job, write their
-    checkpoints as every layout does: each member its own part (its stage, its shards of it, its
-    tp slices: DCP's chunks of the DTensors). Everything SIGKILLed after one; a
+    """A pipeline (and one whose stages are sharded), and a tensor-parallel job (and one whose tp
+    parts are sharded), write their checkpoints as every layout does: each member its own part (its
+    stage, its shards of it, its tp slices: DCP's chunks of the DTensors). Everything SIGKILLed after one; a
     new coordinator on the same state dir, with no pin, and two new workers resume from it as
     replicas, every step after it the single-process recipe's."""
     reference = single_process()

@@ -65,3 +65,22 @@ def test_a_pinned_pipeline_of_tp_stages_puts_each_tp_group_on_one_stage() -> Non
     layout = plan.layout
     assert [u for stage in layout.stages for u in stage] == [layer.name for layer in graph.layers]
     assert {layout.coords(r)[0] for r in layout.tp_group(0)} == {0} and len(set(layout.shares)) == 1
+
+
+def test_a_pinned_fsdp_x_tp_shards_each_tp_members_part_and_holds_less_than_dp_x_tp() -> None:
+    """`tp=2,fsdp=2` on four devices: two data-parallel slots (each a tp pair, each its own share)
+    sharding the pairs' parts between them; a member's memory is its shard of its part (and a
+    copy), less than a dp x tp member's whole part, and FSDP2's gathers cost more than the
+    replicas' all-reduce of the same part."""
+    graph = split_graph()
+    c = cluster({f"d{i}": 100.0 for i in range(4)})
+    limits = PlanLimits(global_batch=40)
+    sharded = make_plan(c, graph, None, limits=limits, pin=parse_pin("tp=2,fsdp=2")).plan
+    replicas = make_plan(c, graph, None, limits=limits, pin=parse_pin("tp=2,dp=2")).plan
+    assert sharded is not None and replicas is not None
+    layout = sharded.layout
+    assert layout.describe() == "dp_shard=2 x tp=2" and sum(layout.shares[::2]) == 40, layout
+    assert layout.shares[0] == layout.shares[1] and layout.tp_group(0) == [0, 1] and layout.shard_group(0) == [0, 2]
+    assert max(m.memory_bytes for m in sharded.costs) < max(m.memory_bytes for m in replicas.costs)
+    assert sharded.comm_s is not None and replicas.comm_s is not None and sharded.comm_s > replicas.comm_s
+    assert "sharded over 2 (FSDP2)" in make_plan(c, graph, None, limits=limits, pin=parse_pin("tp=2,fsdp=2")).reason

@@ -21,6 +21,7 @@ the parameters (DTensor); a job may ask for bf16 compute (`MixedPrecisionPolicy`
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -370,8 +371,16 @@ def save_gathered(t: Loop, g: Group, model: nn.Module, optimizer: torch.optim.Op
                                                          get_optimizer_state_dict)
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_state = get_model_state_dict(model, options=options)
-    by_name: dict[str, Any] = dict(get_optimizer_state_dict(model, optimizer, options=options))
+    # (FSDP x tp gathers a column-wise weight's strided shards in two all-gathers, and DTensor warns
+    # of it at every save: a once-a-job cost, not a problem to report)
+    quiet = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        model_state = get_model_state_dict(model, options=options)
+        by_name: dict[str, Any] = dict(get_optimizer_state_dict(model, optimizer, options=options))
+    finally:
+        quiet.setLevel(level)
     if g.rank != 0:
         return
     index = {fqn: i for i, (fqn, _) in enumerate(model.named_parameters())}
