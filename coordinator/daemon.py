@@ -192,7 +192,7 @@ class Core:
                                solver=cfg.solver, drain_deadline_s=cfg.drain_deadline_s, ack_timeout_s=cfg.ack_timeout_s,
                                checkpoint_dir=str(cfg.checkpoint_dir or ""), checkpoint_keep=cfg.checkpoint_keep,
                                recovery_grace_s=cfg.recovery_grace_s, join_abandons=cfg.join_abandons,
-                               join_wait_max_s=cfg.join_wait_max_s)
+                               join_wait_max_s=cfg.join_wait_max_s, tp_degrees=job.tp_degrees)
         self.state = m.State(layout=cfg.layout)  # (the pin's first value: `ctl layout` changes it)
         self.journal, self.endpoints = journal, endpoints or {}
         self._graph_dict: tuple[Graph, dict[str, Any]] | None = None  # the graph as journaled, encoded once

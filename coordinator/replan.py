@@ -77,7 +77,7 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
     horizon = max(1, min(config.horizon_steps, config.num_steps - state.last_step))
     limits = PlanLimits(global_batch=config.global_batch, max_workers=config.max_workers,
                         time_limit_s=config.solve_time_limit_s, policy=config.planner, engine=config.solver,
-                        horizon_steps=horizon)
+                        horizon_steps=horizon, tp_degrees=config.tp_degrees)
     result = make_plan(cluster, state.graph, state.plan, limits=limits, holders=holders, pin=state.layout)
     if result.plan is None:
         state, effects = _nothing_fits(state, result, holders, reason, abort=abort)

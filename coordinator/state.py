@@ -45,6 +45,7 @@ class Config:
     recovery_grace_s: float = 10.0  # a restarted coordinator waits this long for the plan's members to come back
     join_abandons: str = "auto"  # a join abandons the step in flight: "auto" (when it pays), "always", "never"
     join_wait_max_s: float | None = JOIN_WAIT_MAX_S  # under "auto": also when the rest of the step is longer (None: no bound)
+    tp_degrees: tuple[int, ...] = ()  # the tensor-parallel degrees the job admits (> 1): the planner weighs them
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Collection, Sequence
+from dataclasses import replace
 
 from plan.cluster import Cluster
 from plan.cost import Link, static_bytes
@@ -153,6 +154,8 @@ def moved_bytes(graph: Graph, before: Layout | None, holders: Collection[str], p
         shapes = [TensorShape("state", ORDER_ROWS, ORDER_ROWS)]
     else:
         shapes = [TensorShape(layer.name, ORDER_ROWS, ORDER_ROWS, unit=layer.name) for layer in graph.layers]
+    if before.tp > 1 or after.tp > 1:  # (each stand-in in two: the part tp splits, and the rest)
+        per_unit, shapes = _split_stand_ins(graph, per_unit, shapes)
     need = holdings(after, shapes, copy_ring(after))
     if before.whole_replicas:  # every holder holds it all: the others receive all they need
         return round(sum((hi - lo) * per_unit[t] for m, parts in need.items() if m not in holders
@@ -176,6 +179,27 @@ def moved_bytes(graph: Graph, before: Layout | None, holders: Collection[str], p
 
 
 _NONE: list[tuple[int, int]] = []  # (no ranges: one shared list, never changed)
+
+
+def _split_stand_ins(graph: Graph, per_unit: dict[str, float], shapes: list[TensorShape]
+                     ) -> tuple[dict[str, float], list[TensorShape]]:
+    """Each stand-in as two: its units' tensors that tensor parallelism splits (a stand-in split
+    along its rows) and the rest, their bytes in the proportion of the tensors' elements."""
+    split: dict[str, float] = {}
+    total: dict[str, float] = {}
+    for t in graph.tensors:
+        unit = t.unit if len(shapes) > 1 else "state"
+        total[unit] = total.get(unit, 0.0) + t.numel
+        if t.tp_dim is not None:
+            split[unit] = split.get(unit, 0.0) + t.numel
+    bytes_out: dict[str, float] = {}
+    out: list[TensorShape] = []
+    for shape in shapes:
+        share = split.get(shape.name, 0.0) / total[shape.name] if total.get(shape.name) else 0.0
+        bytes_out[f"{shape.name}/split"] = per_unit[shape.name] * share
+        bytes_out[shape.name] = per_unit[shape.name] * (1.0 - share)
+        out += [replace(shape, name=f"{shape.name}/split", tp_dim=0), shape]
+    return bytes_out, out
 
 
 @functools.lru_cache(maxsize=4)

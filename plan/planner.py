@@ -48,13 +48,15 @@ from plan.milp import ENGINES
 from plan.prediction import MemberCost, Plan, micro_batched, micro_sizes, predict, predict_sharded
 from plan.reshard import least_moving_order
 from plan.shares import assign, split_shares
-from plan.tensor import pinned_pipeline_tensor, pinned_tensor_parallel
+from plan.tensor import pinned_pipeline_tensor, pinned_tensor_parallel, tensor_parallel
 
 __all__ = ["Alternative", "Candidate", "MemberCost", "Plan", "PlanLimits", "PlanResult", "assign", "make_plan",
            "predict", "score_members", "split_shares"]
 
 MIN_GAIN = 0.03  # a new plan must beat the current one by 3% of step time (noise is a few %)
 LEAST_MOVING_UP_TO = 64  # members of a sharded plan ranked where they move least (beyond: rank order)
+TP_GUESSED = ("no step measured yet: tensor parallelism is weighed once speeds are measured (its gain is "
+              "compute against many small all-reduces, both guessed until then)")
 GUESSED = ("no step measured yet: pipelines are weighed once speeds are measured (a cut on guessed speeds "
            "can be far off)")
 
@@ -67,6 +69,7 @@ class PlanLimits:
     horizon_steps: int = 200  # steps over which a switch's one-off cost is amortised
     policy: str = "milp"  # "milp" or "even"
     engine: str = "auto"  # of the class-level solve: "auto", "search" or "milp" (plan.milp)
+    tp_degrees: tuple[int, ...] = ()  # the tensor-parallel degrees the job admits (> 1): weighed unpinned
 
     def __post_init__(self) -> None:
         if self.global_batch < 1:
@@ -145,8 +148,13 @@ def _choose(ctx: Ctx, pin: LayoutPin | None) -> PlanResult:
         weighed += sharded(ctx, pin=pin, same_as=best_rep.plan.members if best_rep else (),
                            above=best_rep.objective_s if best_rep is not None and pin is None else math.inf)
         weighed = [w for w in weighed if admitted(pin, w.shape)]
-    # Speeds that are only a guess: no pipeline (its cut rests on them) unless nothing else runs.
+    # Speeds that are only a guess: no pipeline (its cut rests on them) unless nothing else runs,
+    # and no tensor parallelism (its gain is a prediction of compute against many small all-reduces).
     unless = GUESSED if guess and pin is None and any(w.scored for w in weighed) else ""
+    if pin is None and ctx.limits.tp_degrees:
+        found = min((w.scored.objective_s for w in weighed if w.scored is not None), default=math.inf)
+        weighed += tensor_parallel(ctx, found) if not unless else [
+            Weighed(f"tp={tp}", (1, None, 1), why_not=TP_GUESSED) for tp in ctx.limits.tp_degrees]
     if pin is None or (pin.tp or 1) == 1:
         weighed += pipelines(ctx, pin=pin, unless=unless,
                              above=min((w.scored.objective_s for w in weighed if w.scored is not None), default=math.inf))
@@ -198,10 +206,11 @@ def _still_pinned(pin: LayoutPin | None, now: Alternative, runnable: list[Altern
 
 def _distinct(weighed: list[Weighed]) -> list[Weighed]:
     """`weighed` without a plan found twice (the same layout of the same devices), the first kept."""
-    seen: set[tuple[tuple[int, int | None, int], frozenset[str]]] = set()
+    seen: set[tuple[tuple[int, int | None, int], int, frozenset[str]]] = set()
     out = []
     for w in weighed:
-        key = (w.shape, frozenset(w.scored.plan.members if w.scored is not None else ()))
+        key = (w.shape, w.scored.plan.tp if w.scored is not None else 1,
+               frozenset(w.scored.plan.members if w.scored is not None else ()))
         if w.scored is None or key not in seen:
             seen.add(key)
             out.append(w)
@@ -216,7 +225,7 @@ def _gauge(a: Alternative, rep: Replicated | None) -> float:
 
 def _shape(plan: Plan) -> tuple[int, int, int]:
     """(pp, dp_replicate, dp_shard) of `plan` (without building its layout)."""
-    return plan.pp, len(plan.members) // (plan.pp * plan.dp_shard), plan.dp_shard
+    return plan.pp, len(plan.members) // (plan.pp * plan.dp_shard * plan.tp), plan.dp_shard
 
 
 def _none_runs(weighed: list[Weighed], rep: Replicated | None, pin: LayoutPin | None) -> str:

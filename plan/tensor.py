@@ -10,14 +10,15 @@ and each column-wise one its input's gradient in the backward, over the tp group
 boundary activation per sample each (`tp_comm_s`); the replicas then all-reduce each member's part
 of the gradients.
 
-For now tp is planned where it is pinned (`--layout tp=T`, with `dp=R` or R filled from the ready
-devices, and `fsdp=S`: each tp member's part sharded over S; `--layout pp=P,tp=T`: pipelines of
-split stages), whose degree the job was checked to admit
-at start (`worker.tp_plan.tp_degrees`).
+Pinned (`--layout tp=T`, with `dp=R` or R filled from the ready devices, and `fsdp=S`: each tp
+member's part sharded over S; `--layout pp=P,tp=T`: pipelines of split stages), its degree checked
+at start against those the job admits (`worker.tp_plan.tp_degrees`); unpinned, the planner weighs
+dp x tp and FSDP x tp for each admitted degree (`PlanLimits.tp_degrees`) beside the other layouts.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -32,7 +33,8 @@ from plan.shares import assign
 if TYPE_CHECKING:
     from plan.candidates import Ctx, Weighed
 
-__all__ = ["compute_fraction", "pinned_pipeline_tensor", "pinned_tensor_parallel", "predict_tensor", "tp_comm_s"]
+__all__ = ["compute_fraction", "pinned_pipeline_tensor", "pinned_tensor_parallel", "predict_tensor", "tensor_parallel",
+           "tp_comm_s"]
 
 
 def split_fraction(graph: Graph) -> float:
@@ -116,19 +118,47 @@ def pinned_tensor_parallel(ctx: Ctx, pin: LayoutPin) -> list[Weighed]:
     """The pinned dp x tp (and FSDP x tp, HSDP x tp) over the fastest ready devices that hold a
     member's part: `dp=R` replicas where pinned, else as many whole groups (tp x fsdp members) as
     the devices fill; or why it cannot run."""
-    from plan.candidates import Weighed
+    return [_tensor_parallel(ctx, pin.tp or 1, pin.dp_shard or 1, pin.dp_replicate, f"--layout {pin.describe()}")]
 
-    tp, shards = pin.tp or 1, pin.dp_shard or 1
-    what = f"--layout {pin.describe()}"
-    layout = f"dp_replicate={pin.dp_replicate or '*'} x " + (f"dp_shard={shards} x " if shards > 1 else "") + f"tp={tp}"
+
+def tensor_parallel(ctx: Ctx, above: float = math.inf) -> list[Weighed]:
+    """The tp candidates the planner weighs unpinned: for each degree the job admits
+    (`PlanLimits.tp_degrees`) that at most --max-workers devices hold, dp x tp over as many whole
+    tp groups as the devices fill, and FSDP x tp with each tp member's part sharded over all of
+    those groups (the least memory a member needs). One whose predicted step is no less than
+    `above` (the best objective found) is not scored (`plan.candidates._loses`)."""
+    out: list[Weighed] = []
+    cap = ctx.limits.max_workers or len(ctx.cluster.devices)
+    for tp in ctx.limits.tp_degrees:
+        if tp > cap:
+            continue
+        what = f"tp={tp}"
+        for weighed in (_tensor_parallel(ctx, tp, 1, None, what, above),
+                        *((_tensor_parallel(ctx, tp, groups, 1, f"fsdp={groups},{what}", above),)
+                          if (groups := min(len(holds_its_part(ctx, tp, 2)), cap) // tp) >= 2 else ())):
+            out.append(weighed)
+            if weighed.scored is not None:
+                above = min(above, weighed.scored.objective_s)
+    return out
+
+
+def _tensor_parallel(ctx: Ctx, tp: int, shards: int, replicas_wanted: int | None, what: str,
+                     above: float = math.inf) -> Weighed:
+    """dp x tp over the fastest ready devices that hold a member's part (with `shards` > 1, each
+    tp member's part sharded over that many data-parallel slots: FSDP x tp, or HSDP x tp with
+    replicas): `replicas_wanted` replicas, or as many as the devices fill; or why it cannot run."""
+    from plan.candidates import Alternative, Weighed, _loses
+
+    layout = (f"dp_replicate={replicas_wanted or '*'} x " + (f"dp_shard={shards} x " if shards > 1 else "")
+              + f"tp={tp}")
     if not split_fraction(ctx.graph):
-        return [Weighed(layout, (1, pin.dp_replicate, shards), why_not=f"{what}: the job has no tensor-parallel plan")]
+        return Weighed(layout, (1, replicas_wanted, shards), why_not=f"{what}: the job has no tensor-parallel plan")
     devices = ctx.ranked(holds_its_part(ctx, tp, shards))
     group = tp * shards  # (the members of one replica)
-    replicas = pin.dp_replicate or len(devices) // group
+    replicas = replicas_wanted or min(len(devices), ctx.limits.max_workers or len(devices)) // group
     if replicas < 1 or replicas * group > len(devices):
-        return [Weighed(layout, (1, pin.dp_replicate, shards),
-                        why_not=f"{what}: needs {max(replicas, 1) * group} members; {len(devices)} can train now")]
+        return Weighed(layout, (1, replicas_wanted, shards),
+                       why_not=f"{what}: needs {max(replicas, 1) * group} members; {len(devices)} can train now")
     previous = ctx.previous
     same = previous is not None and (previous.tp, previous.dp_shard) == (tp, shards)
     members = _keeping_positions(previous.members if same and previous is not None else (), devices[:replicas * group])
@@ -140,12 +170,16 @@ def pinned_tensor_parallel(ctx: Ctx, pin: LayoutPin) -> list[Weighed]:
                 float(ctx.limits.global_batch)) for m in members[::tp]]  # (a slot's share runs in micro-batches)
     shares = assign(speeds, overheads, [float(ctx.limits.global_batch)] * len(slots), ctx.limits.global_batch)
     if shares is None:
-        return [Weighed(layout, (1, replicas, shards),
-                        why_not=f"{what}: the batch does not split over {len(slots)} data-parallel slots")]
+        return Weighed(layout, (1, replicas, shards),
+                       why_not=f"{what}: the batch does not split over {len(slots)} data-parallel slots")
     micro = micro_sizes(shares, caps)  # (a share larger than a member's memory holds at once: micro-batches)
     plan = replace(predict_tensor(ctx.cluster, ctx.graph, slots, shares, shards=shards),
                    micro=tuple(m for m in micro for _ in range(tp)) if any(micro) else ())
-    return [Weighed(plan.layout.describe(), (1, replicas, shards), scored=ctx.score(plan, what))]
+    if (lost := _loses(plan, above)):
+        return Weighed(plan.layout.describe(), (1, replicas, shards), why_not=lost,
+                       unscored=Alternative(description=what, plan=plan, objective_s=plan.predicted_step_s or 0.0,
+                                            moved_bytes=0))
+    return Weighed(plan.layout.describe(), (1, replicas, shards), scored=ctx.score(plan, what))
 
 
 def _keeping_positions(before: Sequence[str], chosen: Sequence[str]) -> list[str]:

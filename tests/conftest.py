@@ -28,6 +28,12 @@ def pytest_configure(config: pytest.Config) -> None:
                        ("gloo", "forms real torch.distributed groups in the test's process"),
                        ("process", "starts processes (coordinators, workers, scripts)")):
         config.addinivalue_line("markers", f"{kind}: {what}")
+    # matplotlib builds its font cache on its first use on a machine, running `fc-list`: once, here,
+    # before any test's kind is checked (a pure test that plots would otherwise "start a process")
+    try:
+        import matplotlib.font_manager  # noqa: F401
+    except ImportError:
+        pass
 
 
 def kind_of(item: pytest.Item) -> str:

@@ -84,3 +84,22 @@ def test_a_pinned_fsdp_x_tp_shards_each_tp_members_part_and_holds_less_than_dp_x
     assert max(m.memory_bytes for m in sharded.costs) < max(m.memory_bytes for m in replicas.costs)
     assert sharded.comm_s is not None and replicas.comm_s is not None and sharded.comm_s > replicas.comm_s
     assert "sharded over 2 (FSDP2)" in make_plan(c, graph, None, limits=limits, pin=parse_pin("tp=2,fsdp=2")).reason
+
+
+def test_unpinned_the_planner_weighs_each_admitted_tp_degree_and_takes_tp_where_it_predicts_it_fastest() -> None:
+    """Two measured devices on two hosts and a model whose parameters dwarf its activations: the
+    replicas would all-reduce 6 MB a step, a tp pair only each split Linear's small activations,
+    and each member computes the same (half the batch on the whole model, or the whole batch on
+    half of it): with tp=2 admitted the planner takes it, and lists it; without, it never weighs it;
+    on guessed speeds, it waits for measurements."""
+    graph = split_graph()
+    two = cluster({"a": 100.0, "b": 100.0}, hosts={"a": "h1", "b": "h2"})
+    admitted = PlanLimits(global_batch=8, tp_degrees=(2,))
+    result = make_plan(two, graph, None, limits=admitted)
+    assert result.plan is not None and result.plan.tp == 2, result.reason
+    assert any(c.layout == "tp=2" and c.chosen for c in result.candidates), result.candidates
+    plain = make_plan(two, graph, None, limits=PlanLimits(global_batch=8))
+    assert plain.plan is not None and plain.plan.tp == 1 and not any("tp" in c.layout for c in plain.candidates)
+    guessed = cluster({"a": 0.0, "b": 0.0}, hosts={"a": "h1", "b": "h2"})
+    first = make_plan(guessed, graph, None, limits=admitted)
+    assert first.plan is not None and first.plan.tp == 1, first.reason
