@@ -255,8 +255,8 @@ class LayoutPin:
     @property
     def members(self) -> int | None:
         """The member count the pin implies when both data-parallel degrees are fixed (None: the
-        planner chooses it): `pp=P` alone means exactly P members. tp counts as 1 unless pinned: the
-        planner plans tp only where it is pinned, for now."""
+        planner chooses it): `pp=P` alone means exactly P members. An unpinned tp counts as 1 here
+        (the planner may still choose tp: the count is then the plan's)."""
         pp, replicas, shards, tp = self._wanted()
         if replicas is None or shards is None:
             return None

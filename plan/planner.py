@@ -137,7 +137,7 @@ def _choose(ctx: Ctx, pin: LayoutPin | None) -> PlanResult:
     guess = not any(d.samples_per_s for d in ctx.cluster.devices.values())
     weighed: list[Weighed] = []
     rep: Replicated | None = None
-    if pin is not None and (pin.tp or 1) > 1:  # (tensor parallel is planned where it is pinned, for now)
+    if pin is not None and (pin.tp or 1) > 1:  # (a tp pin: its one shape; unpinned, tp is weighed below)
         weighed = pinned_pipeline_tensor(ctx, pin) if (pin.pp or 1) > 1 else pinned_tensor_parallel(ctx, pin)
     elif pin is None or (pin.pp or 1) == 1:
         rep = replicated(ctx)
