@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -75,9 +76,11 @@ class _Work(dist.Work):
         self._finish()
 
     def wait(self, timeout: Any = None) -> bool:
+        t0 = time.perf_counter()
         while not self._done.wait(SAFETY_NET_S):
             if self._group.superseded():
                 self._group.abort("the epoch was superseded")
+        self._group.waited_s += time.perf_counter() - t0
         if self._error is not None:
             if isinstance(self._error, Superseded):
                 raise self._error
@@ -110,6 +113,10 @@ class AbortableGroup(dist.ProcessGroup):
         self._pending: list[_Work] = []
         self._aborted: str | None = None
         self._jobs: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
+        # Seconds spent waiting on this group's ops (for the peers, and for the wire): what torch's
+        # higher layers wait for inside a step's compute (DTensor's tp all-reduces), which the step
+        # reports as communication, not compute.
+        self.waited_s = 0.0
         threading.Thread(target=self._serve, daemon=True, name="abortable-group").start()
 
     # --- the state ---------------------------------------------------------------------------

@@ -472,7 +472,7 @@ class FsdpExecutor(HoldsShards):
         sharded.optimizer.zero_grad(set_to_none=True)
         buffers = self.buffers()
         buffers.begin()
-        sharded.comm.take()  # (FSDP2's gathers and scatters of this step from here on)
+        self._collectives_s()  # (FSDP2's gathers and scatters of this step from here on)
         if sharded.kept is not None:
             sharded.kept.clear()
         loss_sum = torch.zeros((), dtype=torch.float64, device=t.device)
@@ -496,7 +496,7 @@ class FsdpExecutor(HoldsShards):
         # and are never given up.) This member's own compute: the step so far less FSDP2's
         # collectives (where it also waited for the slowest member), which count as communication,
         # as the cost model has them.
-        collectives_s = sharded.comm.take()
+        collectives_s = self._collectives_s()
         compute_s = stretch(t, g, time.perf_counter() - t0 - collectives_s, len(ids))
         # (reported as the whole model's for these samples: the coordinator reads a member's speed
         # in whole-model samples/s)
@@ -537,6 +537,10 @@ class FsdpExecutor(HoldsShards):
         return self._end(t, g, buf, pending, len(ids), (compute_s, comm_s, time.perf_counter() - t0), lr, grad_norm)
 
     # --- hooks (tensor parallelism's: `worker.parallel.tensor.ShardedTensorExecutor`) ----------------
+
+    def _collectives_s(self) -> float:
+        """Seconds in the step's collectives since the last call (FSDP2's gathers and scatters)."""
+        return self.sharded.comm.take()
 
     def _norm_grads(self, g: Group) -> list[torch.Tensor]:
         """The local gradients this member's squared norm counts: every shard's."""

@@ -41,6 +41,7 @@ from plan.placement import TensorShape, ranges_of
 from plan.tensor import compute_fraction
 from transport import PlanDelta
 from worker import group as groups
+from worker.abortable import AbortableGroup
 from worker.comm import AllOf
 from worker.executor import Executor, Loop, computing, local_grad, pause, slot_samples, squared_norm, stretch
 from worker.group import Group
@@ -58,6 +59,24 @@ def _parallel(styles: Mapping[str, str]) -> dict[str, Any]:
     return {name: ColwiseParallel() if style == "colwise" else RowwiseParallel() for name, style in styles.items()}
 
 
+class TpWaits:
+    """Seconds this member waited on its tp group's collectives (DTensor's all-reduces inside the
+    forward and backward: for its peers, and for the wire) since the last `take`: a step reports
+    them as communication, not compute, as the cost model has them (`plan.tensor.tp_comm_s`)."""
+
+    def __init__(self, mesh: Any) -> None:
+        group = mesh.get_group()
+        self.group = group if isinstance(group, AbortableGroup) else None
+        self.seen = self.group.waited_s if self.group is not None else 0.0
+
+    def take(self) -> float:
+        if self.group is None:
+            return 0.0
+        now = self.group.waited_s
+        out, self.seen = now - self.seen, now
+        return out
+
+
 # --- the executor ------------------------------------------------------------------------------------
 
 
@@ -68,9 +87,10 @@ class TensorParallelExecutor(Executor):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, at: tuple[Layout, int], copies: Copies,
                  registered: list[dist.ProcessGroup], replicate: dist.ProcessGroup | None, tensors: list[TensorShape],
-                 stepper: LocalStep, fraction: float) -> None:
+                 stepper: LocalStep, fraction: float, tp_waits: TpWaits) -> None:
         super().__init__(model, optimizer, at, copies)
         self.registered = registered  # the epoch's groups as registered with c10d
+        self.tp_waits = tp_waits  # its waits on the tp group's collectives
         self.replicate = replicate  # the replica group the gradients are summed over (None: one replica)
         self.shapes = {t.name: t for t in tensors}
         self.stepper = stepper  # the optimizer's step on the local tensors
@@ -86,7 +106,7 @@ class TensorParallelExecutor(Executor):
         copies = Copies.of(g.layout, t.name, local, tensors)
         stepper = LocalStep(optimizer, [p for p in model.parameters() if p.requires_grad], t.job.optimizer)
         return cls(model, optimizer, (g.layout, g.rank), copies, registered, on.replicate, tensors, stepper,
-                   compute_fraction(t.graph(), g.layout.tp))
+                   compute_fraction(t.graph(), g.layout.tp), TpWaits(on.mesh))
 
     def close(self) -> None:
         super().close()
@@ -125,6 +145,7 @@ class TensorParallelExecutor(Executor):
         buffers.begin()
         loss_sum = torch.zeros((), dtype=torch.float64, device=t.device)
         size = g.micro[g.rank] or len(ids) or 1
+        self.tp_waits.take()
         with computing(t, g, "the step's tensor-parallel collectives"):
             for i in range(0, len(ids), size):
                 inputs, targets = job.dataset[ids[i:i + size]]
@@ -132,7 +153,8 @@ class TensorParallelExecutor(Executor):
                 pause(t, g, "forward")
                 (loss / G).backward()  # type: ignore[no-untyped-call]
                 loss_sum = loss_sum + loss.detach().double()
-        compute_s = stretch(t, g, time.perf_counter() - t0, len(ids))
+        tp_s = self.tp_waits.take()  # (the split Linears' all-reduces: communication)
+        compute_s = stretch(t, g, time.perf_counter() - t0 - tp_s, len(ids))
         pause(t, g, "backward")
         t_comm = time.perf_counter()
         grads = [gr for p in self.params if (gr := local_grad(p)) is not None]
@@ -154,7 +176,7 @@ class TensorParallelExecutor(Executor):
         t.wait(g, g.pg.allreduce([buf]), buf)
         if buffers:
             buffers.apply(buf[votes:])
-        comm_s = time.perf_counter() - t_comm
+        comm_s = time.perf_counter() - t_comm + tp_s
         grad_norm = float(buf[1].sqrt())
         pause(t, g, "optimizer")
         lr = self._apply(t, grads, grad_norm, self.stepper.step)
@@ -319,8 +341,15 @@ class ShardedTensorExecutor(FsdpExecutor):
         except BaseException:
             groups.forget(registered)
             raise
-        return cls(sharded, (g.layout, g.rank), Copies.of(g.layout, t.name, local, tensors), registered,
-                   compute_fraction(t.graph(), g.layout.tp))
+        executor = cls(sharded, (g.layout, g.rank), Copies.of(g.layout, t.name, local, tensors), registered,
+                       compute_fraction(t.graph(), g.layout.tp))
+        executor.tp_waits = TpWaits(on.tp)
+        return executor
+
+    tp_waits: TpWaits
+
+    def _collectives_s(self) -> float:
+        return super()._collectives_s() + self.tp_waits.take()
 
     def _norm_grads(self, g: Group) -> list[torch.Tensor]:
         return norm_grads(((n, p) for n, p in self.sharded.params.items() if p.requires_grad), g.layout, g.rank,
@@ -342,9 +371,11 @@ class TensorStageExecutor(StageExecutor):
     counted once per tp group."""
 
     def __init__(self, stage: Stage, at: tuple[Layout, int], copies: Copies, fraction: float, replicas: Any,
-                 registered: list[dist.ProcessGroup], tensors: list[TensorShape], stepper: LocalStep) -> None:
+                 registered: list[dist.ProcessGroup], tensors: list[TensorShape], stepper: LocalStep,
+                 tp_waits: TpWaits) -> None:
         super().__init__(stage, at, copies, fraction, replicas)
         self.registered = registered
+        self.tp_waits = tp_waits
         self.shapes = {t.name: t for t in tensors}
         self.stepper = stepper
 
@@ -364,7 +395,7 @@ class TensorStageExecutor(StageExecutor):
         fraction = flops_fraction(t, stage) * compute_fraction(t.graph(), g.layout.tp)
         stepper = LocalStep(optimizer, [p for p in module.parameters() if p.requires_grad], t.job.optimizer)
         return cls(stage, (g.layout, g.rank), Copies.of(g.layout, t.name, local, tensors), fraction, on.replicate,
-                   registered, tensors, stepper)
+                   registered, tensors, stepper, TpWaits(on.mesh))
 
     def close(self) -> None:
         super().close()
@@ -389,3 +420,6 @@ class TensorStageExecutor(StageExecutor):
 
     def _counts_loss(self, g: Group) -> bool:
         return g.layout.coords(g.rank)[3] == 0
+
+    def _collectives_s(self) -> float:
+        return self.tp_waits.take()

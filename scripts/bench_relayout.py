@@ -1,0 +1,194 @@
+"""Live layout changes against checkpoint-and-relaunch, measured side by side in one run on this
+machine (gloo over loopback, one torch thread per process), on the 10M GPT (examples/gpt.py:job_10m)
+over four workers.
+
+A tour of layouts, each change made two ways:
+
+  live       one job; `adaptrain-ctl layout B` while it trains: the plan goes out for the next step
+             boundary, the members reshard into B and train on. Measured: the members' pause (the
+             epoch's entry, group + reshard + executor: the `reshard` event's seconds), and from the
+             request to the first step committed in B.
+  relaunch   what a change costs without live resharding: a durable checkpoint at the next step
+             boundary (SIGTERM to the coordinator, which checkpoints, stops the workers and exits),
+             then the coordinator restarted on the same state directory with `--layout B` and four
+             new worker processes, which load the checkpoint (DCP, resharded into B on load).
+             Measured: from the request to the first step committed in B.
+
+The default tour visits data parallel, FSDP, HSDP, a pipeline with replicas, tensor parallel with
+replicas, and two hybrids (pp x tp, FSDP x tp), then goes back to data parallel: seven changes.
+The live job also gives the cost model's error in every layout: each epoch's predicted step time
+against the median of its measured steps (after it settles).
+
+Goals: each live pause <= 1 s; live >= 25x faster than relaunch, request to first step; cost-model
+median error across the layouts <= 10%. Prints a table, writes JSON.
+
+usage: python scripts/bench_relayout.py [--tour "fsdp=1;dp=1;..."] [--workers 4] [--job REF] [--out FILE]
+                                        [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from localjob import LocalJob, write_report  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB = f"{ROOT / 'examples' / 'gpt.py'}:job_10m"
+TOUR = ("fsdp=1", "dp=1", "dp=2,fsdp=2", "pp=2,dp=2", "tp=2,dp=2", "pp=2,tp=2", "fsdp=2,tp=2", "fsdp=1")
+SETTLE = 3  # steps of an epoch not counted in its measured step time (its entry, the first re-plans)
+MEASURE = 4  # steps of each layout whose median is its measured step time
+
+
+def _plan_after(events: list[dict[str, Any]], seen: int) -> dict[str, Any] | None:
+    return next((e for e in events[seen:] if e["kind"] == "plan" and e["reason"] == "layout" and e.get("layout")), None)
+
+
+def live(job_ref: str, tour: list[str], workers: int, work: Path) -> list[dict[str, Any]]:
+    """One job through the tour, each change by `ctl layout`; a row per change."""
+    names = [f"w{i + 1}" for i in range(workers)]
+    rows: list[dict[str, Any]] = []
+    with LocalJob(job_ref, work, min_workers=workers, coordinator_args=["--layout", tour[0]]) as job:
+        job.start()
+        for name in names:
+            job.add_worker(name)
+        start = job.wait_step(SETTLE + MEASURE, 600, poll_s=0.2)
+        epoch = start["epoch"]
+        for before, after in zip(tour, tour[1:]):
+            measured = _steps_of(job.events(), epoch)
+            seen = len(job.events())
+            asked = time.time()
+            assert "layout" in job.ctl("layout", after)
+            plan = job.wait_until(lambda events: _plan_after(events, seen), 300, f"a plan for {after}")
+            epoch = plan["epoch"]
+            first = job.wait_event(lambda e: e["kind"] == "step" and e["epoch"] == epoch, 300, f"a step in {after}")
+            job.wait_epoch_steps(epoch, SETTLE + MEASURE, 600)
+            events = job.events()
+            entry = next((e for e in events if e["kind"] == "reshard" and e["epoch"] == epoch), {})
+            rows.append({"change": f"{before} -> {after}", "from": before, "to": after,
+                         "layout": plan["layout"], "pause_s": entry.get("seconds"), "moved_bytes": entry.get("bytes"),
+                         "request_to_step_s": first["ts"] - asked,
+                         "predicted_step_s": plan.get("predicted_step_s"),
+                         "measured_step_s": _median_step(_steps_of(events, epoch)),
+                         "before_measured_step_s": _median_step(measured)})
+            print(f"live {before} -> {after}: pause {rows[-1]['pause_s']} s, request to step "
+                  f"{rows[-1]['request_to_step_s']:.2f} s", flush=True)
+        job.ctl("stop")
+        job.wait_coordinator(60)
+    return rows
+
+
+def relaunch(job_ref: str, tour: list[str], workers: int, work: Path) -> list[dict[str, Any]]:
+    """The same tour by checkpoint, stop and relaunch on the same state directory; a row per change."""
+    names = [f"w{i + 1}" for i in range(workers)]
+    rows: list[dict[str, Any]] = []
+    with LocalJob(job_ref, work, min_workers=workers, coordinator_args=["--layout", tour[0]]) as job:
+        job.start()
+        for name in names:
+            job.add_worker(name)
+        job.wait_step(SETTLE, 600, poll_s=0.2)
+        for before, after in zip(tour, tour[1:]):
+            seen = len(job.events())
+            asked = time.time()
+            assert job.coordinator is not None
+            job.coordinator.send_signal(signal.SIGTERM)  # (a checkpoint at the next boundary, then stop)
+            if job.wait_coordinator(300) != 0:
+                raise RuntimeError(f"the coordinator did not stop cleanly: {job.tail('coordinator.out')}")
+            job.wait_workers(120)
+            stopped = time.time()
+            job.coordinator_args = ["--layout", after]
+            job.start()
+            for name in names:
+                job.add_worker(name)
+            first = job.wait_until(lambda events: next((e for e in events[seen:] if e["kind"] == "step"
+                                                        and e["ts"] > stopped), None), 600, f"a step in {after}")
+            events = job.events()
+            written = next((e for e in events[seen:] if e["kind"] == "checkpoint"), {})
+            rows.append({"change": f"{before} -> {after}", "request_to_step_s": first["ts"] - asked,
+                         "stop_s": stopped - asked, "checkpoint_bytes": written.get("bytes")})
+            print(f"relaunch {before} -> {after}: request to step {rows[-1]['request_to_step_s']:.2f} s "
+                  f"(stop {rows[-1]['stop_s']:.2f} s)", flush=True)
+            job.wait_step(first["step"] + 1, 600, poll_s=0.2)
+        job.ctl("stop")
+        job.wait_coordinator(60)
+    return rows
+
+
+def _steps_of(events: list[dict[str, Any]], epoch: int) -> list[float]:
+    return [e["step_s"] for e in events if e["kind"] == "step" and e["epoch"] == epoch][SETTLE:]
+
+
+def _median_step(steps: list[float]) -> float | None:
+    return statistics.median(steps) if steps else None
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = [f"{'change':<28} {'live pause s':>12} {'live req->step s':>16} {'relaunch req->step s':>21} "
+             f"{'faster':>7}   {'layout after':<22} {'predicted ms':>12} {'measured ms':>12} {'error':>6}"]
+    for ours, theirs in zip(result["live"], result["relaunch"]):
+        faster = theirs["request_to_step_s"] / ours["request_to_step_s"]
+        pred, meas = ours["predicted_step_s"], ours["measured_step_s"]
+        error = f"{abs(pred - meas) / meas:.0%}" if pred and meas else "-"
+        pause = f"{ours['pause_s']:.2f}" if ours["pause_s"] is not None else "-"
+        lines.append(f"{ours['change']:<28} {pause:>12} {ours['request_to_step_s']:>16.2f} "
+                     f"{theirs['request_to_step_s']:>21.2f} {faster:>6.0f}x   {ours['to']:<22} "
+                     f"{(pred or 0) * 1e3:>12.0f} {(meas or 0) * 1e3:>12.0f} {error:>6}")
+    s = result["summary"]
+    lines.append(f"\npauses: median {s['median_pause_s']:.2f} s, most {s['max_pause_s']:.2f} s (goal <= 1 s each); "
+                 f"live is {s['median_faster']:.0f}x faster than relaunch (median; least {s['least_faster']:.0f}x; "
+                 f"goal >= 25x); cost model median error {s['median_error']:.0%} across the layouts (goal <= 10%)")
+    return "\n".join(lines)
+
+
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    pairs = list(zip(result["live"], result["relaunch"]))
+    pauses = [o["pause_s"] for o, _ in pairs if o["pause_s"] is not None]
+    faster = [t["request_to_step_s"] / o["request_to_step_s"] for o, t in pairs]
+    errors = [abs(o["predicted_step_s"] - o["measured_step_s"]) / o["measured_step_s"] for o, _ in pairs
+              if o["predicted_step_s"] and o["measured_step_s"]]
+    return {"median_pause_s": statistics.median(pauses) if pauses else float("nan"),
+            "max_pause_s": max(pauses) if pauses else float("nan"),
+            "median_faster": statistics.median(faster), "least_faster": min(faster),
+            "median_error": statistics.median(errors) if errors else float("nan")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--job", default=JOB, help="the job (FILE:FUNCTION; default the 10M GPT)")
+    p.add_argument("--tour", default=";".join(TOUR), help="the layouts visited, ';'-separated --layout specs "
+                   f"(default {';'.join(TOUR)})")
+    p.add_argument("--workers", type=int, default=4, help="workers (every layout of the tour must take them all)")
+    p.add_argument("--out", type=Path, default=Path("bench-out/relayout.json"))
+    p.add_argument("--keep", type=Path, default=None, metavar="DIR",
+                   help="run the jobs in DIR and keep their logs and events there (default: a temporary directory)")
+    a = p.parse_args(argv)
+    tour = [t.strip() for t in a.tour.split(";") if t.strip()]
+    if len(tour) < 2:
+        p.error("--tour needs at least two layouts")
+    from plan.layout import LayoutError, parse_pin
+
+    for spec in tour:
+        try:
+            parse_pin(spec, source="--tour")
+        except LayoutError as e:
+            p.error(str(e))
+    with tempfile.TemporaryDirectory(prefix="bench-relayout-") as tmp:
+        work = a.keep or Path(tmp)
+        result: dict[str, Any] = {"job": a.job, "workers": a.workers, "tour": tour,
+                                  "date": time.strftime("%Y-%m-%d")}
+        result["live"] = live(a.job, tour, a.workers, work / "live")
+        result["relaunch"] = relaunch(a.job, tour, a.workers, work / "relaunch")
+    result["summary"] = summarize(result)
+    write_report(table(result), result, a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
