@@ -147,7 +147,7 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
                         "the members' work on the abandoned step, under one step each, once per join. "
                         f"Default {JOIN_WAIT_MAX_S:g}; none: no bound (a join then waits up to a step where "
                         "abandoning does not pay for itself: the most throughput, the slowest joins)")
-    p.add_argument("--layout", metavar="dp=R,fsdp=S|pp=P[,dp=R][,fsdp=S]|tp=T[,dp=R][,fsdp=S|,pp=P]",
+    p.add_argument("--layout", metavar="dp=R,fsdp=S|pp=P[,dp=R][,fsdp=S][,tp=T]|tp=T[,dp=R][,fsdp=S]",
                    help="pin the layout's degrees: dp = replicas (dp_replicate), fsdp = members that shard the "
                         "state between them (dp_shard, FSDP2), pp = pipeline stages; an omitted one is planned. E.g. "
                         "--layout dp=1 shards over every member, --layout fsdp=1 keeps every member a replica, "
@@ -161,8 +161,8 @@ def parse_args(argv: list[str] | None) -> tuple[CoordinatorConfig, str]:
                         "stage). --layout tp=2 splits the model's Linears over 2 members (tensor parallel: the job's "
                         "Job.tp_plan, or a Hugging Face model's own; a degree that does not divide the attention heads "
                         "is refused at start), --layout tp=2,dp=2 makes 2 replicas of that, --layout tp=2,fsdp=2 shards each "
-                        "member's part over 2 (FSDP2), --layout pp=2,tp=2 a pipeline of 2 stages each split over 2 (tp "
-                        "with both fsdp and pp is refused, for now). Default: the planner chooses (sharded when no "
+                        "member's part over 2 (FSDP2), --layout pp=2,tp=2 a pipeline of 2 stages each split over 2, "
+                        "--layout pp=2,fsdp=2,tp=2 every degree at once. Default: the planner chooses (sharded when no "
                         "replica fits a worker's memory, or when it predicts sharding faster; tp of each degree the "
                         "model admits, and pipelines, weighed once speeds are measured). "
                         "`adaptrain-ctl layout SPEC` changes the pin of the running job (SPEC as here, or auto). "

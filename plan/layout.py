@@ -292,7 +292,4 @@ def parse_pin(text: str, *, source: str = "--layout") -> LayoutPin:
         if n < 1:
             raise LayoutError(f"{source}: {m.group(1)} must be >= 1, got {n}")
         values[dim] = n
-    if values.get("tp", 1) > 1 and values.get("dp_shard", 1) > 1 and values.get("pp", 1) > 1:
-        raise LayoutError(f"{source}: tensor parallelism (tp) runs with fsdp, or with pipelines (pp), but not with "
-                          "both at once for now")
     return LayoutPin(**values)

@@ -197,31 +197,32 @@ def _keeping_positions(before: Sequence[str], chosen: Sequence[str]) -> list[str
 
 
 def pinned_pipeline_tensor(ctx: Ctx, pin: LayoutPin) -> list[Weighed]:
-    """The pinned pp x tp (and replicas of it): the pipeline cut over one device of each tp group
-    (`plan._pipeline_pin.pipeline_plan`, the group's first rank standing for it), each position then
-    filled with its tp group, every member computing its fraction of its stage; or why it cannot run."""
+    """The pinned pp x tp (with replicas, with shards, or both: the full mesh): the pipeline cut over
+    one device of each tp group (`plan._pipeline_pin.pipeline_plan`, the group's first rank standing
+    for it), each position then filled with its tp group, every member computing its fraction of its
+    stage; or why it cannot run."""
     from plan._pipeline_pin import pipeline_plan
     from plan.candidates import Weighed
 
-    tp, stages, replicas = pin.tp or 1, pin.pp or 1, pin.dp_replicate or 1
+    tp, stages, replicas, shards = pin.tp or 1, pin.pp or 1, pin.dp_replicate or 1, pin.dp_shard or 1
     what = f"--layout {pin.describe()}"
-    shape = (stages, replicas, 1)
+    shape = (stages, replicas, shards)
     if not split_fraction(ctx.graph):
         return [Weighed(pin.describe(), shape, why_not=f"{what}: the job has no tensor-parallel plan")]
     devices = ctx.ranked([m for m in ctx.fastest() if (ctx.caps[m] or 0) >= 1])
-    need = stages * replicas * tp
+    need = stages * replicas * shards * tp
     if len(devices) < need:
         return [Weighed(pin.describe(), shape, why_not=f"{what}: needs {need} members; {len(devices)} can train now")]
     previous = ctx.previous
-    same = previous is not None and (previous.tp, previous.pp) == (tp, stages)
+    same = previous is not None and (previous.tp, previous.pp, previous.dp_shard) == (tp, stages, shards)
     chosen = _keeping_positions(previous.members if same and previous is not None else (), devices[:need])
     groups = {chosen[i]: chosen[i:i + tp] for i in range(0, need, tp)}  # a tp group, by its first rank
     # (the pipeline the groups' first ranks ran, so that each group keeps its stage where it can)
     was = ctx.before
     before = (Layout(members=was.members[::tp], shares=was.shares[::tp], pp=stages, dp_replicate=was.dp_replicate,
-                     stages=was.stages) if same and was is not None else None)
+                     dp_shard=was.dp_shard, stages=was.stages) if same and was is not None else None)
     cut = pipeline_plan(ctx.cluster, ctx.graph, list(groups), before, stages, global_batch=ctx.limits.global_batch,
-                        what=what, replicas=replicas)
+                        what=what, replicas=replicas, shards=shards)
     if isinstance(cut, str):
         return [Weighed(pin.describe(), shape, why_not=cut)]
     fraction = compute_fraction(ctx.graph, tp)
@@ -237,5 +238,5 @@ def pinned_pipeline_tensor(ctx: Ctx, pin: LayoutPin) -> list[Weighed]:
                                     wait_s=step - costs[lead_of[m]].compute_s * fraction - costs[lead_of[m]].overhead_s)
                             for m in members),
                 micro=tuple(cut.micro[cut.members.index(lead_of[m])] for m in members) if cut.micro else (),
-                pp=stages, stages=cut.stages, tp=tp)
+                pp=stages, stages=cut.stages, tp=tp, dp_shard=cut.dp_shard)
     return [Weighed(plan.layout.describe(), shape, scored=ctx.score(plan, what))]

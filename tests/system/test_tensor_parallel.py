@@ -136,3 +136,27 @@ def test_a_tp_degree_that_does_not_divide_the_heads_is_refused_at_start(tmp_path
     assert proc.returncode == 2, proc.stderr
     assert "tp=3 cannot run" in proc.stderr and "4 attention heads" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.timeout(600)
+def test_the_full_mesh_is_exact(tmp_path: Path) -> None:
+    """Every degree at once: `--layout pp=2,fsdp=2,tp=2` over eight workers (two stages, each
+    sharded with FSDP2 over two tp pairs); every step is the single-process recipe's and the model
+    written at the end is the single-process one."""
+    trained: dict[str, Any] = {}
+    reference = single_process(trained)
+    names = [f"w{i + 1}" for i in range(8)]
+    with LocalJob(JOB, tmp_path, min_workers=8, coordinator_args=["--layout", "pp=2,fsdp=2,tp=2"]) as job:
+        job.start()
+        for name in names:
+            job.add_worker(name)
+        exits = job.wait_workers(500)
+        assert exits == {name: 0 for name in names}, job.tails(exits)
+        assert job.wait_coordinator(30) == 0
+        events = job.events()
+        for plan in _tp_plans(job):
+            layout = plan["layout"]
+            assert (layout["pp"], layout["dp_replicate"], layout["dp_shard"], layout["tp"]) == (2, 1, 2, 2), layout
+        _assert_exact(events, reference)
+        finished = [e for e in events if e["kind"] == "finished"]
+        _check_the_trained_model(tmp_path, finished, job.tail("coordinator.out", 100_000), trained)

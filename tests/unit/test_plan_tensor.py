@@ -103,3 +103,19 @@ def test_unpinned_the_planner_weighs_each_admitted_tp_degree_and_takes_tp_where_
     guessed = cluster({"a": 0.0, "b": 0.0}, hosts={"a": "h1", "b": "h2"})
     first = make_plan(guessed, graph, None, limits=admitted)
     assert first.plan is not None and first.plan.tp == 1, first.reason
+
+
+def test_the_full_mesh_pinned_puts_each_tp_group_on_one_stage_and_shards_it_with_its_peers() -> None:
+    """`pp=2,fsdp=2,tp=2` over eight devices: two stages, each sharded over two tp pairs; a tp
+    pair's members share a stage and a shard coordinate, every unit in one stage."""
+    graph = split_graph()
+    c = cluster({f"d{i}": 100.0 for i in range(8)})
+    result = make_plan(c, graph, None, limits=PlanLimits(global_batch=16), pin=parse_pin("pp=2,fsdp=2,tp=2"))
+    plan = result.plan
+    assert plan is not None and plan.layout.describe() == "pp=2 x dp_shard=2 x tp=2", result.reason
+    layout = plan.layout
+    assert [u for stage in layout.stages for u in stage] == [layer.name for layer in graph.layers]
+    for rank in range(8):
+        pp, _, shard, _ = layout.coords(rank)
+        assert {layout.coords(r)[:3] for r in layout.tp_group(rank)} == {(pp, 0, shard)}
+    assert sum(layout.shares[r] for r in range(8) if layout.coords(r)[0] == 0 and layout.coords(r)[3] == 0) == 16

@@ -89,7 +89,6 @@ def test_a_pin_set_live_replans_at_once_to_a_pipeline_then_fsdp_then_auto() -> N
 
 @pytest.mark.parametrize("spec, said", [
     ("pp=x", "layout: 'pp=x' is not NAME=N with NAME one of dp, fsdp, pp, tp (e.g. layout dp=2,fsdp=2)"),
-    ("pp=2,tp=2,fsdp=2", "layout: tensor parallelism (tp) runs with fsdp, or with pipelines (pp), but not with both at once for now"),
     ("dp=2,dp=3", "layout: dp given twice"),
     ("", "is not NAME=N"),
     ("dp=4,fsdp=2", "layout dp=4,fsdp=2 needs 8 members, but --max-workers is 4"),

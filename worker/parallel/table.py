@@ -8,10 +8,12 @@ from worker.executor import Executor
 from worker.parallel.fsdp import FsdpExecutor
 from worker.parallel.replicated import ReplicaExecutor
 from worker.parallel.staged import ShardedStageExecutor, StageExecutor
-from worker.parallel.tensor import ShardedTensorExecutor, TensorParallelExecutor, TensorStageExecutor
+from worker.parallel.tensor import (ShardedTensorExecutor, ShardedTensorStageExecutor, TensorParallelExecutor,
+                                    TensorStageExecutor)
 
 EXECUTORS: tuple[type[Executor], ...] = (ReplicaExecutor, FsdpExecutor, StageExecutor, ShardedStageExecutor,
-                                         TensorParallelExecutor, ShardedTensorExecutor, TensorStageExecutor)
+                                         TensorParallelExecutor, ShardedTensorExecutor, TensorStageExecutor,
+                                         ShardedTensorStageExecutor)
 
 
 def executor_for(layout: Layout) -> type[Executor]:

@@ -50,10 +50,10 @@ from worker.parallel.fsdp import FsdpExecutor, mixed_precision, save_gathered, s
 from worker.parallel.meta import meta_model
 from worker.parallel.shard_step import LocalStep
 from worker.parallel.slices import PARAM, LocalState, pieces_over
-from worker.parallel.staged import Stage, StageExecutor, flops_fraction, gathered
+from worker.parallel.staged import ShardedStageExecutor, Stage, StageExecutor, flops_fraction, gathered
 from worker.tp_plan import tp_styles
 
-__all__ = ["ShardedTensorExecutor", "TensorParallelExecutor", "TensorStageExecutor"]
+__all__ = ["ShardedTensorExecutor", "ShardedTensorStageExecutor", "TensorParallelExecutor", "TensorStageExecutor"]
 
 def _parallel(styles: Mapping[str, str]) -> dict[str, Any]:
     return {name: ColwiseParallel() if style == "colwise" else RowwiseParallel() for name, style in styles.items()}
@@ -423,3 +423,58 @@ class TensorStageExecutor(StageExecutor):
 
     def _collectives_s(self) -> float:
         return self.tp_waits.take()
+
+
+# --- the full mesh: pipelines of sharded, tensor-parallel stages (pp x dp x fsdp x tp) ----------------
+
+
+class ShardedTensorStageExecutor(ShardedStageExecutor):
+    """A pipeline stage split over its tp group and then sharded with FSDP2 over its shard group, on
+    one 2-D mesh (dp_shard, tp) as FSDP x tp builds it (`ShardedTensorExecutor`), with replicas of
+    that where there are (HSDP within the stage): every degree at once. The step is
+    `StageExecutor.step` with the sharded stage's hooks and tp's (the loss and the unsplit tensors
+    counted once per tp group, the tp all-reduces reported as communication)."""
+
+    tp_waits: TpWaits
+
+    @staticmethod
+    def fits(layout: Layout) -> bool:
+        return layout.pp > 1 and layout.dp_shard > 1 and layout.tp > 1
+
+    @classmethod
+    def build(cls, t: Loop, g: Group, local: LocalState) -> Executor:
+        registered: list[dist.ProcessGroup] = []
+        try:
+            on = groups.shard_tp_mesh(g, t.device, registered, timeout_s=t.config.group_timeout_s,
+                                      superseded=lambda: t.agent.superseded(g.epoch))
+            assert on.tp is not None
+            index = g.layout.coords(g.rank)[0]
+            units = g.layout.stages[index]
+            model = meta_model(t.job)
+            styles = tp_styles(t.job, model)
+            module = nn.Sequential(OrderedDict((unit, model.get_submodule(unit)) for unit in units))
+            names = {n for n, _ in module.named_modules()}
+            parallelize_module(module, on.tp, _parallel({n: s for n, s in styles.items() if n in names}))
+            sharded = shard_module(t.job, module, units, g.layout, g.rank, on.mesh, local, t.device,
+                                   replicate=on.replicate, mp_policy=mixed_precision(t.job),
+                                   wait=lambda work, buf: t.wait(g, work, buf), give_up=t.give_up_if_superseded,
+                                   tensors=t.tensors)
+        except BaseException:
+            groups.forget(registered)
+            raise
+        stage = Stage(module=module, optimizer=sharded.optimizer, stage=index, stages=g.layout.pp)
+        fraction = flops_fraction(t, stage) * compute_fraction(t.graph(), g.layout.tp)
+        executor = cls(stage, (g.layout, g.rank), Copies.of(g.layout, t.name, local, t.tensors), fraction, sharded,
+                       registered)
+        executor.tp_waits = TpWaits(on.tp)
+        return executor
+
+    def _collectives_s(self) -> float:
+        return super()._collectives_s() + self.tp_waits.take()
+
+    def _norm_grads(self, g: Group, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        return norm_grads(((n, p) for n, p in self.sharded.params.items() if p.requires_grad), g.layout, g.rank,
+                          self.sharded.shapes)
+
+    def _counts_loss(self, g: Group) -> bool:
+        return g.layout.coords(g.rank)[3] == 0
