@@ -169,9 +169,10 @@ def _tensor_parallel(ctx: Ctx, tp: int, shards: int, replicas_wanted: int | None
     caps = [min(samples_that_fit(ctx.cluster.devices[m].memory_bytes, static, ctx.graph.activation_bytes) or 0.0,
                 float(ctx.limits.global_batch)) for m in members[::tp]]  # (a slot's share runs in micro-batches)
     shares = assign(speeds, overheads, [float(ctx.limits.global_batch)] * len(slots), ctx.limits.global_batch)
-    if shares is None:
+    if shares is None or ctx.limits.global_batch < len(slots):
         return Weighed(layout, (1, replicas, shards),
                        why_not=f"{what}: the batch does not split over {len(slots)} data-parallel slots")
+    shares = _every_slot_trains(list(shares))
     micro = micro_sizes(shares, caps)  # (a share larger than a member's memory holds at once: micro-batches)
     plan = replace(predict_tensor(ctx.cluster, ctx.graph, slots, shares, shards=shards),
                    micro=tuple(m for m in micro for _ in range(tp)) if any(micro) else ())
@@ -180,6 +181,16 @@ def _tensor_parallel(ctx: Ctx, tp: int, shards: int, replicas_wanted: int | None
                        unscored=Alternative(description=what, plan=plan, objective_s=plan.predicted_step_s or 0.0,
                                             moved_bytes=0))
     return Weighed(plan.layout.describe(), (1, replicas, shards), scored=ctx.score(plan, what))
+
+
+def _every_slot_trains(shares: list[int]) -> list[int]:
+    """`shares` with at least one sample in every slot, taken from the largest: a tp group the
+    balance would leave idle (much slower than the others) still computes, rather than holding
+    its part of the model for nothing."""
+    while 0 in shares and max(shares) > 1:
+        shares[shares.index(max(shares))] -= 1
+        shares[shares.index(0)] += 1
+    return shares
 
 
 def _keeping_positions(before: Sequence[str], chosen: Sequence[str]) -> list[str]:

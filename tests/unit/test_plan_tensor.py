@@ -119,3 +119,13 @@ def test_the_full_mesh_pinned_puts_each_tp_group_on_one_stage_and_shards_it_with
         pp, _, shard, _ = layout.coords(rank)
         assert {layout.coords(r)[:3] for r in layout.tp_group(rank)} == {(pp, 0, shard)}
     assert sum(layout.shares[r] for r in range(8) if layout.coords(r)[0] == 0 and layout.coords(r)[3] == 0) == 16
+
+
+def test_every_tp_group_of_a_plan_computes_samples_however_slow() -> None:
+    """dp x tp over a fast pair and a pair a hundred times slower: the balance would leave the slow
+    pair idle; it gets at least one sample (an idle replica would hold its part for nothing)."""
+    graph = split_graph()
+    c = cluster({"a": 100.0, "b": 100.0, "c": 1.0, "d": 1.0})
+    plan = make_plan(c, graph, None, limits=PlanLimits(global_batch=16), pin=parse_pin("tp=2,dp=2")).plan
+    assert plan is not None and plan.layout.describe() == "dp_replicate=2 x tp=2"
+    assert min(plan.shares) >= 1 and sum(plan.layout.shares[::2]) == 16, plan.shares

@@ -157,6 +157,12 @@ class TensorParallelExecutor(Executor):
         compute_s = stretch(t, g, time.perf_counter() - t0 - tp_s, len(ids))
         pause(t, g, "backward")
         t_comm = time.perf_counter()
+        if self.replicate is not None and not len(ids):
+            # A replica with no samples this step (the planner may give a slow one none) has no
+            # gradients: zeros, so that it takes part in the replicas' sum and applies the others'.
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
         grads = [gr for p in self.params if (gr := local_grad(p)) is not None]
         if self.replicate is not None:
             self._sum_over_replicas(t, g, grads)
