@@ -156,7 +156,9 @@ def current(ctx: Ctx, keep: Alternative | None) -> Alternative | None:
     previous = ctx.previous
     if (previous is not None and previous.global_batch == ctx.limits.global_batch
             and set(previous.members) <= set(ctx.cluster.devices)):
-        return ctx.score(repredict(ctx.cluster, ctx.graph, previous), "the current plan")
+        again = repredict(ctx.cluster, ctx.graph, previous)
+        if again.predicted_step_s is not None:  # (none: nothing to weigh it by, as with no plan)
+            return ctx.score(again, "the current plan")
     return keep
 
 

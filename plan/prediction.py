@@ -266,15 +266,13 @@ def _with_micro(plan: Plan, graph: Graph, micro: tuple[int, ...]) -> Plan:
 
 def repredict(cluster: Cluster, graph: Graph | None, plan: Plan) -> Plan:
     """`plan`'s members, shares and layout, predicted again (new speeds, fitted constants); a
-    pipeline keeps its cut and micro-batches (with no graph there is nothing to predict it from);
-    a pipeline of tp stages keeps its prediction too."""
+    pipeline keeps its cut and micro-batches (with no graph there is nothing to predict it from)."""
     if plan.tp > 1:
-        if graph is None or plan.pp > 1:
+        if graph is None:
             return plan
-        from plan.tensor import predict_tensor  # (plan.tensor builds on this module)
+        from plan.tensor import repredict_tensor  # (plan.tensor builds on this module)
 
-        slots = [list(plan.members[i:i + plan.tp]) for i in range(0, len(plan.members), plan.tp)]
-        return replace(predict_tensor(cluster, graph, slots, plan.shares[::plan.tp]), micro=plan.micro)
+        return repredict_tensor(cluster, graph, plan)
     if plan.pp > 1:
         if graph is None:
             return plan

@@ -19,7 +19,7 @@ dp x tp and FSDP x tp for each admitted degree (`PlanLimits.tp_degrees`) beside 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -236,18 +236,42 @@ def pinned_pipeline_tensor(ctx: Ctx, pin: LayoutPin) -> list[Weighed]:
                         what=what, replicas=replicas, shards=shards)
     if isinstance(cut, str):
         return [Weighed(pin.describe(), shape, why_not=cut)]
-    fraction = compute_fraction(ctx.graph, tp)
+    plan = _split_stages(ctx.cluster, ctx.graph, cut, groups, tp)
+    return [Weighed(plan.layout.describe(), shape, scored=ctx.score(plan, what))]
+
+
+def _split_stages(cluster: Cluster, graph: Graph, cut: Plan, groups: Mapping[str, Sequence[str]], tp: int) -> Plan:
+    """The pipeline `cut` over the tp groups' first ranks (`groups`: each one's tp group, in tp
+    order), each position filled with its group: every member computes its fraction of its stage's
+    compute, and the step gains the tp all-reduces."""
+    fraction = compute_fraction(graph, tp)
     costs = {c.name: c for c in cut.costs}
     members = [m for lead in cut.members for m in groups[lead]]
     lead_of = {m: lead for lead in cut.members for m in groups[lead]}
-    comm = tp_comm_s(ctx.graph, max(cut.shares), tp, ctx.cluster, members)
+    comm = tp_comm_s(graph, max(cut.shares), tp, cluster, members)
     assert cut.predicted_step_s is not None
     step = cut.predicted_step_s * fraction + comm
-    plan = Plan(members=tuple(members), shares=tuple(cut.shares[cut.members.index(lead_of[m])] for m in members),
+    return Plan(members=tuple(members), shares=tuple(cut.shares[cut.members.index(lead_of[m])] for m in members),
                 predicted_step_s=step, comm_s=(cut.comm_s or 0.0) + comm,
                 costs=tuple(replace(costs[lead_of[m]], name=m, compute_s=costs[lead_of[m]].compute_s * fraction,
                                     wait_s=step - costs[lead_of[m]].compute_s * fraction - costs[lead_of[m]].overhead_s)
                             for m in members),
                 micro=tuple(cut.micro[cut.members.index(lead_of[m])] for m in members) if cut.micro else (),
-                pp=stages, stages=cut.stages, tp=tp, dp_shard=cut.dp_shard)
-    return [Weighed(plan.layout.describe(), shape, scored=ctx.score(plan, what))]
+                pp=cut.pp, stages=cut.stages, tp=tp, dp_shard=cut.dp_shard)
+
+
+def repredict_tensor(cluster: Cluster, graph: Graph, plan: Plan) -> Plan:
+    """A tp plan's members, shares and layout predicted again (new speeds, fitted constants); a
+    pipeline of tp stages keeps its cut (its first ranks' pipeline predicted again, then split)."""
+    from plan.prediction import repredict
+
+    tp = plan.tp
+    if plan.pp == 1:
+        slots = [list(plan.members[i:i + tp]) for i in range(0, len(plan.members), tp)]
+        return replace(predict_tensor(cluster, graph, slots, plan.shares[::tp], shards=plan.dp_shard),
+                       micro=plan.micro)
+    leads = replace(plan, members=plan.members[::tp], shares=plan.shares[::tp], micro=plan.micro[::tp], tp=1,
+                    costs=())
+    cut = repredict(cluster, graph, leads)
+    return _split_stages(cluster, graph, cut, {m: plan.members[i:i + tp] for i, m in enumerate(plan.members)
+                                               if i % tp == 0}, tp)

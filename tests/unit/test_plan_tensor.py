@@ -129,3 +129,23 @@ def test_every_tp_group_of_a_plan_computes_samples_however_slow() -> None:
     plan = make_plan(c, graph, None, limits=PlanLimits(global_batch=16), pin=parse_pin("tp=2,dp=2")).plan
     assert plan is not None and plan.layout.describe() == "dp_replicate=2 x tp=2"
     assert min(plan.shares) >= 1 and sum(plan.layout.shares[::2]) == 16, plan.shares
+
+
+def test_a_tp_plan_is_predicted_again_as_it_was_planned_even_from_the_journal() -> None:
+    """A restarted coordinator takes its plan back from the journal without a prediction: each tp
+    layout is predicted again as the planner first predicted it (FSDP x tp with its shards, pp x
+    tp from its cut), and re-planning from it (a new pin at the restart) does not fail."""
+    from plan.prediction import repredict
+
+    graph = split_graph()
+    c = cluster({f"d{i}": 100.0 for i in range(4)})
+    limits = PlanLimits(global_batch=16)
+    for spec in ("tp=2,dp=2", "tp=2,fsdp=2", "pp=2,tp=2"):
+        planned = make_plan(c, graph, None, limits=limits, pin=parse_pin(spec)).plan
+        assert planned is not None and planned.predicted_step_s is not None
+        journaled = dataclasses.replace(planned, predicted_step_s=None, comm_s=None, costs=())
+        again = repredict(c, graph, journaled)
+        assert again.layout == planned.layout and again.predicted_step_s is not None, spec
+        assert abs(again.predicted_step_s - planned.predicted_step_s) <= 1e-9 * planned.predicted_step_s, spec
+        moved = make_plan(c, graph, journaled, limits=limits, pin=parse_pin("dp=1"), holders=journaled.members)
+        assert moved.plan is not None and moved.plan.layout.describe() == "dp_shard=4", (spec, moved.reason)
