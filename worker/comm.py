@@ -41,9 +41,19 @@ def form_group(store: Any, epoch: int, rank: int, world: int, device: torch.devi
     """Build the epoch's group in a helper thread, so a peer that hangs mid-handshake cannot hold
     the trainer: on `superseded` the thread is left to fail on its own (the store call it is
     blocked in raises once the store sees the abort)."""
-    box: dict[str, Any] = {}
+    [pg] = form_groups(store, epoch, [(rank, world, part)], device, timeout_s=timeout_s, superseded=superseded)
+    return pg
 
-    def build() -> None:
+
+def form_groups(store: Any, epoch: int, groups: list[tuple[int, int, str]], device: torch.device, *,
+                timeout_s: float, superseded: Callable[[], bool]) -> list[Any]:
+    """Several groups of the epoch (each `(rank, world, part)`: this member's rank in it, its size,
+    its store prefix), built at once, each in a helper thread as `form_group` builds one: an
+    epoch's sub-groups (a 2-D mesh's, the replicas') rendezvous independently of each other, so
+    their handshakes overlap rather than add up."""
+    boxes: list[dict[str, Any]] = [{} for _ in groups]
+
+    def build(box: dict[str, Any], rank: int, world: int, part: str) -> None:
         try:
             prefixed = dist.PrefixStore(f"epoch{epoch}/{part}", store)  # type: ignore[attr-defined]
             timeout = timedelta(seconds=timeout_s)
@@ -56,17 +66,21 @@ def form_group(store: Any, epoch: int, rank: int, world: int, device: torch.devi
         except Exception as e:  # noqa: BLE001 (re-raised below, in the trainer's thread)
             box["error"] = e
 
-    thread = threading.Thread(target=build, name=f"form-epoch{epoch}", daemon=True)
-    thread.start()
-    while thread.is_alive():
-        if superseded():
-            raise Superseded
-        thread.join(0.002)
-    if "error" in box:
-        if superseded():
-            raise Superseded
-        raise RuntimeError(f"could not form the group of epoch {epoch}: {box['error']}") from box["error"]
-    return box["pg"]
+    threads = [threading.Thread(target=build, args=(box, *group), name=f"form-epoch{epoch}", daemon=True)
+               for box, group in zip(boxes, groups)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        while thread.is_alive():
+            if superseded():
+                raise Superseded
+            thread.join(0.002)
+    for box in boxes:
+        if "error" in box:
+            if superseded():
+                raise Superseded
+            raise RuntimeError(f"could not form the group of epoch {epoch}: {box['error']}") from box["error"]
+    return [box["pg"] for box in boxes]
 
 
 class AllOf:

@@ -132,10 +132,11 @@ def _split_mesh(g: Group, device: torch.device, registered: list[dist.ProcessGro
     if g.layout.dp_replicate > 1:
         axes.insert(0, ("replicate", g.layout.replicate_group(g.rank)))
     subs: dict[str, dist.ProcessGroup] = {}
-    for part, ranks in axes:
-        name = f"{part}{ranks[0]}"  # (the group's store prefix)
-        raw = comm.form_group(g.store, g.epoch, ranks.index(g.rank), len(ranks), device,
-                              timeout_s=timeout_s, superseded=superseded, part=f"{name}/")
+    names = [f"{part}{ranks[0]}" for part, ranks in axes]  # (each group's store prefix)
+    raws = comm.form_groups(g.store, g.epoch, [(ranks.index(g.rank), len(ranks), f"{name}/")
+                                               for name, (_, ranks) in zip(names, axes)],
+                            device, timeout_s=timeout_s, superseded=superseded)
+    for name, raw, (part, ranks) in zip(names, raws, axes):
         sub_store = dist.PrefixStore(f"epoch{g.epoch}/{name}/", g.store)  # type: ignore[attr-defined]
         subs[part] = meshes.register(raw, sub_store, ranks.index(g.rank), len(ranks), g.epoch, device,
                                      part=name, ranks=ranks, pg=AbortableGroup(raw, superseded=superseded))
