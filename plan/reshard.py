@@ -125,7 +125,7 @@ def holdings(layout: Layout, tensors: Sequence[TensorShape], copies: Mapping[str
     for keeper, source in (copies or {}).items():
         mine = out.setdefault(keeper, {})
         for tensor, ranges in own.get(source, {}).items():
-            mine[tensor] = _union([*mine.get(tensor, []), *ranges])
+            mine[tensor] = union([*mine.get(tensor, []), *ranges])
     return out
 
 
@@ -144,10 +144,10 @@ def plan_reshard(before: Holdings, after: Holdings, *, split_min: int = SPLIT_MI
     missing: list[tuple[str, int, int]] = []
     tensors = sorted({t for h in after.values() for t in h})
     for tensor in tensors:
-        held = {m: _union(h[tensor]) for m, h in sorted(before.items()) if h.get(tensor)}
+        held = {m: union(h[tensor]) for m, h in sorted(before.items()) if h.get(tensor)}
         starts = {m: [a for a, _ in r] for m, r in held.items()}
         for dst in sorted(after):
-            need = subtract(_union(after[dst].get(tensor, [])), held.get(dst, []))
+            need = subtract(union(after[dst].get(tensor, [])), held.get(dst, []))
             for lo, hi in need:
                 for a, b, holders in _cover(lo, hi, held, starts, dst):
                     if not holders:
@@ -210,10 +210,11 @@ def _merge_missing(missing: list[tuple[str, int, int]]) -> list[tuple[str, int, 
     out: dict[str, list[Range]] = defaultdict(list)
     for tensor, a, b in missing:
         out[tensor].append((a, b))
-    return [(t, a, b) for t in sorted(out) for a, b in _union(out[t])]
+    return [(t, a, b) for t in sorted(out) for a, b in union(out[t])]
 
 
-def _union(ranges: Iterable[Range]) -> list[Range]:
+def union(ranges: Iterable[Range]) -> list[Range]:
+    """`ranges` sorted, with overlapping and adjacent ones merged."""
     out: list[Range] = []
     for a, b in sorted(r for r in ranges if r[1] > r[0]):
         if out and a <= out[-1][1]:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from plan.layout import Layout
-from plan.reshard import Holdings, ReshardPlan, TensorShape, copy_ring, holdings, plan_reshard
+from plan.reshard import Holdings, ReshardPlan, TensorShape, copy_ring, holdings, plan_reshard, union
 from worker import state
 from worker.parallel import slices
 from worker.parallel.slices import LocalState
@@ -105,9 +105,12 @@ def plan_entry(layout: Layout, tensors: Sequence[TensorShape], described: list[l
     states = [read(tensors, d) for d in described]
     best = max(step for step, _ in states)
     holders = [ranks[r] for r, (step, _) in enumerate(states) if step == best and best >= 0]
-    before: Holdings = {ranks[r]: held for r, (step, held) in enumerate(states) if ranks[r] in holders}
+    # (each member's ranges merged where they touch, as `holdings` has them: its own slices and the
+    # copy it keeps are separate pieces, a row-wise split's a piece per row, yet one range to plan)
+    before: Holdings = {ranks[r]: {t: union(ranges) for t, ranges in held.items()}
+                        for r, (step, held) in enumerate(states) if ranks[r] in holders}
     after = holdings(layout, tensors, copy_ring(layout))  # (a layout that needs no copies has no ring)
-    plan = plan_reshard(before, after)
+    plan = _planned(before, after)
     if plan.missing:
         raise StateLost(f"no member holds {plan.describe_missing()} of step {best}")
     return best, holders, after, plan
@@ -122,7 +125,25 @@ def foresee(old: Layout, layout: Layout, tensors: Sequence[TensorShape],
     ready (`slices.expect`). Where the descriptions then say otherwise, `execute` does it afresh."""
     before = {n: h for n, h in holdings(old, tensors, copy_ring(old)).items() if n in ranks}
     after = holdings(layout, tensors, copy_ring(layout))  # (a layout that needs no copies has no ring)
-    return after, plan_reshard(before, after)
+    return after, _planned(before, after)
+
+
+_last: list[tuple[Holdings, Holdings, ReshardPlan]] = []  # the last plan made (`_planned`)
+
+
+def _planned(before: Holdings, after: Holdings) -> ReshardPlan:
+    """`plan_reshard(before, after)`, the last one made reused when asked again for the same
+    holdings: the entry's own plan is usually the one `foresee` made while the group formed (a tp
+    layout's thousands of per-row transfers take a tenth of a second or more to plan)."""
+    if _last and _last[0][0] == before and _last[0][1] == after:
+        return _last[0][2]
+    plan = plan_reshard(before, after)
+    _last[:] = [(_copied(before), _copied(after), plan)]  # (copies: a caller may change its own later)
+    return plan
+
+
+def _copied(held: Holdings) -> Holdings:
+    return {m: {t: list(ranges) for t, ranges in parts.items()} for m, parts in held.items()}
 
 
 def enter(layout: Layout, tensors: Sequence[TensorShape], me: str, ranks: Sequence[str], local: LocalState | None,
