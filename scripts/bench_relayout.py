@@ -53,14 +53,19 @@ def _plan_after(events: list[dict[str, Any]], seen: int) -> dict[str, Any] | Non
     return next((e for e in events[seen:] if e["kind"] == "plan" and e["reason"] == "layout" and e.get("layout")), None)
 
 
+def _started(job_ref: str, layout: str, workers: int, work: Path) -> LocalJob:
+    """A job pinned to `layout`, its coordinator and `workers` workers (w1, w2, ...) started."""
+    job = LocalJob(job_ref, work, min_workers=workers, coordinator_args=["--layout", layout])
+    job.start()
+    for i in range(workers):
+        job.add_worker(f"w{i + 1}")
+    return job
+
+
 def live(job_ref: str, tour: list[str], workers: int, work: Path) -> list[dict[str, Any]]:
     """One job through the tour, each change by `ctl layout`; a row per change."""
-    names = [f"w{i + 1}" for i in range(workers)]
     rows: list[dict[str, Any]] = []
-    with LocalJob(job_ref, work, min_workers=workers, coordinator_args=["--layout", tour[0]]) as job:
-        job.start()
-        for name in names:
-            job.add_worker(name)
+    with _started(job_ref, tour[0], workers, work) as job:
         start = job.wait_step(SETTLE + MEASURE, 600, poll_s=0.2)
         epoch = start["epoch"]
         for before, after in zip(tour, tour[1:]):
@@ -93,10 +98,7 @@ def relaunch(job_ref: str, tour: list[str], workers: int, work: Path) -> list[di
     """The same tour by checkpoint, stop and relaunch on the same state directory; a row per change."""
     names = [f"w{i + 1}" for i in range(workers)]
     rows: list[dict[str, Any]] = []
-    with LocalJob(job_ref, work, min_workers=workers, coordinator_args=["--layout", tour[0]]) as job:
-        job.start()
-        for name in names:
-            job.add_worker(name)
+    with _started(job_ref, tour[0], workers, work) as job:
         job.wait_step(SETTLE, 600, poll_s=0.2)
         for before, after in zip(tour, tour[1:]):
             seen = len(job.events())

@@ -152,6 +152,38 @@ def apply_fsdp(job: Job, units: Sequence[str], layout: Layout, rank: int, mesh: 
                         mp_policy=mp_policy, wait=wait, give_up=give_up, keep=keep, tensors=tensors)
 
 
+Split = Callable[[nn.Module, nn.Module, DeviceMesh], None]  # (whole meta model, its part, tp mesh): tp's split
+
+
+def build_sharded(t: Loop, g: Group, local: LocalState, part: Callable[[nn.Module], nn.Module], units: Sequence[str],
+                  *, split: Split | None = None, keep: int | None = None
+                  ) -> tuple[nn.Module, Sharded, groups.ShardMesh, list[dist.ProcessGroup]]:
+    """`part` of the job's model built on the meta device (the whole model, or a pipeline stage)
+    and sharded with FSDP2 (`shard_module`, over `units`) on the epoch's mesh, its groups
+    registered first (forming them can be superseded, a peer stopped, and then nothing of it is
+    left registered); with `split` (tensor parallelism's), first split over the tp dim of the 2-D
+    mesh (dp_shard, tp), whose dp_shard dim FSDP2 then shards over. (module, its shards, the mesh,
+    the groups registered.)"""
+    registered: list[dist.ProcessGroup] = []
+    try:
+        form = groups.shard_tp_mesh if split is not None else groups.mesh
+        on = form(g, t.device, registered, timeout_s=t.config.group_timeout_s,
+                  superseded=lambda: t.agent.superseded(g.epoch))
+        whole = meta_model(t.job)
+        module = part(whole)
+        if split is not None:
+            assert on.tp is not None
+            split(whole, module, on.tp)
+        sharded = shard_module(t.job, module, units, g.layout, g.rank, on.mesh, local, t.device,
+                               replicate=on.replicate, mp_policy=mixed_precision(t.job),
+                               wait=lambda work, buf: t.wait(g, work, buf), give_up=t.give_up_if_superseded,
+                               keep=keep, tensors=t.tensors)
+    except BaseException:
+        groups.forget(registered)
+        raise
+    return module, sharded, on, registered
+
+
 def shard_module(job: Job, model: nn.Module, units: Sequence[str], layout: Layout, rank: int, mesh: DeviceMesh,
                  local: LocalState, device: torch.device, *, replicate: dist.ProcessGroup | None = None,
                  mp_policy: MixedPrecisionPolicy | None = None, wait: Wait | None = None,
@@ -434,23 +466,11 @@ class FsdpExecutor(HoldsShards):
 
     @classmethod
     def build(cls, t: Loop, g: Group, local: LocalState) -> Executor:
-        """FSDP2 over the epoch's mesh (its groups registered first: forming them can be superseded,
-        a peer stopped, and then nothing of this executor is left registered)."""
-        registered: list[dist.ProcessGroup] = []
-        try:
-            on = groups.mesh(g, t.device, registered, timeout_s=t.config.group_timeout_s,
-                             superseded=lambda: t.agent.superseded(g.epoch))
-            mp = mixed_precision(t.job)
-            tensors = t.tensors
-            copies = Copies.of(g.layout, t.name, local, tensors)
-            sharded = apply_fsdp(t.job, t.units(), g.layout, g.rank, on.mesh, local, t.device,
-                                 replicate=on.replicate, mp_policy=mp,
-                                 wait=lambda work, buf: t.wait(g, work, buf), give_up=t.give_up_if_superseded,
-                                 keep=g.members.index(copies.source) if copies.source is not None else None,
-                                 tensors=tensors)
-        except BaseException:
-            groups.forget(registered)
-            raise
+        """FSDP2 over the epoch's mesh (`build_sharded`)."""
+        copies = Copies.of(g.layout, t.name, local, t.tensors)
+        _, sharded, _, registered = build_sharded(
+            t, g, local, lambda whole: whole, t.units(),
+            keep=g.members.index(copies.source) if copies.source is not None else None)
         return cls(sharded, (g.layout, g.rank), copies, registered)
 
     def save(self, t: Loop, g: Group | None, directory: str, *, final: bool) -> None:

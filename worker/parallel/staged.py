@@ -45,10 +45,10 @@ from worker import comm, state
 from worker import group as groups
 from worker.comm import AllOf
 from worker.executor import Executor, Loop, local_grad, pause, sleep, slot_samples, squared_norm
-from worker.group import Group
+from worker.group import Group, ShardMesh
 from worker.job import Job
 from worker.parallel.copies import Copies
-from worker.parallel.fsdp import HoldsShards, Sharded, mixed_precision, shard_module
+from worker.parallel.fsdp import HoldsShards, Sharded, Split, build_sharded
 from worker.parallel.meta import meta_model
 from worker.parallel.pipeline import StageStep, one_f_one_b, recv_tensor, send_tensor
 from worker.parallel.slices import LocalState, to_module
@@ -82,10 +82,15 @@ def apply_stage(job: Job, layout: Layout, rank: int, local: LocalState, device: 
     """`rank`'s stage of the job's model on `device`, loaded from `local` (which holds every element
     of the stage's tensors: `plan.placement` gives a stage's ranks its units' tensors whole)."""
     stage = layout.coords(rank)[0]
-    model = meta_model(job)
-    module = nn.Sequential(OrderedDict((unit, model.get_submodule(unit)) for unit in layout.stages[stage]))
+    module = stage_module(meta_model(job), layout.stages[stage])
     return Stage(module=module, optimizer=to_module(local, module, job.optimizer, device), stage=stage,
                  stages=layout.pp)
+
+
+def stage_module(model: nn.Module, units: Sequence[str]) -> nn.Sequential:
+    """The stage of `model` made of `units` (module paths), as a Sequential that keeps the whole
+    model's parameter names (the units are its children, under their own names)."""
+    return nn.Sequential(OrderedDict((unit, model.get_submodule(unit)) for unit in units))
 
 
 def evaluate_stage(stage: Stage, layout: Layout, rank: int, pg: Any, wait: Wait, job: Job, ids: torch.Tensor,
@@ -389,22 +394,7 @@ class ShardedStageExecutor(HoldsShards, StageExecutor):
         """The stage on the meta device, sharded with FSDP2 over its shard group (registered first,
         as `FsdpExecutor.build` does: forming it can be superseded, and then nothing is left
         registered)."""
-        registered: list[dist.ProcessGroup] = []
-        try:
-            on = groups.mesh(g, t.device, registered, timeout_s=t.config.group_timeout_s,
-                             superseded=lambda: t.agent.superseded(g.epoch))
-            index = g.layout.coords(g.rank)[0]
-            units = g.layout.stages[index]
-            model = meta_model(t.job)
-            module = nn.Sequential(OrderedDict((unit, model.get_submodule(unit)) for unit in units))
-            sharded = shard_module(t.job, module, units, g.layout, g.rank, on.mesh, local, t.device,
-                                   replicate=on.replicate, mp_policy=mixed_precision(t.job),
-                                   wait=lambda work, buf: t.wait(g, work, buf), give_up=t.give_up_if_superseded,
-                                   tensors=t.tensors)
-        except BaseException:
-            groups.forget(registered)
-            raise
-        stage = Stage(module=module, optimizer=sharded.optimizer, stage=index, stages=g.layout.pp)
+        stage, sharded, _, registered = sharded_stage(t, g, local)
         return cls(stage, (g.layout, g.rank), Copies.of(g.layout, t.name, local, t.tensors),
                    flops_fraction(t, stage), sharded, registered)
 
@@ -425,6 +415,18 @@ class ShardedStageExecutor(HoldsShards, StageExecutor):
 
     def _gathered(self) -> tuple[dict[str, Any], dict[str, Any]]:
         return gathered(self.stage)
+
+
+def sharded_stage(t: Loop, g: Group, local: LocalState, split: Split | None = None
+                  ) -> tuple[Stage, Sharded, ShardMesh, list[dist.ProcessGroup]]:
+    """This member's stage built on the meta device and sharded with FSDP2 over its shard group
+    (`build_sharded`; with `split`, split over its tp group first): (stage, shards, mesh, groups)."""
+    index = g.layout.coords(g.rank)[0]
+    units = g.layout.stages[index]
+    module, sharded, on, registered = build_sharded(t, g, local, lambda whole: stage_module(whole, units), units,
+                                                    split=split)
+    assert isinstance(module, nn.Sequential)
+    return Stage(module=module, optimizer=sharded.optimizer, stage=index, stages=g.layout.pp), sharded, on, registered
 
 
 def gathered(stage: Stage) -> tuple[dict[str, Any], dict[str, Any]]:

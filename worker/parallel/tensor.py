@@ -26,7 +26,6 @@ Which modules a job splits and which degrees it admits: `worker.tp_plan`.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -46,17 +45,27 @@ from worker.comm import AllOf
 from worker.executor import Executor, Loop, computing, local_grad, pause, slot_samples, squared_norm, stretch
 from worker.group import Group
 from worker.parallel.copies import Copies
-from worker.parallel.fsdp import FsdpExecutor, mixed_precision, save_gathered, shard_module
+from worker.parallel.fsdp import FsdpExecutor, Split, build_sharded, save_gathered
 from worker.parallel.meta import meta_model
 from worker.parallel.shard_step import LocalStep
 from worker.parallel.slices import PARAM, LocalState, pieces_over
-from worker.parallel.staged import ShardedStageExecutor, Stage, StageExecutor, flops_fraction, gathered
+from worker.parallel.staged import (ShardedStageExecutor, Stage, StageExecutor, flops_fraction, gathered, sharded_stage,
+                                    stage_module)
 from worker.tp_plan import tp_styles
 
 __all__ = ["ShardedTensorExecutor", "ShardedTensorStageExecutor", "TensorParallelExecutor", "TensorStageExecutor"]
 
 def _parallel(styles: Mapping[str, str]) -> dict[str, Any]:
     return {name: ColwiseParallel() if style == "colwise" else RowwiseParallel() for name, style in styles.items()}
+
+
+def _split(job: Any) -> Split:
+    """FSDP x tp's split (`worker.parallel.fsdp.build_sharded`): a part of the job's model (the whole
+    model, or a stage keeping its names) split over the tp mesh as the job's tp plan says."""
+    def split(whole: nn.Module, module: nn.Module, mesh: Any) -> None:
+        names = {n for n, _ in module.named_modules()}
+        parallelize_module(module, mesh, _parallel({n: s for n, s in tp_styles(job, whole).items() if n in names}))
+    return split
 
 
 class TpWaits:
@@ -331,23 +340,8 @@ class ShardedTensorExecutor(FsdpExecutor):
 
     @classmethod
     def build(cls, t: Loop, g: Group, local: LocalState) -> Executor:
-        registered: list[dist.ProcessGroup] = []
-        try:
-            on = groups.shard_tp_mesh(g, t.device, registered, timeout_s=t.config.group_timeout_s,
-                                      superseded=lambda: t.agent.superseded(g.epoch))
-            assert on.tp is not None
-            model = meta_model(t.job)
-            names = {n for n, _ in model.named_modules()}
-            parallelize_module(model, on.tp, _parallel({n: s for n, s in tp_styles(t.job, model).items() if n in names}))
-            tensors = t.tensors
-            sharded = shard_module(t.job, model, t.units(), g.layout, g.rank, on.mesh, local, t.device,
-                                   replicate=on.replicate, mp_policy=mixed_precision(t.job),
-                                   wait=lambda work, buf: t.wait(g, work, buf), give_up=t.give_up_if_superseded,
-                                   tensors=tensors)
-        except BaseException:
-            groups.forget(registered)
-            raise
-        executor = cls(sharded, (g.layout, g.rank), Copies.of(g.layout, t.name, local, tensors), registered,
+        _, sharded, on, registered = build_sharded(t, g, local, lambda whole: whole, t.units(), split=_split(t.job))
+        executor = cls(sharded, (g.layout, g.rank), Copies.of(g.layout, t.name, local, t.tensors), registered,
                        compute_fraction(t.graph(), g.layout.tp))
         executor.tp_waits = TpWaits(on.tp)
         return executor
@@ -395,7 +389,7 @@ class TensorStageExecutor(StageExecutor):
     def build(cls, t: Loop, g: Group, local: LocalState) -> Executor:
         index = g.layout.coords(g.rank)[0]
         module, optimizer, on, registered, tensors = split_on_tp_mesh(
-            t, g, local, lambda model: nn.Sequential(OrderedDict((u, model.get_submodule(u)) for u in g.layout.stages[index])))
+            t, g, local, lambda model: stage_module(model, g.layout.stages[index]))
         assert isinstance(module, nn.Sequential)
         stage = Stage(module=module, optimizer=optimizer, stage=index, stages=g.layout.pp)
         fraction = flops_fraction(t, stage) * compute_fraction(t.graph(), g.layout.tp)
@@ -449,26 +443,7 @@ class ShardedTensorStageExecutor(ShardedStageExecutor):
 
     @classmethod
     def build(cls, t: Loop, g: Group, local: LocalState) -> Executor:
-        registered: list[dist.ProcessGroup] = []
-        try:
-            on = groups.shard_tp_mesh(g, t.device, registered, timeout_s=t.config.group_timeout_s,
-                                      superseded=lambda: t.agent.superseded(g.epoch))
-            assert on.tp is not None
-            index = g.layout.coords(g.rank)[0]
-            units = g.layout.stages[index]
-            model = meta_model(t.job)
-            styles = tp_styles(t.job, model)
-            module = nn.Sequential(OrderedDict((unit, model.get_submodule(unit)) for unit in units))
-            names = {n for n, _ in module.named_modules()}
-            parallelize_module(module, on.tp, _parallel({n: s for n, s in styles.items() if n in names}))
-            sharded = shard_module(t.job, module, units, g.layout, g.rank, on.mesh, local, t.device,
-                                   replicate=on.replicate, mp_policy=mixed_precision(t.job),
-                                   wait=lambda work, buf: t.wait(g, work, buf), give_up=t.give_up_if_superseded,
-                                   tensors=t.tensors)
-        except BaseException:
-            groups.forget(registered)
-            raise
-        stage = Stage(module=module, optimizer=sharded.optimizer, stage=index, stages=g.layout.pp)
+        stage, sharded, on, registered = sharded_stage(t, g, local, split=_split(t.job))
         fraction = flops_fraction(t, stage) * compute_fraction(t.graph(), g.layout.tp)
         executor = cls(stage, (g.layout, g.rank), Copies.of(g.layout, t.name, local, t.tensors), fraction, sharded,
                        registered)
