@@ -4,7 +4,8 @@ with nothing of adaptrain in them.
 `save_state(model_state, optimizer_state, directory)` writes `model.pt` and `optimizer.pt`. Each goes to a
 temporary name in the same directory first, is flushed to disk, and is then renamed over the final
 name, so a crash mid-write never leaves a truncated file under the final name (a rename within one
-filesystem is atomic). Raises OSError (with the path) when the directory cannot be written.
+filesystem is atomic). Raises OSError (with the path) when the directory cannot be written. A
+tensor that is a view of a larger storage is copied first, so that a file holds only its tensors.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def save_state(model_state: dict[str, Any], optimizer_state: dict[str, Any], dir
         tmp = directory / f".{name}.{os.getpid()}.tmp"
         try:
             with tmp.open("wb") as f:
-                torch.save(state, f)
+                torch.save(_compact(state), f)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, final)
@@ -33,3 +34,16 @@ def save_state(model_state: dict[str, Any], optimizer_state: dict[str, Any], dir
             tmp.unlink(missing_ok=True)
         written += final.stat().st_size
     return written
+
+
+def _compact(value: Any) -> Any:
+    """`value` with every tensor that is a view of a larger storage copied into its own (torch.save
+    writes a view's whole storage: a pipeline's stages arrive as views of one flat buffer each, and
+    the file held every part of it once per file)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone() if value.untyped_storage().nbytes() > value.numel() * value.element_size() else value
+    if isinstance(value, dict):
+        return {k: _compact(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_compact(v) for v in value)
+    return value
