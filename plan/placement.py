@@ -83,6 +83,12 @@ class Box:
             return [(0, 1)]
         if self.numel == 0:
             return []
+        if len(shape) == 2:  # (every placement's shape: rows, and a row's elements)
+            rows, cols = shape
+            (r0, c0), (n, width) = self.offsets, self.sizes
+            if width == cols:
+                return [(r0 * cols, (r0 + n) * cols)]
+            return [(r * cols + c0, r * cols + c0 + width) for r in range(r0, r0 + n)]
         # The innermost dims the box spans whole make one contiguous run with the dim before them.
         j = len(shape) - 1
         while j > 0 and self.offsets[j] == 0 and self.sizes[j] == shape[j]:

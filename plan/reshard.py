@@ -16,7 +16,8 @@ members that are gone. `plan_reshard(before, after, ...)` then lists the transfe
   made-up state.
 
 Transfers are sorted (destination, tensor, lo), so every member derives the same list and the
-same order of point-to-point ops. Adjacent pieces from one source are merged into one transfer.
+same order of point-to-point ops. Adjacent pieces from one source are merged into one transfer,
+and a run of equally long, equally spaced ones (a row-wise split's rows) into one strided transfer.
 
 The companion tensors of a parameter (its gradient is not moved; its optimizer state, e.g. Adam's
 two moments, has the parameter's shape) move with it: a transfer of parameter P's range also
@@ -29,7 +30,7 @@ import bisect
 import itertools
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import permutations
 
 from plan.layout import Layout
@@ -43,15 +44,29 @@ SPLIT_MIN = 1 << 16  # elements: a piece at least twice this long is split betwe
 
 @dataclass(frozen=True, slots=True, order=True)
 class Transfer:
+    """Elements [lo, hi) of the flattened `tensor` from `src` to `dst`; with `count` > 1, a strided
+    run of such ranges: [lo + i·stride, hi + i·stride) for i < count (a box cut along a later dim, a
+    row-wise tensor-parallel weight, moves as one transfer, not one per row)."""
+
     dst: str
     tensor: str
     lo: int
     hi: int
     src: str
+    count: int = 1
+    stride: int = 0
 
     @property
     def elements(self) -> int:
-        return self.hi - self.lo
+        return (self.hi - self.lo) * self.count
+
+    @property
+    def end(self) -> int:
+        """Where its last range ends."""
+        return self.hi + (self.count - 1) * self.stride
+
+    def ranges(self) -> list[Range]:
+        return [(self.lo + i * self.stride, self.hi + i * self.stride) for i in range(self.count)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,14 +163,16 @@ def plan_reshard(before: Holdings, after: Holdings, *, split_min: int = SPLIT_MI
         starts = {m: [a for a, _ in r] for m, r in held.items()}
         for dst in sorted(after):
             need = subtract(union(after[dst].get(tensor, [])), held.get(dst, []))
+            last: str | None = None  # (the source of dst's last piece of this tensor)
             for lo, hi in need:
                 for a, b, holders in _cover(lo, hi, held, starts, dst):
                     if not holders:
                         missing.append((tensor, a, b))
                         continue
-                    for src, x, y in _assign(a, b, holders, sent, split_min):
+                    for src, x, y in _assign(a, b, holders, sent, split_min, last):
                         pieces.append(Transfer(dst=dst, tensor=tensor, lo=x, hi=y, src=src))
-    return ReshardPlan(transfers=tuple(_merge(sorted(pieces))), missing=tuple(_merge_missing(missing)),
+                        last = src
+    return ReshardPlan(transfers=tuple(_strided(_merge(sorted(pieces)))), missing=tuple(_merge_missing(missing)),
                        sent=dict(sent))
 
 
@@ -177,19 +194,29 @@ def _cover(lo: int, hi: int, held: Mapping[str, list[Range]], starts: Mapping[st
         for a, b in ranges:
             cuts.update(x for x in (a, b) if lo < x < hi)
     points = sorted(cuts)
-    out = []
-    for a, b in zip(points, points[1:]):
-        out.append((a, b, [m for m, ranges in near.items() if any(x <= a and b <= y for x, y in ranges)]))
+    out: list[tuple[int, int, list[str]]] = [(a, b, []) for a, b in zip(points, points[1:])]
+    for m, ranges in near.items():  # (each holder's ranges walked once beside the pieces, both sorted)
+        i = 0
+        for a, b, holders in out:
+            while i < len(ranges) and ranges[i][1] <= a:
+                i += 1
+            if i < len(ranges) and ranges[i][0] <= a and b <= ranges[i][1]:
+                holders.append(m)
     return out
 
 
-def _assign(a: int, b: int, holders: list[str], sent: dict[str, int], split_min: int) -> list[tuple[str, int, int]]:
-    """[a, b) split among the least-loaded holders (by elements sent so far)."""
+def _assign(a: int, b: int, holders: list[str], sent: dict[str, int], split_min: int,
+            last: str | None = None) -> list[tuple[str, int, int]]:
+    """[a, b) split among the least-loaded holders (by elements sent so far). A piece too small to
+    split stays with `last` (the source of the destination's previous piece) while that one has
+    sent at most `split_min` more than the least loaded: a box's rows then come in long runs from
+    one source, strided transfers, not alternating row by row between two equal holders."""
     parts = max(1, min(len(holders), (b - a) // split_min))
     out = []
     for i in range(parts):
         x, y = a + (b - a) * i // parts, a + (b - a) * (i + 1) // parts
-        src = min(holders, key=lambda m: (sent[m], m))
+        least = min(holders, key=lambda m: (sent[m], m))
+        src = last if parts == 1 and last in holders and sent[last] <= sent[least] + split_min else least
         sent[src] += y - x
         out.append((src, x, y))
     return out
@@ -204,6 +231,26 @@ def _merge(pieces: list[Transfer]) -> list[Transfer]:
         else:
             out.append(p)
     return out
+
+
+def _strided(transfers: list[Transfer]) -> list[Transfer]:
+    """Runs of a pair's transfers of one tensor that are equally long and equally spaced as one
+    strided transfer each, sorted as the plan is."""
+    runs: dict[tuple[str, str, str], list[Transfer]] = defaultdict(list)
+    for t in transfers:
+        runs[(t.dst, t.tensor, t.src)].append(t)
+    out: list[Transfer] = []
+    for pair in runs.values():
+        first, count, stride = pair[0], 1, 0
+        for t in pair[1:]:
+            gap = t.lo - (first.lo + (count - 1) * stride)
+            if t.hi - t.lo == first.hi - first.lo and gap > 0 and (count == 1 or gap == stride):
+                count, stride = count + 1, gap
+                continue
+            out.append(replace(first, count=count, stride=stride))
+            first, count, stride = t, 1, 0
+        out.append(replace(first, count=count, stride=stride))
+    return sorted(out)
 
 
 def _merge_missing(missing: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:

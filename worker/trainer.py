@@ -40,7 +40,7 @@ from plan.layout import Layout
 from plan.placement import unit_of
 from plan.reshard import ReshardPlan, TensorShape, copy_ring, holdings
 from transport import Ack, Checkpointed, Leave, PlanDelta, ResumeFailed, Saved, StateLost, StepReport
-from worker import checkpoint, comm, epoch, sequence
+from worker import checkpoint, collector, comm, epoch, sequence
 from worker import group as groups
 from worker.agent import Agent, FatalError
 from worker.comm import Superseded
@@ -219,7 +219,12 @@ class Trainer:
 
     def _enter(self, delta: PlanDelta) -> Group | None:
         """Form the epoch's group and bring every member to one consistent step. A sender (a leaving
-        holder of sharded state) takes part in the reshard only, and gets None."""
+        holder of sharded state) takes part in the reshard only, and gets None. No cyclic garbage
+        collection meanwhile (`worker.collector.quiet`)."""
+        with collector.quiet():
+            return self._form(delta)
+
+    def _form(self, delta: PlanDelta) -> Group | None:
         t0 = time.perf_counter()
         self.largest_sender = 0
         senders = [n for n in delta.senders if n not in delta.members]

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from plan.layout import Layout
 from plan.reshard import TensorShape, copy_ring, holdings, plan_reshard
 from worker.parallel.slices import (ALIGN, PARAM, Incoming, LocalState, Outgoing, Piece, Pool, execute, expect,
-                                    pack_sends, pack_whole)
+                                    pack_sends, pack_whole, pieces_over)
 
 pytestmark = pytest.mark.gloo
 
@@ -32,6 +32,12 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 def _layout(members: list[str], rng: random.Random) -> Layout:
     shares = tuple(rng.randint(0, 3) for _ in members)
+    if len(members) in (2, 4) and rng.random() < 0.4:  # tensor parallel: split tensors move in strided transfers
+        rest = len(members) // 2
+        shard = rng.choice([1, rest])
+        slots = [rng.randint(1, 3) for _ in range(rest)]  # (the members of a tp group share their slot's samples)
+        return Layout(members=tuple(members), shares=tuple(slots[r // 2] for r in range(len(members))),
+                      dp_replicate=rest // shard, dp_shard=shard, tp=2)
     if rng.random() < 0.3:
         return Layout(members=tuple(members), shares=shares, dp_replicate=len(members), dp_shard=1)
     return Layout(members=tuple(members), shares=shares, dp_shard=len(members))
@@ -41,19 +47,21 @@ def _case(seed: int) -> None:
     rng = random.Random(seed)
     names = [f"m{i}" for i in range(6)]
     tensors = [TensorShape(f"t{i}", rows := rng.choice([0, 1, 2, 3, 7, 40, 300]),
-                           max(1, rows) * rng.choice([1, 5, 64, 700])) for i in range(rng.randint(1, 6))]
+                           max(1, rows) * (cols := rng.choice([1, 5, 64, 700])),
+                           tp_dim=rng.choice([None, 0, 1]) if rows and cols > 1 else None)
+               for i in range(rng.randint(1, 6))]
     dtypes = {t.name: rng.choice(list(DTYPES)) for t in tensors}
     truth = {t.name: {k: torch.randn(t.numel, dtype=torch.float64).to(DTYPES[dtypes[t.name]])
                       for k in (PARAM, "exp_avg")} for t in tensors}
     old = _layout(rng.sample(names, rng.randint(1, 5)), rng)
-    ring = copy_ring(old) if old.sharded and old.world > 1 else {}
+    ring = copy_ring(old)
     before_all = holdings(old, tensors, ring)
     lost = {n for n in old.members if rng.random() < 0.2} if ring else set()
     before = {n: h for n, h in before_all.items() if n not in lost}
     survivors = [n for n in old.members if n not in lost]
     pool = survivors + [n for n in names if n not in old.members]
     new = _layout(rng.sample(pool, rng.randint(1, min(5, len(pool)))), rng)
-    after = holdings(new, tensors, copy_ring(new) if new.sharded and new.world > 1 else None)
+    after = holdings(new, tensors, copy_ring(new))
     plan = plan_reshard(before, after)
     if plan.missing:  # a slice and its copy both lost: the worker stops (tested elsewhere)
         return
@@ -67,8 +75,14 @@ def _case(seed: int) -> None:
                            dtypes={t.name: {PARAM: dtypes[t.name], "exp_avg": dtypes[t.name]} for t in tensors},
                            scalars={t.name: {"step": torch.tensor(5.0)} for t in tensors}, hyper=[{"lr": 0.1}],
                            buffers={"b": torch.arange(3.0)})
+        one_buffer = rng.random() < 0.5  # (an executor's slices are views of one local tensor)
         for fqn, ranges in before[n].items():
-            local.pieces[fqn] = [Piece(lo, hi, {k: v[lo:hi].clone() for k, v in truth[fqn].items()}) for lo, hi in ranges]
+            if one_buffer:
+                local.pieces[fqn] = pieces_over(ranges, {k: torch.cat([v[lo:hi] for lo, hi in ranges])
+                                                         for k, v in truth[fqn].items()})
+            else:
+                local.pieces[fqn] = [Piece(lo, hi, {k: v[lo:hi].clone() for k, v in truth[fqn].items()})
+                                     for lo, hi in ranges]
         locals_[n] = local
     packed = pack_whole(locals_[holders[0]])  # the sender's, as described (given to it half the time)
     whole = bytes(packed.skeleton.numpy())
@@ -165,6 +179,9 @@ def _case(seed: int) -> None:
                     assert torch.equal(state.read(fqn, key, lo, hi), full[lo:hi]), (seed, name, fqn, key, lo, hi)
                     out = torch.full((hi - lo,), -1.0, dtype=full.dtype)
                     assert torch.equal(state.copy_to(fqn, key, lo, hi, out), full[lo:hi])
+            for key, full in truth[fqn].items():  # (a tp box's rows at once: `fill`)
+                out = torch.full((sum(hi - lo for lo, hi in ranges),), -1.0, dtype=full.dtype)
+                assert torch.equal(state.fill(fqn, key, ranges, out), torch.cat([full[lo:hi] for lo, hi in ranges]))
 
 
 @pytest.mark.parametrize("block", range(4))

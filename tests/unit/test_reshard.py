@@ -13,7 +13,7 @@ import pytest
 
 from plan.layout import Layout
 from plan.placement import ROOT_UNIT
-from plan.reshard import TensorShape, copy_ring, holdings, plan_reshard, survivors
+from plan.reshard import TensorShape, Transfer, copy_ring, holdings, plan_reshard, survivors
 
 UNITS = [f"u{i}" for i in range(6)]  # the model's units, in order
 
@@ -67,6 +67,12 @@ def _case(rng: random.Random) -> tuple[Layout, Layout, list[str], list[TensorSha
     return old, _layout(rng, new_names[:8]), alive, _tensors(rng, split=True), hosts
 
 
+def _elements(t: Transfer) -> list[int]:
+    """Every element a (possibly strided) transfer moves."""
+    assert t.count == 1 or t.stride > t.hi - t.lo, f"{t}: its ranges overlap or touch"
+    return [i for lo, hi in t.ranges() for i in range(lo, hi)]
+
+
 def _simulate(seed: int) -> None:
     rng = random.Random(seed)
     old, new, alive, tensors, hosts = _case(rng)
@@ -89,7 +95,7 @@ def _simulate(seed: int) -> None:
     for t in plan.transfers:
         assert t.src != t.dst and t.lo < t.hi
         assert t.src in before, "only survivors send"
-        for i in range(t.lo, t.hi):
+        for i in _elements(t):
             assert state[t.src][t.tensor][i] == i + 1, f"case {seed}: {t} sends an element its source lacks"
             assert before.get(t.dst, {}).get(t.tensor) is None or not any(
                 lo <= i < hi for lo, hi in before[t.dst][t.tensor]), f"case {seed}: {t.dst} had {t.tensor}[{i}]"
@@ -102,7 +108,7 @@ def _simulate(seed: int) -> None:
                 for i in range(lo, hi):
                     assert (m, tensor, i) not in received
     for t in plan.transfers:
-        for i in range(t.lo, t.hi):
+        for i in _elements(t):
             state[t.dst][t.tensor][i] = i + 1
     missing = {(tensor, i) for tensor, lo, hi in plan.missing for i in range(lo, hi)}
     for m, held in after.items():
@@ -221,3 +227,23 @@ def test_the_least_moving_order_keeps_the_given_order_on_a_tie() -> None:
     order, _ = least_moving_order(_sharded("abcd"), "acd", ["a", "c", "d"], dp_shard=3)
     assert order == ["a", "c", "d"]
     assert least_moving_order(None, "", ["b", "a"], dp_shard=2) == (["b", "a"], 0.0)
+
+
+def test_a_row_wise_split_moves_as_strided_transfers() -> None:
+    """FSDP x tp -> data parallel, a row-wise weight (384 x 1536, split along dim 1): each member
+    holds a box of 192 rows x 768 (plus its copy), 192 ranges of the flattened tensor. What it
+    needs moves as a few strided transfers, each a run of rows, not a transfer per row; the
+    elements are exactly those of the per-row plan."""
+    w = TensorShape("fc2.weight", rows=384, numel=384 * 1536, tp_dim=1)
+    members = ("a", "b", "c", "d")
+    before = Layout(members=members, shares=(8,) * 4, dp_shard=2, tp=2)
+    after = Layout(members=members, shares=(4,) * 4, dp_replicate=4)
+    plan = plan_reshard(holdings(before, [w], copy_ring(before)), holdings(after, [w]))
+    assert all(t.stride % 1536 == 0 and (t.hi - t.lo) % 768 == 0 for t in plan.transfers if t.count > 1)
+    rows = sum(t.count for t in plan.transfers)
+    assert len(plan.transfers) * 5 < rows, f"{len(plan.transfers)} transfers for {rows} rows: runs, not rows"
+    moved = {(t.dst, i) for t in plan.transfers for i in _elements(t)}
+    assert len(moved) == sum(t.elements for t in plan.transfers), "no element twice"
+    for m in members:  # every member ends with the whole tensor
+        held = {i for lo, hi in holdings(before, [w], copy_ring(before))[m]["fc2.weight"] for i in range(lo, hi)}
+        assert held | {i for d, i in moved if d == m} == set(range(w.numel))

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from plan.graph import TensorInfo
-from plan.reshard import Range, ReshardPlan, Transfer, subtract
+from plan.reshard import Range, ReshardPlan, Transfer
 from worker import state as packing
 from worker.comm import AllOf
 
@@ -132,15 +132,65 @@ class LocalState:
         piece by piece (no intermediate tensor when several pieces hold them); returns `out`."""
         return _copy_parts(self._parts(fqn, key, lo, hi), out)
 
-    def fill(self, fqn: str, key: str, ranges: Iterable[Range], out: torch.Tensor) -> torch.Tensor:
+    def fill(self, fqn: str, key: str, ranges: Sequence[Range], out: torch.Tensor) -> torch.Tensor:
         """`out` (flat: a member's local elements of `fqn`, in the order of `ranges`, as
-        `plan.placement.ranges_of` gives them) filled from companion `key`; returns `out`."""
-        at = 0
-        for lo, hi in ranges:
-            if hi > lo:
-                self.copy_to(fqn, key, lo, hi, out[at:at + hi - lo])
-                at += hi - lo
-        return out
+        `plan.placement.ranges_of` gives them) filled from companion `key`; returns `out`. A box's
+        rows (equally long, equally spaced ranges) held in one buffer are copied at once."""
+        run = _run_of(ranges)
+        if run is not None and (view := self.strided(fqn, key, *run)) is not None:
+            out.view(run[3], run[1] - run[0]).copy_(view)
+            return out
+        parts = [part for lo, hi in ranges if hi > lo for part in self._parts(fqn, key, lo, hi)]
+        return _copy_parts(parts, out)
+
+    def read_transfer(self, key: str, t: Transfer) -> torch.Tensor:
+        """Companion `key` of what transfer `t` moves (all of its ranges, in order), flat: a view
+        when one piece holds a single range, else a copy."""
+        if t.count == 1:
+            return self.read(t.tensor, key, t.lo, t.hi)
+        view = self.strided(t.tensor, key, t.lo, t.hi, t.stride, t.count)
+        if view is not None:
+            return view.reshape(-1)
+        return torch.cat([part for lo, hi in t.ranges() for part in self._parts(t.tensor, key, lo, hi)])
+
+    def strided(self, fqn: str, key: str, lo: int, hi: int, stride: int, count: int) -> torch.Tensor | None:
+        """Companion `key` of the ranges [lo + i·stride, hi + i·stride), i < count, as one
+        (count, hi - lo) view, where the pieces holding them lie in one buffer equally spaced (a
+        box's rows as the executor holds them: `pieces_over` one flat tensor); else None."""
+        pieces = self.pieces.get(fqn, [])
+        length = hi - lo
+        i = bisect_right(pieces, lo, key=_start) - 1
+        if i < 0 or length <= 0:
+            return None
+        first = pieces[i].data[key]
+        if first.dim() != 1 or first.stride(0) != 1:
+            return None
+        if pieces[i].lo <= lo and hi + (count - 1) * stride <= pieces[i].hi:  # (one piece holds them all)
+            return first.as_strided((count, length), (stride, 1), first.storage_offset() + lo - pieces[i].lo)
+        storage, size = first.untyped_storage().data_ptr(), first.element_size()
+        at = first.data_ptr() + (lo - pieces[i].lo) * size
+        spacing = None  # (the rows' spacing in the buffer, in bytes)
+        checked = -1  # (the last piece whose buffer was checked)
+        for r in range(count):
+            a = lo + r * stride
+            while i < len(pieces) and pieces[i].hi <= a:
+                i += 1
+            if i == len(pieces) or not pieces[i].lo <= a or a + length > pieces[i].hi:
+                return None
+            data = pieces[i].data[key]
+            if checked != i:
+                if data.untyped_storage().data_ptr() != storage or data.stride(0) != 1:
+                    return None
+                checked = i
+            address = data.data_ptr() + (a - pieces[i].lo) * size
+            if r == 1:
+                spacing = address - at
+                if spacing < length * size or spacing % size:
+                    return None
+            elif r > 1 and address - at != r * (spacing or 0):
+                return None
+        step = (spacing or length * size) // size
+        return first.as_strided((count, length), (step, 1), (at - storage) // size)
 
     def fresh(self, fqn: str, key: str, lo: int, hi: int, device: torch.device | None = None) -> torch.Tensor:
         """Elements [lo, hi) of companion `key` of `fqn`, copied into a tensor of their own on `device`
@@ -164,7 +214,7 @@ class LocalState:
             if p.lo > at:
                 break
             end = min(p.hi, hi)
-            parts.append(p.data[key][at - p.lo:end - p.lo])
+            parts.append(p.data[key] if p.lo == at and p.hi == end else p.data[key][at - p.lo:end - p.lo])
             at = end
             if at == hi:
                 break
@@ -207,11 +257,24 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def _copy_parts(parts: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-    at = 0
-    for part in parts:
-        out[at:at + part.numel()].copy_(part)
-        at += part.numel()
+    if len(parts) == 1:
+        out.copy_(parts[0])
+    elif parts:
+        torch.cat(parts, out=out)  # (one call: a row-wise split's pieces are thousands)
     return out
+
+
+def _run_of(ranges: Sequence[Range]) -> tuple[int, int, int, int] | None:
+    """(lo, hi, stride, count) where `ranges` are [lo + i·stride, hi + i·stride), i < count, count > 1."""
+    if len(ranges) < 2:
+        return None
+    (lo, hi), stride = ranges[0], ranges[1][0] - ranges[0][0]
+    if stride < hi - lo or hi <= lo:
+        return None
+    for i, (a, b) in enumerate(ranges):
+        if a != lo + i * stride or b - a != hi - lo:
+            return None
+    return lo, hi, stride, len(ranges)
 
 
 # --- the state of a whole (replicated) model -------------------------------------------------------------
@@ -407,7 +470,7 @@ class Incoming:
         if self.arriving is None:
             self.arriving = defaultdict(dict)
             for buf, items in self.landing:
-                for (t, key), view in zip(items, buf.split_with_sizes([t.hi - t.lo for t, _ in items])):
+                for (t, key), view in zip(items, buf.split_with_sizes([t.elements for t, _ in items])):
                     self.arriving[t][key] = view
         return self.arriving
 
@@ -433,7 +496,7 @@ def expect(recvs: Sequence[Transfer], local: LocalState, pool: Pool | None, devi
     received = 0
     mark = pool.used if pool is not None else None
     for peer, transfers in _by_peer(list(recvs), lambda t: t.src).items():
-        messages = [(dtype, items, sum(t.hi - t.lo for t, _ in items)) for dtype, items in _messages(local, transfers)]
+        messages = [(dtype, items, sum(t.elements for t, _ in items)) for dtype, items in _messages(local, transfers)]
         sizes: dict[torch.dtype, int] = defaultdict(int)
         for dtype, _, count in messages:
             sizes[dtype] += count
@@ -503,8 +566,8 @@ def _outgoing(local: LocalState, sends: Sequence[Transfer]) -> Iterator[tuple[st
     one item is a view of what is held (no packing copy), the others are packed."""
     for peer, transfers in _by_peer(list(sends), lambda t: t.dst).items():
         for tag, (_, items) in enumerate(_messages(local, transfers), start=DATA_TAG):
-            yield peer, tag, (local.read(items[0][0].tensor, items[0][1], items[0][0].lo, items[0][0].hi)
-                              if len(items) == 1 else torch.cat([local.read(t.tensor, key, t.lo, t.hi) for t, key in items]))
+            yield peer, tag, (local.read_transfer(items[0][1], items[0][0])
+                              if len(items) == 1 else torch.cat([local.read_transfer(key, t) for t, key in items]))
 
 
 ALIGN = 64  # bytes: an arena cut from a pool starts where a fresh allocation would (c10's CPU alignment)
@@ -567,7 +630,7 @@ def _messages(local: LocalState, transfers: list[Transfer]) -> list[tuple[torch.
     bytes; an item of `MESSAGE` or more is a message of its own."""
     by_dtype: dict[torch.dtype, list[tuple[Item, int]]] = {}
     for t in transfers:
-        elements = t.hi - t.lo
+        elements = t.elements
         if elements:
             names = local.dtypes[t.tensor]
             for key in local.keys[t.tensor]:
@@ -595,19 +658,19 @@ def _assemble(local: LocalState, needed: Mapping[str, Sequence[Range]], recvs: S
               arriving: Mapping[Transfer, dict[str, torch.Tensor]], device: torch.device) -> LocalState:
     """The new state: exactly the `needed` ranges, each as pieces that are views, of the arenas where
     a range arrives and of the held pieces elsewhere (cut where the source changes; nothing copied).
-    A tensor's transfers and held pieces are each disjoint and sorted: each range finds its own by
-    bisection (a row-wise tp split needs a range per row, and as many arrive: a scan per range was
-    quadratic, seconds for a small model)."""
+    A tensor's arrivals (a strided transfer's rows each) and held pieces are each disjoint and
+    sorted: each range finds its own by bisection (a row-wise tp split needs a range per row, and as
+    many arrive: a scan per range was quadratic, seconds for a small model)."""
     out = LocalState(step=local.step, keys=local.keys, dtypes=local.dtypes, scalars=local.scalars, hyper=local.hyper,
                      buffers=local.buffers)
-    incoming: dict[str, list[Transfer]] = defaultdict(list)
+    incoming: dict[str, list[Piece]] = defaultdict(list)
     for t in recvs:
-        incoming[t.tensor].append(t)
+        incoming[t.tensor].extend(_rows(t, arriving[t]))
     for fqn, ranges in needed.items():
         keys = local.keys[fqn]
-        here = sorted(incoming.get(fqn, []), key=lambda t: t.lo)
+        here = sorted(incoming.get(fqn, []), key=_start)
         here_lo = [t.lo for t in here]
-        held = _disjoint(sorted(local.pieces.get(fqn, []), key=lambda p: p.lo))
+        held = _disjoint(sorted(local.pieces.get(fqn, []), key=_start))
         held_lo = [h.lo for h in held]
         pieces: list[Piece] = []
         for lo, hi in ranges:
@@ -618,20 +681,44 @@ def _assemble(local: LocalState, needed: Mapping[str, Sequence[Range]], recvs: S
             for t in _overlapping(here, here_lo, lo, hi):
                 a, b = max(lo, t.lo), min(hi, t.hi)
                 covered.append((a, b))
-                if a == t.lo and b == t.hi:  # (the usual case: a transfer brings a part of one range)
-                    parts.append(Piece(a, b, {k: arriving[t][k] for k in keys}))
-                else:
-                    parts.append(Piece(a, b, {k: arriving[t][k][a - t.lo:b - t.lo] for k in keys}))
-            for h in _overlapping(held, held_lo, lo, hi):
-                for a, b in subtract([(max(lo, h.lo), min(hi, h.hi))], covered):
-                    parts.append(Piece(a, b, {k: h.data[k][a - h.lo:b - h.lo].to(device) for k in keys}))
-            parts.sort(key=lambda p: p.lo)
+                parts.append(t if a == t.lo and b == t.hi else _cut(t, a, b, keys))
+            for gap_lo, gap_hi in _gaps(lo, hi, covered):  # (what did not arrive comes from what is held)
+                for h in _overlapping(held, held_lo, gap_lo, gap_hi):
+                    a, b = max(gap_lo, h.lo), min(gap_hi, h.hi)
+                    if a == h.lo and b == h.hi and h.data[keys[0]].device == device:  # (a fresh piece: never shared)
+                        parts.append(Piece(a, b, {k: h.data[k] for k in keys}))
+                    else:
+                        parts.append(Piece(a, b, {k: h.data[k][a - h.lo:b - h.lo].to(device) for k in keys}))
+            parts.sort(key=_start)
             if sum(p.hi - p.lo for p in parts) != hi - lo:
                 raise KeyError(f"{fqn}[{lo}:{hi}] is needed here but neither held nor received "
                                f"(held: {[(p.lo, p.hi) for p in held]}, received: {[(t.lo, t.hi) for t in here]})")
             pieces.extend(parts)
         out.pieces[fqn] = pieces
     return out
+
+
+def _rows(t: Transfer, data: Mapping[str, torch.Tensor]) -> list[Piece]:
+    """What transfer `t` brought (`data`: companion -> its elements, flat), a piece per range."""
+    if t.count == 1:
+        return [Piece(t.lo, t.hi, dict(data))]
+    rows = {k: v.view(t.count, t.hi - t.lo).unbind(0) for k, v in data.items()}  # (one call for every row)
+    return [Piece(lo, hi, {k: v[i] for k, v in rows.items()}) for i, (lo, hi) in enumerate(t.ranges())]
+
+
+def _cut(p: Piece, a: int, b: int, keys: Iterable[str]) -> Piece:
+    return Piece(a, b, {k: p.data[k][a - p.lo:b - p.lo] for k in keys})
+
+
+def _gaps(lo: int, hi: int, covered: Sequence[Range]) -> Iterator[Range]:
+    """The parts of [lo, hi) that none of `covered` (sorted, disjoint, inside it) covers."""
+    at = lo
+    for a, b in covered:
+        if a > at:
+            yield at, a
+        at = max(at, b)
+    if at < hi:
+        yield at, hi
 
 
 def _overlapping(spans: Sequence[Any], starts: Sequence[int], lo: int, hi: int) -> Iterator[Any]:
