@@ -64,6 +64,7 @@ from coordinator.state import (
     pin_text,
 )
 from plan import Cluster, Device, LayoutPin, PlanResult
+from plan.cluster import kind_key
 from plan.cost import step_comm_features
 from plan.prediction import fits_comm, measured_overhead, per_pass, reported_compute, repredict
 from transport import (ERR_NAME_TAKEN, ERR_STALE_EPOCH, PLANNED_EXITS, Abort, Ack, Checkpointed, CheckpointNow, Error,
@@ -277,11 +278,19 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
     host = state.workers[r.name].host
     load = tracker.loads.get(host, 0.0) if calm and tracker is not None and tracker.epoch == r.epoch else 0.0
     cluster = state.cluster
-    if not steps.settling(tracker, r):  # (an epoch's entry stretches its first steps: never fitted)
+    settled = not steps.settling(tracker, r)
+    baselining = steps.baselining(tracker, r)
+    kind = tracker.kind if tracker is not None and tracker.epoch == r.epoch else None  # (the layout it ran in)
+    efficiency = None  # (this layout kind's, as its first steps teach it: what this step is fitted with)
+    if baselining and kind is not None and tracker is not None:
+        tracker, efficiency, learned = steps.efficiency_of_kind(tracker, r)
+        if learned and efficiency is not None:
+            cluster = cluster.with_efficiency(kind, efficiency)
+    if settled:  # (an epoch's entry stretches its first steps: never fitted)
         plan = state.plan if r.epoch == state.epoch else None
         overhead = measured_overhead(plan, r.step_s, r.compute_s, r.comm_s)
         cluster = cluster.with_measurement(r.name, *per_pass(plan, cluster, r.name, r.samples, r.compute_s),
-                                           overhead_s=overhead, load=load)
+                                           overhead_s=overhead, load=load, kind=kind, efficiency=efficiency)
     effects: list[Effect] = []
     changes: list[str] = []
     if tracker is not None:
@@ -309,7 +318,7 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
                     if kind != "calibration":  # (a calibration's measurements are the model already)
                         plan = state.plan if tracker.epoch == state.epoch else None
                         cluster = cluster.with_speed_change(
-                            name, tuple(per_pass(plan, cluster, name, s, t) for s, t in recent), load=load)
+                            name, tuple(per_pass(plan, cluster, name, s, t) for s, t in recent), load=load, kind=kind)
                         effects.append(Log(kind, {"worker": name, "speed": round(speed, 3),
                                                   "expected": round(expected, 3), "step": r.step}))
                     verb = "measured" if kind == "calibration" else "now"
@@ -442,9 +451,10 @@ def _recovered(state: State, config: Config, now: float) -> Result:
     hosts = {n: state.cluster.devices[n].host for n in back}
     if not missing:
         plan = repredict(state.cluster.contended(back), state.graph, plan)
+    kind = kind_key(plan.pp, plan.dp_shard, plan.tp)
     tracker = steps.start(state.epoch, plan.members, plan.predicted_step_s, reported_compute(plan, state.graph),
                           hosts, loads={h: state.cluster.load(h, back) for h in set(hosts.values())},
-                          legacy=config.stability != "calm")
+                          legacy=config.stability != "calm", kind=kind, efficiency=state.cluster.efficiency_of(kind))
     was_pending = (not set(plan.members) <= state.recovered_acked  # not in place everywhere at the crash
                    or any(state.workers[n].epoch != state.epoch for n in back))
     state = replace(state, plan=plan, acked=frozenset(back) & state.recovered_acked if was_pending else frozenset(back),

@@ -38,6 +38,7 @@ from typing import NamedTuple
 from coordinator import steps
 from coordinator.state import Config, Effect, Log, Planned, Result, Send, State, Worker, pin_text, workers_needed
 from plan import Plan, PlanLimits, PlanResult, make_plan, predict
+from plan.cluster import kind_key
 from plan.prediction import reported_compute, repredict
 from transport import MeshLayout, PlanDelta
 
@@ -175,8 +176,10 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
     loads = {h: state.cluster.load(h, new.members) for h in set(hosts.values())}
     guessed = any(state.cluster.is_guess(n) for n in new.members)
     measured = frozenset(n for n in new.members if n in state.cluster.devices and state.cluster.devices[n].samples_per_s)
+    kind = kind_key(new.pp, new.dp_shard, new.tp)
     tracker = steps.start(epoch, new.members, new.predicted_step_s, reported_compute(new, state.graph), hosts,
-                          loads=loads, measured=measured, legacy=not calm)
+                          loads=loads, measured=measured, legacy=not calm, kind=kind,
+                          efficiency=state.cluster.efficiency_of(kind))
     state = replace(state, slices_possible=from_sharded or not new.layout.whole_replicas)
     state = replace(state, workers=workers, delta=delta, epoch=epoch, plan=new, result=result, tracker=tracker,
                     acked=frozenset(), reshard_bytes=0, reshard_s=0.0, reshard_largest_sender=0, running=frozenset(holders),

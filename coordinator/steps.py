@@ -25,6 +25,13 @@ Pure, like membership: `observe(tracker, report) -> (tracker, findings)`, no clo
   it starts. Then the window's median becomes the new baseline, so one change is reported once.
   Comparing with the epoch's own measurement, not the prediction, keeps a model error from passing
   for a straggler (and from re-planning back and forth on it).
+* **Layout efficiency.** A member's settled steps before its baseline is set, when its prediction
+  rested on its own measured steps (`measured`), divided by what the plan predicted for it, say how
+  this layout kind computes against the cost model's units: the median of the epoch's such ratios,
+  times the efficiency the plan was predicted with, is the kind's efficiency (`efficiency_of_kind`,
+  from `RATIO_MIN` ratios on; `plan.cluster`'s layout kinds). Only the epoch's first steps teach it:
+  a device that slows down later is a straggler, not a slower layout. Each member's predicted
+  compute is kept for it (`planned`): a baseline replaces what the watch expects, not the plan.
 * **Contention, not stragglers.** When the members that share a host shift together (each with at
   least `VOTES - 1` of its last `WINDOW` steps the same way), the host got busier or quieter (a
   process starting beside them, a worker importing torch before it joins): one
@@ -50,6 +57,7 @@ SETTLE = 2  # steps of a new epoch not measured against anything
 FAR_OFF = 2.0  # a measured member's baseline this many times off its prediction changed speed
 ERROR_WINDOW = 256  # measured steps kept per epoch for the prediction error
 PENDING_STEPS = 4  # a step still missing reports this far behind the newest is dropped
+RATIO_MIN = 4  # ratios needed before the kind's efficiency is learned (and at least one per member)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -106,22 +114,29 @@ class Tracker:
     pending: dict[int, dict[str, StepReport]] = field(default_factory=dict)
     measured: tuple[float, ...] = ()  # step_s of measured steps, oldest first
     errors: tuple[float, ...] = ()  # (predicted − measured) / measured per measured step
+    kind: str = "dp"  # the plan's layout kind (`plan.cluster.kind_key`)
+    efficiency: float = 1.0  # the kind's efficiency the plan was predicted with
+    planned: dict[str, float] = field(default_factory=dict)  # member -> its predicted compute seconds
+    ratios: tuple[float, ...] = ()  # measured members' settled compute / planned, newest last
 
 
 def start(epoch: int, members: tuple[str, ...], predicted_step_s: float | None,
           compute: dict[str, float], hosts: dict[str, str] | None = None, *,
           loads: dict[str, float] | None = None, measured: frozenset[str] = frozenset(),
-          legacy: bool = False) -> Tracker:
+          legacy: bool = False, kind: str = "dp", efficiency: float = 1.0) -> Tracker:
     """A tracker for a new epoch; `compute` maps a member to its predicted compute seconds, `hosts`
     a member to its host, `loads` a host to its load in this epoch (what its members' measurements
-    are taken under), `measured` the members whose prediction rests on their own measured steps. `legacy`: the detector before #9 (STREAK slow steps in a row, no
-    contention), kept as a baseline for benchmarks."""
+    are taken under), `measured` the members whose prediction rests on their own measured steps,
+    `kind` and `efficiency` the plan's layout kind and the efficiency it was predicted with.
+    `legacy`: the detector before #9 (STREAK slow steps in a row, no contention), kept as a
+    baseline for benchmarks."""
     watches = {n: Watch(expected_s=c) for n, c in compute.items() if c > 0}
     window, votes, baseline, noise_k = (STREAK, STREAK, STREAK, 0.0) if legacy else (WINDOW, VOTES, BASELINE, NOISE_K)
     return Tracker(epoch=epoch, members=members, predicted_step_s=predicted_step_s, watches=watches,
                    hosts={} if legacy else dict(hosts or {}), loads={} if legacy else dict(loads or {}),
                    window=window, votes=votes, baseline=baseline, noise_k=noise_k,
-                   measured_members=frozenset() if legacy else measured)
+                   measured_members=frozenset() if legacy else measured, kind=kind, efficiency=efficiency,
+                   planned={n: c for n, c in compute.items() if c > 0})
 
 
 def observe(t: Tracker, r: StepReport) -> tuple[Tracker, list[Finding]]:
@@ -152,6 +167,26 @@ def observe(t: Tracker, r: StepReport) -> tuple[Tracker, list[Finding]]:
     settled = len(t.measured) >= SETTLE
     t = replace(t, pending=pending, measured=measured, errors=errors)
     return t, [*findings, Measured(step=r.step, step_s=step_s, comm_s=comm_s, ranks=len(t.members), settled=settled)]
+
+
+def baselining(t: Tracker | None, r: StepReport) -> bool:
+    """Whether `r` is a settled step of its member before its baseline is set (ask before `observe`
+    counts it): what a layout kind's efficiency is learned from."""
+    if t is None or r.epoch != t.epoch:
+        return False
+    w = t.watches.get(r.name)
+    return w is not None and w.settled >= SETTLE and not w.baselined
+
+
+def efficiency_of_kind(t: Tracker, r: StepReport) -> tuple[Tracker, float | None, bool]:
+    """Fold `r` (a `baselining` report) into the epoch's ratios of measured to planned compute: the
+    plan's layout kind's efficiency they give so far (None: `r` says nothing of it), and whether
+    they are enough to learn it (see the module comment)."""
+    planned = t.planned.get(r.name, 0.0)
+    if r.epoch != t.epoch or r.name not in t.measured_members or planned <= 0 or r.samples <= 0 or r.compute_s <= 0:
+        return t, None, False
+    t = replace(t, ratios=(*t.ratios, r.compute_s / planned))
+    return t, t.efficiency * statistics.median(t.ratios), len(t.ratios) >= max(RATIO_MIN, len(t.measured_members))
 
 
 def settling(t: Tracker | None, r: StepReport) -> bool:

@@ -21,7 +21,7 @@ import functools
 from collections.abc import Collection, Sequence
 from dataclasses import replace
 
-from plan.cluster import Cluster
+from plan.cluster import Cluster, kind_key
 from plan.cost import Link, static_bytes
 from plan.graph import Graph
 from plan.layout import Layout
@@ -87,7 +87,7 @@ def _data_parallel_pipelines(cluster: Cluster, graph: Graph, fastest: list[str],
     shard."""
     width = replicas * shards
     groups = [fastest[i * width:(i + 1) * width] for i in range(stages)]
-    devices = stage_devices(cluster, graph, fastest)
+    devices = stage_devices(cluster, graph, fastest, kind_key(stages, shards))
     by_name = {d.name: d for d in devices}
     held = 1.0 if shards == 1 else (2.0 if replicas == 1 else 1.0) / shards  # (a shard and its copy, or a shard)
     slowest = [StageDevice(name=str(i), samples_per_s=min(by_name[m].samples_per_s for m in g),

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from plan._pipeline_pin import NOT_A_SEQUENCE, Cuts, moved_bytes, pipeline_plan
-from plan.cluster import Cluster
+from plan.cluster import Cluster, kind_key
 from plan.cost import max_micro_batch, samples_that_fit, sharded_static_bytes
 from plan.graph import Graph
 from plan.layout import Layout, LayoutPin
@@ -472,7 +472,7 @@ def pipelines(ctx: Ctx, *, pin: LayoutPin | None, unless: str = "", above: float
             samples = -(-ctx.limits.global_batch // width)  # (one pipeline's share)
             # (each stage's devices are the next `width` by speed, and the cut is for their slowest)
             slowest = [by_speed[(i + 1) * width - 1] for i in range(p)]
-            floor = step_floor(g, stage_devices(ctx.cluster, g, slowest), samples)
+            floor = step_floor(g, stage_devices(ctx.cluster, g, slowest, kind_key(p, shards)), samples)
             if floor >= above:
                 out.append(Weighed(name, shape, why_not=(
                     f"not cut: on its {p * width} fastest devices no cut takes less than {floor * 1e3:.1f} ms a step (their "

@@ -16,6 +16,15 @@
   Priors (used only until the first measurement): intra 100 µs + 1 GB/s, inter 500 µs + 100 MB/s.
 * **Migration**: the cost of an epoch switch, fitted from the coordinator's `reshard` figures:
   seconds ≈ c0 (forming the group) + c1 · bytes moved. Prior: 50 ms + 1 GB/s.
+* **Layout kinds.** The same device computes at another pace in another layout: a pipeline stage
+  idles in the bubble (on shared cores its neighbours then run faster), a tensor-parallel member
+  pays DTensor's dispatch, FSDP2 copies into and out of its flat buffers. Each kind (`kind_key`:
+  "dp", "fsdp", "pp", "tp", "pp+fsdp", "fsdp+tp", ...) has an *efficiency*: its compute time over the
+  fits' units (1 until the kind has run: the units are those of the first kind measured). Measured
+  compute is divided by its kind's efficiency before it is fitted (`with_measurement`,
+  `with_speed_change`), so the fits stay in one unit whatever layout ran; a plan of kind K is
+  predicted on `calibrated(K)`, the fits times K's efficiency. The coordinator learns a kind's
+  efficiency from an epoch of it (`with_efficiency`: measured compute over what the plan predicted).
 * **Device classes** (`classes`): devices of one kind, similar speed (within `SPEED_TOLERANCE`) and
   the same memory cap, which the MILP treats as interchangeable.
 * **Contention** between workers that share a host's CPU cores: a device's compute time under a
@@ -56,6 +65,12 @@ LOAD_MIN_OBS = 3  # observations needed at each of two loads
 INTRA_HOST_PRIOR = (1e-4, 1e-9)
 INTER_HOST_PRIOR = (5e-4, 1e-8)
 MIGRATION_PRIOR = (0.05, 1e-9)
+EFFICIENCY_MAX = 4.0  # a layout kind computes at most this many times slower (or faster) than the fits' units
+
+
+def kind_key(pp: int = 1, dp_shard: int = 1, tp: int = 1) -> str:
+    """A layout's kind, as its efficiency is learned: the axes it uses beyond replicas ("dp")."""
+    return "+".join(name for name, n in (("pp", pp), ("fsdp", dp_shard), ("tp", tp)) if n > 1) or "dp"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -101,9 +116,36 @@ class Cluster:
     inter_host: TwoTermFit = field(default_factory=_fit(INTER_HOST_PRIOR))
     migration: TwoTermFit = field(default_factory=_fit(MIGRATION_PRIOR))
     gamma: dict[str, float] = field(default_factory=dict)  # learned contention exponent per host
+    efficiency: dict[str, float] = field(default_factory=dict)  # layout kind -> compute time over the fits' units
+    calibrated_as: str | None = field(default=None, compare=False)  # the kind a `calibrated` view is scaled for
     # speeds and fixed costs as computed once (a cluster is never changed: `replace` builds a new one,
     # with an empty memo); the planner asks for them hundreds of times at a thousand devices
     _memo: dict[str, dict[str, float]] = field(default_factory=dict, init=False, compare=False, repr=False)
+    _kinds: dict[str, Cluster] = field(default_factory=dict, init=False, compare=False, repr=False)
+
+    # --- layout kinds ----------------------------------------------------------------------------
+
+    def efficiency_of(self, kind: str) -> float:
+        return self.efficiency.get(kind, 1.0)
+
+    def with_efficiency(self, kind: str, value: float) -> Cluster:
+        """A layout kind's learned efficiency (compute time over the fits' units), within bounds."""
+        return replace(self, efficiency={**self.efficiency, kind: min(EFFICIENCY_MAX, max(1 / EFFICIENCY_MAX, value))})
+
+    def calibrated(self, kind: str) -> Cluster:
+        """This cluster as a plan of layout `kind` computes: every measured device's marginal speed
+        divided by the kind's efficiency, its fixed part multiplied. A view for predictions only;
+        a view already calibrated is returned as it is (the caller that knows the whole layout
+        calibrates first: a pipeline of tp groups is "pp+tp", not "pp" again inside)."""
+        if self.calibrated_as is not None:
+            return self
+        if (view := self._kinds.get(kind)) is None:
+            e = self.efficiency_of(kind)
+            devices = self.devices if e == 1.0 else {
+                n: replace(d, samples_per_s=d.samples_per_s / e if d.samples_per_s else None,
+                           compute_fixed_s=d.compute_fixed_s * e) for n, d in self.devices.items()}
+            view = self._kinds[kind] = replace(self, devices=devices, calibrated_as=kind)
+        return view
 
     # --- devices ---------------------------------------------------------------------------------
 
@@ -144,12 +186,17 @@ class Cluster:
         return replace(self, devices={k: v for k, v in self.devices.items() if k in keep})
 
     def with_measurement(self, name: str, samples: int, compute_s: float,
-                         overhead_s: float | None = None, load: float = 0.0) -> Cluster:
+                         overhead_s: float | None = None, load: float = 0.0, kind: str | None = None,
+                         efficiency: float | None = None) -> Cluster:
         """Fold one step's compute time of `samples` samples (and its overhead), measured while its
-        host carried `load` (threads per core: `load`; 0 when unknown), into the estimates."""
+        host carried `load` (threads per core: `load`; 0 when unknown) in a layout of `kind` (whose
+        efficiency is `efficiency`, default the one learned), into the estimates."""
         device = self.devices.get(name)
         if device is None or samples <= 0 or compute_s <= 0:
             return self
+        if kind is not None:
+            e = efficiency if efficiency is not None else self.efficiency_of(kind)
+            compute_s /= min(EFFICIENCY_MAX, max(1 / EFFICIENCY_MAX, e))
         if device.reports < WARMUP_STEPS and device.samples_per_s is None:
             return self.with_device(replace(device, reports=device.reports + 1))
         cluster = self
@@ -170,7 +217,8 @@ class Cluster:
                                            overhead_s=overhead, compute_window=window, reports=device.reports + 1,
                                            load_window=loads))
 
-    def with_speed_change(self, name: str, recent: tuple[tuple[int, float], ...], load: float = 0.0) -> Cluster:
+    def with_speed_change(self, name: str, recent: tuple[tuple[int, float], ...], load: float = 0.0,
+                          kind: str | None = None) -> Cluster:
         """A detected change of speed, seen in `recent` (samples, seconds) steps at one share while
         its host carried `load`: the device's compute model keeps its shape (fixed vs per-sample
         part) and is scaled to match them; older observations are dropped (they describe the device
@@ -178,6 +226,8 @@ class Cluster:
         device = self.devices.get(name)
         if device is None or device.samples_per_s is None or not recent:
             return self
+        if kind is not None:
+            recent = tuple((n, t / self.efficiency_of(kind)) for n, t in recent)
         contention = self.factor_at(device, load)
         samples = recent[-1][0]
         modelled = (device.compute_fixed_s + samples / device.samples_per_s) * contention

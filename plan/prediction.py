@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from plan.cluster import Cluster
+from plan.cluster import Cluster, kind_key
 from plan.cost import allreduce_s, memory_bytes, sharded_static_bytes, static_bytes, step_comm_s
 from plan.graph import Graph
 from plan.layout import Layout
@@ -82,7 +82,9 @@ class Plan:
 
 
 def predict(cluster: Cluster, graph: Graph | None, members: Sequence[str], shares: Sequence[int]) -> Plan:
-    """The plan `members`/`shares` with the cost model's prediction of its step."""
+    """The plan `members`/`shares` with the cost model's prediction of its step (replicated data
+    parallel, on the cluster `calibrated` for it, unless the caller calibrated it for its layout)."""
+    cluster = cluster.calibrated(kind_key())
     speeds = cluster.speeds_for(graph.train_flops if graph else 0.0)
     fixed = cluster.fixed_compute()
     overheads = [cluster.devices[name].overhead_s for name in members]
@@ -106,6 +108,7 @@ def predict_sharded(cluster: Cluster, graph: Graph, members: Sequence[str], shar
     HSDP: that many rows, each sharding the state (no copies: the rows hold every shard), with their
     shares (run as micro-batches of `micro` samples where given): the compute of `predict`, the
     step's communication, and each member's memory (its shard, plus one micro-batch's activations)."""
+    cluster = cluster.calibrated(kind_key(dp_shard=2))
     base = predict(cluster, graph, members, shares)
     n = len(members)
     if replicas < 1 or n % replicas:
@@ -132,9 +135,11 @@ def predict_sharded(cluster: Cluster, graph: Graph, members: Sequence[str], shar
 FIXED_PRIOR_SAMPLES = 2.0
 
 
-def stage_devices(cluster: Cluster, graph: Graph, members: Sequence[str]) -> list[StageDevice]:
+def stage_devices(cluster: Cluster, graph: Graph, members: Sequence[str], kind: str = "pp") -> list[StageDevice]:
     """`members` as pipeline stage devices: each one's speed on the whole model (a stage takes its
-    units' share of it), memory, and fixed compute per forward and backward, paid per micro-batch."""
+    units' share of it), memory, and fixed compute per forward and backward, paid per micro-batch;
+    on the cluster `calibrated` for the layout `kind` (unless the caller calibrated it)."""
+    cluster = cluster.calibrated(kind)
     speeds = cluster.speeds_for(graph.train_flops)
     fixed = cluster.fixed_compute()
     return [StageDevice(name=m, samples_per_s=speeds[m], memory_bytes=cluster.devices[m].memory_bytes,
@@ -278,7 +283,8 @@ def repredict(cluster: Cluster, graph: Graph | None, plan: Plan) -> Plan:
             return plan
         r = len(plan.members) // plan.pp  # (dp x pp, FSDP x pp: a stage's members are consecutive ranks)
         groups = [plan.members[s * r:(s + 1) * r] for s in range(plan.pp)]
-        devices = [min(stage_devices(cluster, graph, g), key=lambda d: d.samples_per_s) for g in groups]
+        kind = kind_key(plan.pp, plan.dp_shard)
+        devices = [min(stage_devices(cluster, graph, g, kind), key=lambda d: d.samples_per_s) for g in groups]
         timed = time_pipeline(graph, devices, plan.stages, micro_split(max(plan.shares), plan.micro[0]),
                               link=cluster.link(plan.members))
         if r == 1:

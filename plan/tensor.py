@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from plan.cluster import Cluster
+from plan.cluster import Cluster, kind_key
 from plan.cost import allreduce_s, samples_that_fit, sharded_static_bytes, static_bytes, step_comm_s
 from plan.graph import Graph
 from plan.layout import Layout, LayoutPin
@@ -69,6 +69,7 @@ def predict_tensor(cluster: Cluster, graph: Graph, slots: Sequence[Sequence[str]
     with `shards` > 1 (FSDP x tp: consecutive slots shard their part between them) FSDP2's gathers
     and reduce-scatters of it (and the all-reduce across the replicas of the shards, HSDP)."""
     tp = len(slots[0])
+    cluster = cluster.calibrated(kind_key(dp_shard=shards, tp=tp))
     speeds = cluster.speeds_for(graph.train_flops)
     fixed = cluster.fixed_compute()
     fraction = compute_fraction(graph, tp)
@@ -232,11 +233,12 @@ def pinned_pipeline_tensor(ctx: Ctx, pin: LayoutPin) -> list[Weighed]:
     was = ctx.before
     before = (Layout(members=was.members[::tp], shares=was.shares[::tp], pp=stages, dp_replicate=was.dp_replicate,
                      dp_shard=was.dp_shard, stages=was.stages) if same and was is not None else None)
-    cut = pipeline_plan(ctx.cluster, ctx.graph, list(groups), before, stages, global_batch=ctx.limits.global_batch,
+    cluster = ctx.cluster.calibrated(kind_key(stages, shards, tp))
+    cut = pipeline_plan(cluster, ctx.graph, list(groups), before, stages, global_batch=ctx.limits.global_batch,
                         what=what, replicas=replicas, shards=shards)
     if isinstance(cut, str):
         return [Weighed(pin.describe(), shape, why_not=cut)]
-    plan = _split_stages(ctx.cluster, ctx.graph, cut, groups, tp)
+    plan = _split_stages(cluster, ctx.graph, cut, groups, tp)
     return [Weighed(plan.layout.describe(), shape, scored=ctx.score(plan, what))]
 
 
@@ -270,6 +272,7 @@ def repredict_tensor(cluster: Cluster, graph: Graph, plan: Plan) -> Plan:
         slots = [list(plan.members[i:i + tp]) for i in range(0, len(plan.members), tp)]
         return replace(predict_tensor(cluster, graph, slots, plan.shares[::tp], shards=plan.dp_shard),
                        micro=plan.micro)
+    cluster = cluster.calibrated(kind_key(plan.pp, plan.dp_shard, tp))
     leads = replace(plan, members=plan.members[::tp], shares=plan.shares[::tp], micro=plan.micro[::tp], tp=1,
                     costs=())
     cut = repredict(cluster, graph, leads)

@@ -19,13 +19,16 @@ also the members' epoch entry (group + reshard + executor: the `reshard` event's
 The default tour visits data parallel, FSDP, HSDP, a pipeline with replicas, tensor parallel with
 replicas, and two hybrids (pp x tp, FSDP x tp), then goes back to data parallel: seven changes.
 The live job also gives the cost model's error in every layout: each epoch's predicted step time
-against the median of its measured steps (after it settles).
+against the median of its measured steps (after it settles). With `--laps 2` the live job tours
+twice: on the first lap every layout kind is new to the cost model (predicted from speeds measured
+in another layout), on the second each kind's efficiency has been learned from its first visit
+(the model as calibrated online); the relaunch makes the first lap's changes only.
 
 Goals: each live downtime <= 1 s; live downtime >= 25x shorter than relaunch's; cost-model median
 error across the layouts <= 10%. Prints a table, writes JSON.
 
-usage: python scripts/bench_relayout.py [--tour "fsdp=1;dp=1;..."] [--workers 4] [--job REF] [--out FILE]
-                                        [--keep DIR]
+usage: python scripts/bench_relayout.py [--tour "fsdp=1;dp=1;..."] [--laps N] [--workers 4] [--job REF]
+                                        [--out FILE] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -62,13 +65,14 @@ def _started(job_ref: str, layout: str, workers: int, work: Path) -> LocalJob:
     return job
 
 
-def live(job_ref: str, tour: list[str], workers: int, work: Path) -> list[dict[str, Any]]:
-    """One job through the tour, each change by `ctl layout`; a row per change."""
+def live(job_ref: str, tour: list[str], workers: int, work: Path, laps: int = 1) -> list[dict[str, Any]]:
+    """One job through the tour `laps` times, each change by `ctl layout`; a row per change."""
     rows: list[dict[str, Any]] = []
+    stops = tour + tour[1:] * (laps - 1)
     with _started(job_ref, tour[0], workers, work) as job:
         start = job.wait_step(SETTLE + MEASURE, 600, poll_s=0.2)
         epoch = start["epoch"]
-        for before, after in zip(tour, tour[1:]):
+        for i, (before, after) in enumerate(zip(stops, stops[1:])):
             measured = _steps_of(job.events(), epoch)
             seen = len(job.events())
             assert "layout" in job.ctl("layout", after)
@@ -80,14 +84,14 @@ def live(job_ref: str, tour: list[str], workers: int, work: Path) -> list[dict[s
             asked = next(e["ts"] for e in events[seen:] if e["kind"] == "layout")
             last = [e for e in events if e["kind"] == "step" and e["epoch"] < epoch][-1]
             entry = next((e for e in events if e["kind"] == "reshard" and e["epoch"] == epoch), {})
-            rows.append({"change": f"{before} -> {after}", "from": before, "to": after,
+            rows.append({"change": f"{before} -> {after}", "from": before, "to": after, "lap": 1 + i // (len(tour) - 1),
                          "layout": plan["layout"], "pause_s": entry.get("seconds"), "moved_bytes": entry.get("bytes"),
                          "downtime_s": first["ts"] - first["step_s"] - last["ts"],
                          "request_to_step_s": first["ts"] - asked,
                          "predicted_step_s": plan.get("predicted_step_s"),
                          "measured_step_s": _median_step(_steps_of(events, epoch)),
                          "before_measured_step_s": _median_step(measured)})
-            print(f"live {before} -> {after}: downtime {rows[-1]['downtime_s']:.2f} s (entry {rows[-1]['pause_s']} s), "
+            print(f"live (lap {rows[-1]['lap']}) {before} -> {after}: downtime {rows[-1]['downtime_s']:.2f} s (entry {rows[-1]['pause_s']} s), "
                   f"request to step {rows[-1]['request_to_step_s']:.2f} s", flush=True)
         job.ctl("stop")
         job.wait_coordinator(60)
@@ -148,22 +152,44 @@ def table(result: dict[str, Any]) -> str:
         lines.append(f"{ours['change']:<26} {ours['downtime_s']:>16.2f} {entry:>7} {theirs['downtime_s']:>8.2f} "
                      f"{shorter:>7.0f}x   {ours['request_to_step_s']:>21.2f} {theirs['request_to_step_s']:>8.2f}   "
                      f"{(pred or 0) * 1e3:>12.0f} {(meas or 0) * 1e3:>11.0f} {error:>5}")
+    later = [r for r in result["live"] if r["lap"] > 1]
+    if later:
+        lines.append(f"\nlater laps (each layout kind's efficiency learned on its first visit)\n"
+                     f"{'lap':>3} {'change':<26} {'downtime s: live':>16} {'(entry)':>7}   {'predicted ms':>12} "
+                     f"{'measured ms':>11} {'error':>5}")
+        for r in later:
+            pred, meas = r["predicted_step_s"], r["measured_step_s"]
+            error = f"{abs(pred - meas) / meas:.0%}" if pred and meas else "-"
+            entry = f"{r['pause_s']:.2f}" if r["pause_s"] is not None else "-"
+            lines.append(f"{r['lap']:>3} {r['change']:<26} {r['downtime_s']:>16.2f} {entry:>7}   {(pred or 0) * 1e3:>12.0f} "
+                         f"{(meas or 0) * 1e3:>11.0f} {error:>5}")
     s = result["summary"]
     lines.append(f"\nlive downtime: median {s['median_downtime_s']:.2f} s, most {s['max_downtime_s']:.2f} s (goal <= 1 s "
                  f"each); {s['median_shorter']:.0f}x shorter than relaunch's (median; least {s['least_shorter']:.0f}x; "
-                 f"goal >= 25x); cost model median error {s['median_error']:.0%} across the layouts (goal <= 10%)")
+                 f"goal >= 25x); cost model median error {s['median_error']:.0%} across the layouts (goal <= 10%)"
+                 + "".join(f"; lap {lap}: {e:.0%}" for lap, e in s["median_error_by_lap"].items() if len(s["median_error_by_lap"]) > 1))
     return "\n".join(lines)
 
 
+def _error(row: dict[str, Any]) -> float | None:
+    pred, meas = row["predicted_step_s"], row["measured_step_s"]
+    return abs(pred - meas) / meas if pred and meas else None
+
+
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    """Downtimes over every live change; relaunch ratios over the first lap (the one relaunched); the
+    cost model's median error over the first lap, and per lap."""
     pairs = list(zip(result["live"], result["relaunch"]))
-    downtimes = [o["downtime_s"] for o, _ in pairs]
+    downtimes = [o["downtime_s"] for o in result["live"]]
     shorter = [t["downtime_s"] / o["downtime_s"] for o, t in pairs]
-    errors = [abs(o["predicted_step_s"] - o["measured_step_s"]) / o["measured_step_s"] for o, _ in pairs
-              if o["predicted_step_s"] and o["measured_step_s"]]
+    by_lap: dict[int, list[float]] = {}
+    for row in result["live"]:
+        if (e := _error(row)) is not None:
+            by_lap.setdefault(row["lap"], []).append(e)
+    medians = {lap: statistics.median(errors) for lap, errors in sorted(by_lap.items())}
     return {"median_downtime_s": statistics.median(downtimes), "max_downtime_s": max(downtimes),
             "median_shorter": statistics.median(shorter), "least_shorter": min(shorter),
-            "median_error": statistics.median(errors) if errors else float("nan")}
+            "median_error": medians.get(1, float("nan")), "median_error_by_lap": medians}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--job", default=JOB, help="the job (FILE:FUNCTION; default the 10M GPT)")
     p.add_argument("--tour", default=";".join(TOUR), help="the layouts visited, ';'-separated --layout specs "
                    f"(default {';'.join(TOUR)})")
+    p.add_argument("--laps", type=int, default=1, help="times the live job tours the layouts (2: the second lap "
+                   "shows the cost model calibrated on the first; the relaunch makes the first lap only)")
     p.add_argument("--workers", type=int, default=4, help="workers (every layout of the tour must take them all)")
     p.add_argument("--out", type=Path, default=Path("bench-out/relayout.json"))
     p.add_argument("--keep", type=Path, default=None, metavar="DIR",
@@ -179,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     tour = [t.strip() for t in a.tour.split(";") if t.strip()]
     if len(tour) < 2:
         p.error("--tour needs at least two layouts")
+    if a.laps < 1:
+        p.error("--laps must be at least 1")
+    if a.laps > 1 and tour[-1] != tour[0]:
+        p.error("--laps above 1 needs a tour that ends where it starts (the default does)")
     from plan.layout import LayoutError, parse_pin
 
     for spec in tour:
@@ -188,9 +220,9 @@ def main(argv: list[str] | None = None) -> int:
             p.error(str(e))
     with tempfile.TemporaryDirectory(prefix="bench-relayout-") as tmp:
         work = a.keep or Path(tmp)
-        result: dict[str, Any] = {"job": a.job, "workers": a.workers, "tour": tour,
+        result: dict[str, Any] = {"job": a.job, "workers": a.workers, "tour": tour, "laps": a.laps,
                                   "date": time.strftime("%Y-%m-%d")}
-        result["live"] = live(a.job, tour, a.workers, work / "live")
+        result["live"] = live(a.job, tour, a.workers, work / "live", a.laps)
         result["relaunch"] = relaunch(a.job, tour, a.workers, work / "relaunch")
     result["summary"] = summarize(result)
     write_report(table(result), result, a.out)

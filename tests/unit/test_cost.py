@@ -43,6 +43,30 @@ def test_compute_factor_is_fitted_from_measured_speed() -> None:
     assert relative_error(1.1, 1.0) == pytest.approx(0.1)
 
 
+def test_a_layout_kinds_efficiency_scales_its_predictions_and_converts_its_measurements() -> None:
+    """A kind's efficiency is its compute time over the fits' units: a plan of that kind is predicted
+    on a view whose speeds are divided by it (a view is calibrated once: the outermost caller's kind
+    holds), and a step measured in that kind is divided by it before it is fitted."""
+    from plan.cluster import kind_key
+
+    assert [kind_key(), kind_key(2), kind_key(dp_shard=4), kind_key(2, 2, 2)] == ["dp", "pp", "fsdp", "pp+fsdp+tp"]
+    c = Cluster().with_device(Device(name="a", host="h", kind="cpu", flops=1e10, memory_bytes=1 << 30,
+                                     samples_per_s=100.0, compute_fixed_s=0.01))
+    c = c.with_efficiency("pp", 2.0).with_efficiency("tp", 100.0)
+    assert c.efficiency_of("tp") == 4.0 and c.efficiency_of("fsdp") == 1.0, "bounded; unknown kinds at 1"
+    pp = c.calibrated("pp")
+    assert pp.devices["a"].samples_per_s == 50.0 and pp.devices["a"].compute_fixed_s == 0.02
+    assert pp.calibrated("dp") is pp and c.calibrated("pp") is pp
+    assert predict(pp, graph(), ["a"], [10]).costs[0].compute_s == pytest.approx(
+        2 * predict(c, graph(), ["a"], [10]).costs[0].compute_s)
+    # 10 samples measured in 0.4 s under "pp" are 0.2 s in the fits' units, as under "dp"
+    raw = c
+    for _ in range(4):
+        raw = raw.with_measurement("a", 10, 0.2, kind="dp")
+        c = c.with_measurement("a", 10, 0.4, kind="pp")
+    assert c.devices["a"].compute_window == raw.devices["a"].compute_window
+
+
 def test_memory_sums() -> None:
     g = graph()
     params = 5_000_000
