@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from plan.layout import Layout
-from plan.reshard import Holdings, ReshardPlan, TensorShape, copy_ring, holdings, plan_reshard, union
+from plan.reshard import Holdings, ReshardPlan, TensorShape, copy_ring, holdings, plan_reshard, row_lengths, union
 from worker import state
 from worker.parallel import slices
 from worker.parallel.slices import LocalState
@@ -110,7 +110,7 @@ def plan_entry(layout: Layout, tensors: Sequence[TensorShape], described: list[l
     before: Holdings = {ranks[r]: {t: union(ranges) for t, ranges in held.items()}
                         for r, (step, held) in enumerate(states) if ranks[r] in holders}
     after = holdings(layout, tensors, copy_ring(layout))  # (a layout that needs no copies has no ring)
-    plan = _planned(before, after)
+    plan = _planned(before, after, tensors)
     if plan.missing:
         raise StateLost(f"no member holds {plan.describe_missing()} of step {best}")
     return best, holders, after, plan
@@ -125,19 +125,19 @@ def foresee(old: Layout, layout: Layout, tensors: Sequence[TensorShape],
     ready (`slices.expect`). Where the descriptions then say otherwise, `execute` does it afresh."""
     before = {n: h for n, h in holdings(old, tensors, copy_ring(old)).items() if n in ranks}
     after = holdings(layout, tensors, copy_ring(layout))  # (a layout that needs no copies has no ring)
-    return after, _planned(before, after)
+    return after, _planned(before, after, tensors)
 
 
 _last: list[tuple[Holdings, Holdings, ReshardPlan]] = []  # the last plan made (`_planned`)
 
 
-def _planned(before: Holdings, after: Holdings) -> ReshardPlan:
+def _planned(before: Holdings, after: Holdings, tensors: Sequence[TensorShape]) -> ReshardPlan:
     """`plan_reshard(before, after)`, the last one made reused when asked again for the same
     holdings: the entry's own plan is usually the one `foresee` made while the group formed (a tp
     layout's thousands of per-row transfers take a tenth of a second or more to plan)."""
     if _last and _last[0][0] == before and _last[0][1] == after:
         return _last[0][2]
-    plan = plan_reshard(before, after)
+    plan = plan_reshard(before, after, row_length=row_lengths(tensors))
     _last[:] = [(_copied(before), _copied(after), plan)]  # (copies: a caller may change its own later)
     return plan
 

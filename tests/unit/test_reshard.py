@@ -13,7 +13,7 @@ import pytest
 
 from plan.layout import Layout
 from plan.placement import ROOT_UNIT
-from plan.reshard import TensorShape, Transfer, copy_ring, holdings, plan_reshard, survivors
+from plan.reshard import TensorShape, Transfer, copy_ring, holdings, plan_reshard, row_lengths, survivors
 
 UNITS = [f"u{i}" for i in range(6)]  # the model's units, in order
 
@@ -79,7 +79,7 @@ def _simulate(seed: int) -> None:
     copies = copy_ring(old, hosts)
     before = survivors(holdings(old, tensors, copies), alive)
     after = holdings(new, tensors, copy_ring(new, hosts))
-    plan = plan_reshard(before, after, split_min=4)
+    plan = plan_reshard(before, after, split_min=4, row_length=row_lengths(tensors) if seed % 2 else None)
     if len(old.members) - len(alive) == 1:
         assert not plan.missing, f"case {seed}: one loss from {old.describe()} lost {plan.describe_missing()}"
 
@@ -247,3 +247,9 @@ def test_a_row_wise_split_moves_as_strided_transfers() -> None:
     for m in members:  # every member ends with the whole tensor
         held = {i for lo, hi in holdings(before, [w], copy_ring(before))[m]["fc2.weight"] for i in range(lo, hi)}
         assert held | {i for d, i in moved if d == m} == set(range(w.numel))
+    # Planned by blocks of rows (`row_length`: one row stands for its block), the same elements move
+    # to each member, in a few strided transfers, every sender taking a part.
+    blocks = plan_reshard(holdings(before, [w], copy_ring(before)), holdings(after, [w]), row_length=row_lengths([w]))
+    assert {(t.dst, i) for t in blocks.transfers for i in _elements(t)} == moved
+    assert len(blocks.transfers) <= 16 and all(t.count == 192 for t in blocks.transfers)
+    assert max(blocks.sent.values()) <= 2 * min(blocks.sent.values())
