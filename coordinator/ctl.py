@@ -352,6 +352,10 @@ def format_explain(d: dict[str, Any]) -> str:
         factors = ", ".join(f"{n} x{f:.2f}" for n, f in (h.get("factor") or {}).items())
         lines.append(f"contention on {host}: load {h.get('load')} threads/core, gamma {h.get('gamma')} "
                      f"({'learned' if h.get('learned') else 'not measured yet'}): {factors}")
+    efficiency = c.get("efficiency") or {}
+    if efficiency:  # (how each layout kind that ran computes, against the fits: 2.0 takes twice as long)
+        lines.append("layout efficiency (compute time against the fits' units, learned from each kind's first steps): "
+                     + ", ".join(f"{k} {v:.2f}" for k, v in efficiency.items()))
     placements = e.get("placements")
     if placements:
         lines.append("placements: " + ", ".join(f"{k} {v}" for k, v in placements.items()))

@@ -3,7 +3,8 @@
 For the plan in force: the predicted step split per member into compute, overhead, waiting and the
 all-reduce, memory per member against its limit, every candidate layout the planner weighed (its
 predicted step and objective, or why it could not run), why it beat the runner-up (the best plan
-that differs), the fitted constants it rests on (contention per host included), the placements of the
+that differs), the fitted constants it rests on (contention per host and each layout kind's learned
+efficiency included), the placements of the
 model's tensors (a pipeline's: which units each stage holds, and on whom), the prediction against
 the steps measured so far in this epoch, what changed since the plan was made, and why the latest
 better plan found since was not worth a switch (`kept`). Reads the state only.
@@ -68,6 +69,7 @@ def explain(state: State, now: Phase | None = None) -> dict[str, Any]:
         "migration_measurements": state.cluster.migration.measured,
         "compute_factor": state.cluster.compute_factor(g.train_flops) if g else None,
         "contention": _contention(state),
+        "efficiency": dict(sorted(state.cluster.efficiency.items())),  # layout kind -> compute time over the fits'
     }
     out["changed"] = list(state.changed)
     out["kept"] = state.kept

@@ -15,7 +15,7 @@ from test_pipeline_pin import GRAPH
 
 from coordinator import membership as m
 from coordinator.control import ControlView, answer_control
-from coordinator.ctl import format_layout, format_plan, format_status, parse_args
+from coordinator.ctl import format_explain, format_layout, format_plan, format_status, parse_args
 from coordinator.journal import Journal, recover, restart_layout, snapshot
 from coordinator.phase import phase
 from plan.layout import LayoutError, parse_pin
@@ -335,3 +335,5 @@ def test_a_layout_kind_that_computes_slower_than_predicted_is_learned_and_the_fi
     assert again is not None and again.pp == 2 and again.stages == first.stages
     for c, d in zip(first.costs, again.costs):
         assert d.compute_s == pytest.approx(1.6 * c.compute_s, rel=0.1), "predicted at the learned efficiency"
+    shown = format_explain(ctl(sim, "plan", "explain")[0])  # (what `ctl plan --explain` prints)
+    assert "layout efficiency" in shown and "pp 1.60" in shown, shown
