@@ -1,6 +1,6 @@
 """Live layout changes against checkpoint-and-relaunch, measured side by side in one run on this
 machine (gloo over loopback, one torch thread per process), on the 10M GPT (examples/gpt.py:job_10m)
-over four workers.
+over four workers (`scripts/_relayout_job.py`: `job_10m` with room for the tour's steps).
 
 A tour of layouts, each change made two ways:
 
@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from localjob import LocalJob, write_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-JOB = f"{ROOT / 'examples' / 'gpt.py'}:job_10m"
+JOB = f"{ROOT / 'scripts' / '_relayout_job.py'}:job_10m"  # (examples/gpt.py's 10M GPT, with steps for two laps)
 TOUR = ("fsdp=1", "dp=1", "dp=2,fsdp=2", "pp=2,dp=2", "tp=2,dp=2", "pp=2,tp=2", "fsdp=2,tp=2", "fsdp=1")
 SETTLE = 3  # steps of an epoch not counted in its measured step time (its entry, the first re-plans)
 MEASURE = 4  # steps of each layout whose median is its measured step time
