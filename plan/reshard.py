@@ -302,7 +302,8 @@ def _assign(a: int, b: int, holders: list[str], sent: dict[str, int], split_min:
     for i in range(parts):
         x, y = a + (b - a) * i // parts, a + (b - a) * (i + 1) // parts
         least = min(holders, key=lambda m: (sent[m], m))
-        src = last if parts == 1 and last in holders and sent[last] <= sent[least] + split_min else least
+        sticky = parts == 1 and weight == 1 and last in holders  # (a block's pieces are strided already)
+        src = last if sticky and last is not None and sent[last] <= sent[least] + split_min else least
         sent[src] += (y - x) * weight
         out.append((src, x, y))
     return out
