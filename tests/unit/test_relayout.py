@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_membership import Sim, _config, _join_msg, deltas, logs, report
+from test_membership import Sim, _config, _join_msg, deltas, logs, report, train
 from test_pipeline_pin import GRAPH
 
 from coordinator import membership as m
@@ -20,7 +20,7 @@ from coordinator.journal import Journal, recover, restart_layout, snapshot
 from coordinator.phase import phase
 from plan.layout import LayoutError, parse_pin
 from plan.prediction import repredict
-from transport import ControlRequest, PlanDelta, StepReport
+from transport import ControlRequest, PlanDelta
 
 
 def _view(sim: Sim, **kw: Any) -> ControlView:
@@ -292,22 +292,6 @@ def test_the_daemon_journals_the_pin_and_a_restart_with_another_layout_says_it_w
         "kind": "layout", "layout": "fsdp=2", "previous": "pp=2", "source": "command line"}
 
 
-def _steps(sim: Sim, n: int, compute: dict[str, float] | None = None) -> list[m.Effect]:
-    """`n` steps of the running plan, each member computing `compute[name]` seconds (default 10 ms a
-    sample)."""
-    effects: list[m.Effect] = []
-    plan = sim.state.plan
-    assert plan is not None
-    for _ in range(n):
-        step = sim.state.last_step + 1
-        for name, share in zip(plan.members, plan.shares):
-            seconds = compute[name] if compute is not None else 0.01 * share
-            effects += sim(m.StepDone(StepReport(name=name, epoch=sim.state.epoch, step=step, loss=1.0, samples=share,
-                                                 global_batch=sum(plan.shares), compute_s=seconds, comm_s=0.001,
-                                                 step_s=seconds + 0.002, digest="")))
-    return effects
-
-
 def test_a_layout_kind_that_computes_slower_than_predicted_is_learned_and_the_fits_stay_in_their_units() -> None:
     """Measured in data parallel, then pinned to a pipeline whose stages compute 1.6 times what the
     plan predicted: the kind "pp" learns an efficiency of 1.6 (its compute time over the fits'
@@ -315,7 +299,7 @@ def test_a_layout_kind_that_computes_slower_than_predicted_is_learned_and_the_fi
     before they are fitted), and the next pipeline is predicted at 1.6 times the compute of the
     first."""
     sim = replicated("a", "b")
-    _steps(sim, 14)  # measured (the heuristic plan, then the calibrated one)
+    train(sim, 14, {"a": 0.01, "b": 0.01})  # measured (the heuristic plan, then the calibrated one)
     assert sim.state.cluster.efficiency_of("dp") == pytest.approx(1.0, rel=0.05)
     replicas = sim.state.plan
     assert replicas is not None
@@ -323,12 +307,13 @@ def test_a_layout_kind_that_computes_slower_than_predicted_is_learned_and_the_fi
     _switched(sim, ctl(sim, "layout", "pp=2")[2])
     first, tracker = sim.state.plan, sim.state.tracker
     assert first is not None and first.pp == 2 and tracker is not None and tracker.measured_members == {"a", "b"}
-    _steps(sim, 12, {n: 1.6 * c for n, c in tracker.planned.items()})
+    shares = dict(zip(first.members, first.shares))  # (train takes seconds a sample)
+    train(sim, 12, {n: 1.6 * c / shares[n] for n, c in tracker.planned.items()})
     assert sim.state.cluster.efficiency_of("pp") == pytest.approx(1.6, rel=0.05)
     after = repredict(sim.state.cluster, GRAPH, replicas)  # (the fits stay in data parallel's units)
     assert [c.compute_s for c in after.costs] == pytest.approx([c.compute_s for c in before.costs], rel=0.05)
     _switched(sim, ctl(sim, "layout", "dp=2")[2])
-    _steps(sim, 12)
+    train(sim, 12, {"a": 0.01, "b": 0.01})
     assert sim.state.cluster.efficiency_of("dp") == pytest.approx(1.0, rel=0.05)
     _switched(sim, ctl(sim, "layout", "pp=2")[2])
     again = sim.state.plan
