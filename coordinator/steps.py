@@ -27,7 +27,7 @@ Pure, like membership: `observe(tracker, report) -> (tracker, findings)`, no clo
   for a straggler (and from re-planning back and forth on it).
 * **Layout efficiency.** A member's settled steps before its baseline is set, when its prediction
   rested on its own measured steps (`measured`), divided by what the plan predicted for it, say how
-  this layout kind computes against the cost model's units: the median of the epoch's such ratios,
+  this layout kind computes against the cost model's units: the median of the epoch's latest `RATIO_WINDOW` such ratios,
   times the efficiency the plan was predicted with, is the kind's efficiency (`efficiency_of_kind`,
   from `RATIO_MIN` ratios on; `plan.cluster`'s layout kinds). Only the epoch's first steps teach it:
   a device that slows down later is a straggler, not a slower layout. Each member's predicted
@@ -57,7 +57,8 @@ SETTLE = 2  # steps of a new epoch not measured against anything
 FAR_OFF = 2.0  # a measured member's baseline this many times off its prediction changed speed
 ERROR_WINDOW = 256  # measured steps kept per epoch for the prediction error
 PENDING_STEPS = 4  # a step still missing reports this far behind the newest is dropped
-RATIO_MIN = 4  # ratios needed before the kind's efficiency is learned (and at least one per member)
+RATIO_MIN = 4  # ratios needed before the kind's efficiency is learned (and at least one per member, up to ...)
+RATIO_WINDOW = 256  # ... the latest this many (a thousand members' baselines: a median per report stays cheap)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -185,8 +186,9 @@ def efficiency_of_kind(t: Tracker, r: StepReport) -> tuple[Tracker, float | None
     planned = t.planned.get(r.name, 0.0)
     if r.epoch != t.epoch or r.name not in t.measured_members or planned <= 0 or r.samples <= 0 or r.compute_s <= 0:
         return t, None, False
-    t = replace(t, ratios=(*t.ratios, r.compute_s / planned))
-    return t, t.efficiency * statistics.median(t.ratios), len(t.ratios) >= max(RATIO_MIN, len(t.measured_members))
+    t = replace(t, ratios=(*t.ratios, r.compute_s / planned)[-RATIO_WINDOW:])
+    enough = len(t.ratios) >= min(RATIO_WINDOW, max(RATIO_MIN, len(t.measured_members)))
+    return t, t.efficiency * statistics.median(t.ratios), enough
 
 
 def settling(t: Tracker | None, r: StepReport) -> bool:
