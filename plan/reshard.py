@@ -192,22 +192,24 @@ def _plan_ranges(tensor: str, held: Mapping[str, list[Range]], needs: Mapping[st
     the ranges are columns of a block of `count` rows of `stride` elements from element `offset`:
     each piece is a strided transfer of its columns in every row of the block."""
     starts = {m: [a for a, _ in r] for m, r in held.items()}
-    for dst, wanted in needs.items():
-        need = subtract(wanted, held.get(dst, []))
-        last: str | None = None  # (the source of dst's last piece of this tensor)
-        for lo, hi in need:
-            for a, b, holders in _cover(lo, hi, held, starts, dst):
-                if not holders:
-                    missing.extend((tensor, offset + a + i * stride, offset + b + i * stride) for i in range(count))
-                    continue
-                for src, x, y in _assign(a, b, holders, sent, split_min, last, weight=count):
-                    if count == 1 or y - x == stride:  # (whole rows: one range)
-                        pieces.append(Transfer(dst=dst, tensor=tensor, lo=offset + x, hi=offset + x + (y - x) * count,
-                                               src=src))
-                    else:
-                        pieces.append(Transfer(dst=dst, tensor=tensor, lo=offset + x, hi=offset + y, src=src, count=count,
-                                               stride=stride))
-                    last = src
+    covers = [(dst, a, b, holders) for dst, wanted in needs.items() for lo, hi in subtract(wanted, held.get(dst, []))
+              for a, b, holders in _cover(lo, hi, held, starts, dst)]
+    if count > 1:  # (a block's few large pieces: those with the fewest holders first, then the largest)
+        covers.sort(key=lambda c: (len(c[3]), c[1] - c[2], c[0], c[1]))
+    last: str | None = None  # (the source of the destination's last piece of this tensor)
+    for i, (dst, a, b, holders) in enumerate(covers):
+        if i == 0 or covers[i - 1][0] != dst:
+            last = None
+        if not holders:
+            missing.extend((tensor, offset + a + r * stride, offset + b + r * stride) for r in range(count))
+            continue
+        for src, x, y in _assign(a, b, holders, sent, split_min, last, weight=count):
+            if count == 1 or y - x == stride:  # (whole rows: one range)
+                pieces.append(Transfer(dst=dst, tensor=tensor, lo=offset + x, hi=offset + x + (y - x) * count, src=src))
+            else:
+                pieces.append(Transfer(dst=dst, tensor=tensor, lo=offset + x, hi=offset + y, src=src, count=count,
+                                       stride=stride))
+            last = src
 
 
 MAX_ROW_BLOCKS = 64  # a tensor's holdings cut into more blocks of rows than this are planned range by range
@@ -293,14 +295,20 @@ def _cover(lo: int, hi: int, held: Mapping[str, list[Range]], starts: Mapping[st
 def _assign(a: int, b: int, holders: list[str], sent: dict[str, int], split_min: int,
             last: str | None = None, weight: int = 1) -> list[tuple[str, int, int]]:
     """[a, b) split among the least-loaded holders (by elements sent so far; each element of [a, b)
-    stands for `weight`: a column of a block of rows). A piece too small to split stays with `last`
+    stands for `weight`: a column of a block of rows); split among all of them, a part from each. A
+    piece too small to split stays with `last`
     (the source of the destination's previous piece) while that one has sent at most `split_min`
     more than the least loaded: a box's rows then come in long runs from one source, strided
     transfers, not alternating row by row between two equal holders."""
     parts = max(1, min(len(holders), b - a, (b - a) * weight // split_min))
+    every = sorted(holders, key=lambda m: (sent[m], m)) if parts == len(holders) > 1 else None
     out = []
     for i in range(parts):
         x, y = a + (b - a) * i // parts, a + (b - a) * (i + 1) // parts
+        if every is not None:  # (split among all its holders: a part from each)
+            sent[every[i]] += (y - x) * weight
+            out.append((every[i], x, y))
+            continue
         least = min(holders, key=lambda m: (sent[m], m))
         sticky = parts == 1 and weight == 1 and last in holders  # (a block's pieces are strided already)
         src = last if sticky and last is not None and sent[last] <= sent[least] + split_min else least
