@@ -280,17 +280,17 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
     cluster = state.cluster
     settled = not steps.settling(tracker, r)
     baselining = steps.baselining(tracker, r)
-    kind = tracker.kind if tracker is not None and tracker.epoch == r.epoch else None  # (the layout it ran in)
+    layout_kind = tracker.kind if tracker is not None and tracker.epoch == r.epoch else None  # (what it ran in)
     efficiency = None  # (this layout kind's, as its first steps teach it: what this step is fitted with)
-    if baselining and kind is not None and tracker is not None:
+    if baselining and layout_kind is not None and tracker is not None:
         tracker, efficiency, learned = steps.efficiency_of_kind(tracker, r)
         if learned and efficiency is not None:
-            cluster = cluster.with_efficiency(kind, efficiency)
+            cluster = cluster.with_efficiency(layout_kind, efficiency)
     if settled:  # (an epoch's entry stretches its first steps: never fitted)
         plan = state.plan if r.epoch == state.epoch else None
         overhead = measured_overhead(plan, r.step_s, r.compute_s, r.comm_s)
         cluster = cluster.with_measurement(r.name, *per_pass(plan, cluster, r.name, r.samples, r.compute_s),
-                                           overhead_s=overhead, load=load, kind=kind, efficiency=efficiency)
+                                           overhead_s=overhead, load=load, kind=layout_kind, efficiency=efficiency)
     effects: list[Effect] = []
     changes: list[str] = []
     if tracker is not None:
@@ -318,7 +318,8 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
                     if kind != "calibration":  # (a calibration's measurements are the model already)
                         plan = state.plan if tracker.epoch == state.epoch else None
                         cluster = cluster.with_speed_change(
-                            name, tuple(per_pass(plan, cluster, name, s, t) for s, t in recent), load=load, kind=kind)
+                            name, tuple(per_pass(plan, cluster, name, s, t) for s, t in recent), load=load,
+                            kind=layout_kind)
                         effects.append(Log(kind, {"worker": name, "speed": round(speed, 3),
                                                   "expected": round(expected, 3), "step": r.step}))
                     verb = "measured" if kind == "calibration" else "now"

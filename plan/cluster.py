@@ -68,6 +68,10 @@ MIGRATION_PRIOR = (0.05, 1e-9)
 EFFICIENCY_MAX = 4.0  # a layout kind computes at most this many times slower (or faster) than the fits' units
 
 
+def _bounded(efficiency: float) -> float:
+    return min(EFFICIENCY_MAX, max(1 / EFFICIENCY_MAX, efficiency))
+
+
 def kind_key(pp: int = 1, dp_shard: int = 1, tp: int = 1) -> str:
     """A layout's kind, as its efficiency is learned: the axes it uses beyond replicas ("dp")."""
     return "+".join(name for name, n in (("pp", pp), ("fsdp", dp_shard), ("tp", tp)) if n > 1) or "dp"
@@ -130,7 +134,7 @@ class Cluster:
 
     def with_efficiency(self, kind: str, value: float) -> Cluster:
         """A layout kind's learned efficiency (compute time over the fits' units), within bounds."""
-        return replace(self, efficiency={**self.efficiency, kind: min(EFFICIENCY_MAX, max(1 / EFFICIENCY_MAX, value))})
+        return replace(self, efficiency={**self.efficiency, kind: _bounded(value)})
 
     def calibrated(self, kind: str) -> Cluster:
         """This cluster as a plan of layout `kind` computes: every measured device's marginal speed
@@ -195,8 +199,7 @@ class Cluster:
         if device is None or samples <= 0 or compute_s <= 0:
             return self
         if kind is not None:
-            e = efficiency if efficiency is not None else self.efficiency_of(kind)
-            compute_s /= min(EFFICIENCY_MAX, max(1 / EFFICIENCY_MAX, e))
+            compute_s /= _bounded(efficiency) if efficiency is not None else self.efficiency_of(kind)
         if device.reports < WARMUP_STEPS and device.samples_per_s is None:
             return self.with_device(replace(device, reports=device.reports + 1))
         cluster = self
