@@ -322,3 +322,14 @@ def test_a_layout_kind_that_computes_slower_than_predicted_is_learned_and_the_fi
         assert d.compute_s == pytest.approx(1.6 * c.compute_s, rel=0.1), "predicted at the learned efficiency"
     shown = format_explain(ctl(sim, "plan", "explain")[0])  # (what `ctl plan --explain` prints)
     assert "layout efficiency" in shown and "pp 1.60" in shown, shown
+    # A straggler in the pipeline (a three times slower than predicted) is fitted in data parallel's
+    # units too: its speed change is converted by the kind it was measured in.
+    tracker = sim.state.tracker
+    assert tracker is not None
+    shares = dict(zip(again.members, again.shares))
+    effects = train(sim, 14, {n: c / shares[n] * (3.0 if n == "a" else 1.0) for n, c in tracker.planned.items()})
+    assert [f["worker"] for f in logs(effects, "straggler")] == ["a"]
+    after = repredict(sim.state.cluster, GRAPH, replicas)
+    # (slower in data parallel too, but by no more than 3x: unconverted, the pipeline's 1.6 came on top, 4.2x)
+    assert 1.4 * before.costs[0].compute_s < after.costs[0].compute_s < 3.3 * before.costs[0].compute_s
+    assert after.costs[1].compute_s == pytest.approx(before.costs[1].compute_s, rel=0.05)
