@@ -332,4 +332,4 @@ def test_a_layout_kind_that_computes_slower_than_predicted_is_learned_and_the_fi
     after = repredict(sim.state.cluster, GRAPH, replicas)
     # (slower in data parallel too, but by no more than 3x: unconverted, the pipeline's 1.6 came on top, 4.2x)
     assert 1.4 * before.costs[0].compute_s < after.costs[0].compute_s < 3.3 * before.costs[0].compute_s
-    assert after.costs[1].compute_s == pytest.approx(before.costs[1].compute_s, rel=0.05)
+    assert after.costs[1].compute_s == pytest.approx(before.costs[1].compute_s, rel=0.1)
