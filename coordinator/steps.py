@@ -27,10 +27,14 @@ Pure, like membership: `observe(tracker, report) -> (tracker, findings)`, no clo
   for a straggler (and from re-planning back and forth on it).
 * **Layout efficiency.** A member's settled steps before its baseline is set, when its prediction
   rested on its own measured steps (`measured`), divided by what the plan predicted for it, say how
-  this layout kind computes against the cost model's units: the median of the epoch's latest `RATIO_WINDOW` such ratios,
-  times the efficiency the plan was predicted with, is the kind's efficiency (`efficiency_of_kind`,
-  from `RATIO_MIN` ratios on; `plan.cluster`'s layout kinds). Only the epoch's first steps teach it:
-  a device that slows down later is a straggler, not a slower layout. Each member's predicted
+  this layout kind computes against the cost model's units: of the epoch's latest `RATIO_WINDOW` such
+  ratios, each member's median, and the median of those (of an even count's two middle ones, the
+  one nearer 1: `common_ratio`), times the efficiency the plan was predicted with, is the kind's
+  efficiency (`efficiency_of_kind`, from `RATIO_MIN` ratios on; `plan.cluster`'s layout kinds). A
+  kind's effect is common to its members: a member slower than the rest from the epoch's start (a
+  straggler landing on a switch) does not move it, where a plain median of two members would take
+  half its slowdown for the layout's (and fit every member faster by as much). Only the epoch's first steps teach it: a device that
+  slows down later is a straggler, not a slower layout. Each member's predicted
   compute is kept for it (`planned`): a baseline replaces what the watch expects, not the plan.
 * **Contention, not stragglers.** When the members that share a host shift together (each with at
   least `VOTES - 1` of its last `WINDOW` steps the same way), the host got busier or quieter (a
@@ -40,6 +44,7 @@ Pure, like membership: `observe(tracker, report) -> (tracker, findings)`, no clo
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field, replace
 
@@ -118,7 +123,7 @@ class Tracker:
     kind: str = "dp"  # the plan's layout kind (`plan.cluster.kind_key`)
     efficiency: float = 1.0  # the kind's efficiency the plan was predicted with
     planned: dict[str, float] = field(default_factory=dict)  # member -> its predicted compute seconds
-    ratios: tuple[float, ...] = ()  # measured members' settled compute / planned, newest last
+    ratios: tuple[tuple[str, float], ...] = ()  # (member, settled compute / planned) of measured members, newest last
 
 
 def start(epoch: int, members: tuple[str, ...], predicted_step_s: float | None,
@@ -186,9 +191,22 @@ def efficiency_of_kind(t: Tracker, r: StepReport) -> tuple[Tracker, float | None
     planned = t.planned.get(r.name, 0.0)
     if r.epoch != t.epoch or r.name not in t.measured_members or planned <= 0 or r.samples <= 0 or r.compute_s <= 0:
         return t, None, False
-    t = replace(t, ratios=(*t.ratios, r.compute_s / planned)[-RATIO_WINDOW:])
+    t = replace(t, ratios=(*t.ratios, (r.name, r.compute_s / planned))[-RATIO_WINDOW:])
     enough = len(t.ratios) >= min(RATIO_WINDOW, max(RATIO_MIN, len(t.measured_members)))
-    return t, t.efficiency * statistics.median(t.ratios), enough
+    return t, t.efficiency * common_ratio(t.ratios), enough
+
+
+def common_ratio(ratios: tuple[tuple[str, float], ...]) -> float:
+    """The part of `(member, ratio)` the members share: the median of the members' own medians (a
+    minority off the rest is its own, not the layout's), and where the count is even, of the two
+    middle ones the one nearer 1, the smaller change (of two members, a straggler's ratio or one
+    mis-fitted never moves the kind: the other's does, and the odd one is the straggler watch's)."""
+    by_member: dict[str, list[float]] = {}
+    for name, ratio in ratios:
+        by_member.setdefault(name, []).append(ratio)
+    own = [statistics.median(rs) for rs in by_member.values()]
+    low, high = statistics.median_low(own), statistics.median_high(own)
+    return min((low, high), key=lambda r: abs(math.log(r)))
 
 
 def settling(t: Tracker | None, r: StepReport) -> bool:

@@ -223,9 +223,10 @@ class Cluster:
     def with_speed_change(self, name: str, recent: tuple[tuple[int, float], ...], load: float = 0.0,
                           kind: str | None = None) -> Cluster:
         """A detected change of speed, seen in `recent` (samples, seconds) steps at one share while
-        its host carried `load`: the device's compute model keeps its shape (fixed vs per-sample
-        part) and is scaled to match them; older observations are dropped (they describe the device
-        before the change)."""
+        its host carried `load`: the device's compute model keeps its shape before the change (fixed
+        vs per-sample part, fitted without `recent`, the newest steps of its window: fitted beside
+        older steps at another share, they bend the line into a fixed part) and is scaled to match
+        them; older observations are dropped (they describe the device before the change)."""
         device = self.devices.get(name)
         if device is None or device.samples_per_s is None or not recent:
             return self
@@ -233,10 +234,15 @@ class Cluster:
             recent = tuple((n, t / self.efficiency_of(kind)) for n, t in recent)
         contention = self.factor_at(device, load)
         samples = recent[-1][0]
-        modelled = (device.compute_fixed_s + samples / device.samples_per_s) * contention
-        factor = statistics.median(t for _, t in recent) / modelled
-        return self.with_device(replace(device, samples_per_s=device.samples_per_s / factor,
-                                        compute_fixed_s=device.compute_fixed_s * factor,
+        before = device.compute_window[:-len(recent)]
+        # (a line through the change and the steps before it at another share can fall: more samples,
+        # less time; its slope then sits at the MAX_SPEED floor and its fixed part is the change's)
+        fixed_before = device.compute_fixed_s if device.samples_per_s < MAX_SPEED else 0.0
+        fixed, per_sample = (fit_compute(before, fixed_before) if before
+                             else (fixed_before, 1.0 / device.samples_per_s))
+        factor = statistics.median(t for _, t in recent) / ((fixed + samples * per_sample) * contention)
+        return self.with_device(replace(device, samples_per_s=1.0 / (per_sample * factor),
+                                        compute_fixed_s=fixed * factor,
                                         compute_window=tuple((n, t / contention) for n, t in recent[-COMPUTE_WINDOW:]),
                                         load_window=()))
 
