@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(BIN)/python scripts/demo.py
 
 test: $(STAMP)
-	$(BIN)/mypy plan transport coordinator worker scripts/localjob.py scripts/bench_planner.py scripts/bench_planner_solve.py scripts/bench_planner_quality.py scripts/bench_planner_latency.py scripts/bench_make_plan.py scripts/fuzzer.py scripts/bench_control.py scripts/bench_planner_stability.py scripts/record_steps.py scripts/demo.py scripts/bench_recipe.py scripts/bench_parallel.py scripts/_torchrun_fsdp.py scripts/bench_faults.py scripts/bench_copy_update.py scripts/liveness.py scripts/soak.py scripts/bench_pipeline.py scripts/_torchrun_pipeline.py scripts/netns.py scripts/bench_links.py scripts/bench_relayout.py scripts/_relayout_job.py
+	$(BIN)/mypy plan transport coordinator worker scripts/localjob.py scripts/bench_planner.py scripts/bench_planner_solve.py scripts/bench_planner_quality.py scripts/bench_planner_latency.py scripts/bench_make_plan.py scripts/fuzzer.py scripts/bench_control.py scripts/bench_planner_stability.py scripts/record_steps.py scripts/demo.py scripts/bench_recipe.py scripts/bench_parallel.py scripts/_torchrun_fsdp.py scripts/bench_faults.py scripts/bench_copy_update.py scripts/liveness.py scripts/soak.py scripts/bench_pipeline.py scripts/_torchrun_pipeline.py scripts/netns.py scripts/bench_links.py scripts/bench_relayout.py scripts/_relayout_job.py scripts/slowcpu.py
 	$(BIN)/python -m pytest -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: the suite is broken"; exit 1; fi; exit $$rc
 

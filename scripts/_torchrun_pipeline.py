@@ -24,6 +24,10 @@ neighbour takes none: the forwards, backwards and the issuing of sends), and tha
 (FACTOR - 1) x that time after the schedule, before the optimizer step: its neighbours wait for it
 at the next step's boundaries, as for a slow device (and as adaptrain's stage sleeps).
 
+`--slow-cgroup RANK:PATH` makes that rank a slow device instead: it moves itself into the CPU
+cgroup at PATH (scripts/slowcpu.py, a fraction of a core) before it builds anything, as the
+benchmark starts adaptrain's slow worker in it.
+
 Measured on torch 2.13 (CPU, gloo, loopback): `Schedule1F1B` and `ScheduleGPipe` run; the batched p2p
 hang of pytorch#132644 was not met at these sizes (if a run hangs, the driver's timeout reports it).
 
@@ -80,9 +84,13 @@ def main() -> None:
     p.add_argument("--microbatches", type=int, default=4, help="must divide the global batch")
     p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
     p.add_argument("--slowdown", default="", metavar="RANK:FACTOR", help="stretch that rank's compute")
+    p.add_argument("--slow-cgroup", default="", metavar="RANK:PATH", help="that rank runs in the CPU cgroup PATH")
     p.add_argument("--threads", type=int, default=1)
     a = p.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if a.slow_cgroup and int(a.slow_cgroup.split(":", 1)[0]) == rank:
+        with open(os.path.join(a.slow_cgroup.split(":", 1)[1], "cgroup.procs"), "w") as f:
+            f.write(f"{os.getpid()}\n")
 
     import torch
     import torch.distributed as dist

@@ -9,16 +9,22 @@ side in one run on this machine (gloo over loopback, one torch thread per proces
                torchrun + pipelining (scripts/_torchrun_pipeline.py: a `PipelineStage` per rank,
                `Schedule1F1B`, `--microbatches` equal micro-batches) with the same P stages cut as
                adaptrain's last plan cut them, so the ratio compares the runtimes. Goal: >= 0.95.
-  hetero       3 workers, one at `--slowdown 2`, pinned `--layout pp=3`: adaptrain's samples/s once the
-               stages are re-cut to the measured speeds (a plan past the first epoch; the stages read
-               from it), against torchrun + pipelining with even cuts and the rank at the slow
-               worker's stage slowed 2x (its measured stage compute slept again after each step);
-               and the ideal: each stage's holder does its part of every sample, so with perfect
-               balance and free communication the pipeline runs at the sum of its members'
-               whole-model speeds: v + v + v/2 for v, one full-speed worker's samples/s on the whole
-               model (measured: a one-worker adaptrain run in the same session). Goals: re-cut
-               >= 0.9 x ideal and >= 1.3 x even cuts. Also torchrun running adaptrain's cuts with the
-               same rank slowed: the re-cut's worth within one runtime, against its even cuts.
+  hetero       N workers (`--hetero-workers`, default 3 on a machine with 4 or more cores, else 2: the
+               full-speed stages need a core each), the last a slow device, pinned `--layout pp=N`:
+               adaptrain's samples/s once the stages are re-cut to the measured speeds (a plan past
+               the first epoch; the stages read from it), against torchrun + pipelining with even
+               cuts and the rank at the slow worker's stage as slow; and the ideal: each stage's
+               holder does its part of every sample, so with perfect balance, no bubble and free
+               communication the pipeline runs at the sum of its members' whole-model speeds:
+               (N - 1) v + v/2 for v, one full-speed worker's samples/s on the whole model
+               (measured: a one-worker adaptrain run in the same session). Goals: re-cut >= 0.9 x
+               ideal and >= 1.3 x even cuts. Also torchrun running adaptrain's cuts on the same slow
+               rank: the re-cut's worth within one runtime, against its even cuts. The slow device
+               (`--slow-by`): `cpu` (default where it can run: root and a CPU cgroup,
+               scripts/slowcpu.py) runs the slow worker and torchrun's slow rank on half of one core,
+               slow in every forward, backward and send as a slower machine is; `sleep` uses
+               `--slowdown 2` (the stage sleeps its step's compute again once per step, in both
+               systems: not how a slow device delays a pipeline, whose neighbours compute meanwhile).
 
   live         4 workers, `--layout dp=3` (3 replicas, 1 on standby), then `ctl layout pp=3` (replicas
                to a pipeline), `ctl layout pp=2` (3 stages to 2), then SIGKILL of a stage holder:
@@ -41,6 +47,7 @@ usage: python scripts/bench_pipeline.py [--quick] [--repeats R] [--sections thro
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import statistics
@@ -54,6 +61,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_parallel import _job_info, torchrun_kill  # noqa: E402
 from localjob import LocalJob, read_jsonl, write_report  # noqa: E402
+from slowcpu import SlowCpu  # noqa: E402
+from slowcpu import available as slow_cpu_available  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("throughput", "hetero", "live")
@@ -86,14 +95,16 @@ def _eval_every(job_ref: str) -> int | None:
 
 
 def adaptrain_run(job_ref: str, layout: str, workers: dict[str, list[str]], warmup: int, steps: int,
-                  workdir: Path, *, min_epoch: int = 1) -> dict[str, Any]:
-    """adaptrain with `workers` (name -> extra worker flags) pinned to `layout`: the steady samples/s of
-    the last plan's epoch, once it is >= `min_epoch` and has `warmup + steps` steps."""
+                  workdir: Path, *, min_epoch: int = 1, prefixes: dict[str, list[str]] | None = None) -> dict[str, Any]:
+    """adaptrain with `workers` (name -> extra worker flags; `prefixes`: a command prefix for some, e.g.
+    a slow CPU's) pinned to `layout`: the steady samples/s of the last plan's epoch, once it is >=
+    `min_epoch` and has `warmup + steps` steps."""
     batch, _ = _job_info(job_ref)
     with LocalJob(job_ref, workdir, min_workers=len(workers), coordinator_args=["--layout", layout]) as job:
         job.start()
         for name, flags in workers.items():
-            job.add_worker(name, *flags, "--trace-steps", str(workdir / f"{name}.steps.jsonl"))
+            job.add_worker(name, *flags, "--trace-steps", str(workdir / f"{name}.steps.jsonl"),
+                           prefix=(prefixes or {}).get(name))
         plan, run = job.wait_until(lambda ev: (r if (r := _last_epoch(ev, min_epoch)) and len(r[1]) > warmup + steps
                                                else None), 900, f"{warmup + steps} steps of one epoch", poll_s=0.5)
         job.ctl("stop")
@@ -120,7 +131,7 @@ def adaptrain_run(job_ref: str, layout: str, workers: dict[str, list[str]], warm
 
 
 def torchrun_run(job_ref: str, n: int, warmup: int, steps: int, workdir: Path, *, cuts: str = "",
-                 microbatches: int = 4, slowdown: str = "") -> dict[str, Any]:
+                 microbatches: int = 4, slowdown: str = "", slow_cgroup: str = "") -> dict[str, Any]:
     """torchrun --standalone, N processes of _torchrun_pipeline.py: the steady samples/s."""
     batch, _ = _job_info(job_ref)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -128,7 +139,8 @@ def torchrun_run(job_ref: str, n: int, warmup: int, steps: int, workdir: Path, *
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={n}",
            str(ROOT / "scripts" / "_torchrun_pipeline.py"), "--job", job_ref, "--events", str(events),
            "--steps", str(warmup + steps + 1), "--microbatches", str(microbatches),
-           *(["--cuts", cuts] if cuts else []), *(["--slowdown", slowdown] if slowdown else [])]
+           *(["--cuts", cuts] if cuts else []), *(["--slowdown", slowdown] if slowdown else []),
+           *(["--slow-cgroup", slow_cgroup] if slow_cgroup else [])]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     with (workdir / "torchrun.log").open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -145,7 +157,7 @@ def torchrun_run(job_ref: str, n: int, warmup: int, steps: int, workdir: Path, *
     run = sorted((e for e in ev if e.get("kind") == "step"), key=lambda e: e["step"])
     start = [e for e in ev if e.get("kind") == "start"]
     return {"samples_per_s": _steady(run, warmup, batch, None), "cuts": start[0]["cuts"] if start else None,
-            "microbatches": microbatches, "slowdown": slowdown}
+            "microbatches": microbatches, "slowdown": slowdown, "slow_cgroup": slow_cgroup}
 
 
 def _cuts(layout: dict[str, Any]) -> str:
@@ -174,25 +186,43 @@ def throughput(job_ref: str, stages: int, warmup: int, steps: int, microbatches:
             "ratio": ours["samples_per_s"] / theirs["samples_per_s"]}
 
 
-def hetero(job_ref: str, warmup: int, steps: int, microbatches: int, work: Path) -> dict[str, Any]:
+def hetero(job_ref: str, n: int, warmup: int, steps: int, microbatches: int, work: Path, slow_by: str
+           ) -> dict[str, Any]:
     one = adaptrain_run(job_ref, "fsdp=1", {"w1": []}, warmup, steps, work / "one")
     v = one["samples_per_s"]
-    workers = {"w1": [], "w2": [], "w3": ["--slowdown", "2"]}
-    ours = adaptrain_run(job_ref, "pp=3", workers, warmup, steps, work / "hetero", min_epoch=2)
-    slow_stage = ours["layout"]["members"].index("w3")
-    even = torchrun_run(job_ref, 3, warmup, steps, work / "torchrun-even",
-                        microbatches=_micro_count(ours, _job_info(job_ref)[0], 3, microbatches),
-                        slowdown=f"{slow_stage}:2")
-    # adaptrain's cuts run by torchrun with the same rank slowed: what the re-cut is worth in one
-    # runtime (against `even`), apart from the two runtimes' difference (the throughput section's ratio)
-    recut = torchrun_run(job_ref, 3, warmup, steps, work / "torchrun-recut", cuts=_cuts(ours["layout"]),
-                         microbatches=_micro_count(ours, _job_info(job_ref)[0], 3, microbatches),
-                         slowdown=f"{slow_stage}:2")
-    ideal = v + v + v / 2
-    return {"one_worker": one, "adaptrain_recut": ours, "torchrun_even": even, "torchrun_recut": recut,
-            "ideal_samples_per_s": ideal, "slow_stage": slow_stage, "cores": os.cpu_count() or 1,
-            "of_ideal": ours["samples_per_s"] / ideal, "over_even": ours["samples_per_s"] / even["samples_per_s"],
+    slow = f"w{n}"
+    with contextlib.ExitStack() as stack:
+        cgroup = stack.enter_context(SlowCpu("bench-pipeline-slow", 0.5)) if slow_by == "cpu" else None
+        workers: dict[str, list[str]] = {f"w{i + 1}": [] for i in range(n - 1)}
+        workers[slow] = [] if cgroup is not None else ["--slowdown", "2"]
+        ours = adaptrain_run(job_ref, f"pp={n}", workers, warmup, steps, work / "hetero", min_epoch=2,
+                             prefixes={slow: cgroup.prefix} if cgroup is not None else None)
+        slow_stage = ours["layout"]["members"].index(slow)
+        micro = _micro_count(ours, _job_info(job_ref)[0], n, microbatches)
+        slowed = ({"slow_cgroup": f"{slow_stage}:{cgroup.path}"} if cgroup is not None
+                  else {"slowdown": f"{slow_stage}:2"})
+        even = torchrun_run(job_ref, n, warmup, steps, work / "torchrun-even", microbatches=micro, **slowed)
+        # adaptrain's cuts run by torchrun with the same rank slowed: what the re-cut is worth in one
+        # runtime (against `even`), apart from the two runtimes' difference (the throughput section's ratio)
+        recut = torchrun_run(job_ref, n, warmup, steps, work / "torchrun-recut", cuts=_cuts(ours["layout"]),
+                             microbatches=micro, **slowed)
+    ideal = _ideal(v, n)
+    # 1F1B over m micro-batches keeps each stage idle (p - 1) of every (m + p - 1) micro-batch slots
+    # however well it is cut: the most the re-cut pipeline can reach with the micro-batches it ran
+    m = -(-_job_info(job_ref)[0] // max(ours["micro_batch"] or [_job_info(job_ref)[0]]))
+    bound = ideal * m / (m + n - 1)
+    return {"workers": n, "slow": slow, "slow_by": slow_by, "one_worker": one, "adaptrain_recut": ours,
+            "micro_batches": m, "bubble_bound_samples_per_s": bound, "of_bound": ours["samples_per_s"] / bound,
+            "torchrun_even": even, "torchrun_recut": recut, "ideal_samples_per_s": ideal, "slow_stage": slow_stage,
+            "cores": os.cpu_count() or 1, "of_ideal": ours["samples_per_s"] / ideal,
+            "over_even": ours["samples_per_s"] / even["samples_per_s"],
             "cut_worth": recut["samples_per_s"] / even["samples_per_s"]}
+
+
+def _ideal(v: float, n: int) -> float:
+    """The pipeline of n - 1 full-speed workers and one at half speed with perfect cuts, no bubble and
+    free sends: the sum of the members' whole-model speeds."""
+    return (n - 1) * v + v / 2
 
 
 def _pause(job: LocalJob, plan: dict[str, Any]) -> dict[str, Any]:
@@ -302,25 +332,32 @@ def table(r: dict[str, Any]) -> str:
             lines.append(f"\nhetero: error: {h['error']}")
         else:
             v = h["one_worker"]["samples_per_s"]
-            lines += ["", "hetero: 3 workers, w3 at --slowdown 2, --layout pp=3",
+            n = h.get("workers", 3)
+            how = "on half of one core (a CPU cgroup)" if h.get("slow_by") == "cpu" else "at --slowdown 2"
+            lines += ["", f"hetero: {n} workers, {h.get('slow', 'w3')} {how}, --layout pp={n}",
                       f"  one full-speed worker, whole model (fsdp=1): v = {v:.1f} samples/s",
-                      f"  ideal = v + v + v/2 = {h['ideal_samples_per_s']:.1f} samples/s (each member does its "
+                      f"  ideal = {n - 1} v + v/2 = {h['ideal_samples_per_s']:.1f} samples/s (each member does its "
                       f"stage of every sample: perfect balance, no bubble, free sends)",
-                      f"  (a sleeping --slowdown uses no CPU, so on this machine's {h['cores']} cores the three "
-                      f"can reach at most {h['cores']} x v = {h['cores'] * v:.1f} samples/s)",
+                      *([f"  (a sleeping --slowdown uses no CPU, so on this machine's {h['cores']} cores the {n} "
+                         f"can reach at most {h['cores']} x v = {h['cores'] * v:.1f} samples/s)"]
+                        if h["cores"] < n else []),
                       f"  adaptrain re-cut {_cuts(h['adaptrain_recut']['layout'])} (members "
                       f"{','.join(h['adaptrain_recut']['layout']['members'])}): "
                       f"{h['adaptrain_recut']['samples_per_s']:.1f} samples/s",
                       f"    step shares: {_shares(h['adaptrain_recut'])}",
                       f"    micro-batches {h['adaptrain_recut']['micro_batch']}; plan: {h['adaptrain_recut']['detail']}",
-                      f"  torchrun even cuts {h['torchrun_even']['cuts']}, rank {h['slow_stage']} slowed 2x, "
+                      f"  torchrun even cuts {h['torchrun_even']['cuts']}, rank {h['slow_stage']} as slow, "
                       f"{h['torchrun_even']['microbatches']} micro-batches: "
                       f"{h['torchrun_even']['samples_per_s']:.1f} samples/s",
                       f"  torchrun with adaptrain's cuts, the same rank slowed: "
                       f"{h['torchrun_recut']['samples_per_s']:.1f} samples/s: the cut's worth in one runtime "
                       f"= {h['cut_worth']:.2f} x even",
                       f"  re-cut / ideal = {h['of_ideal']:.2f} (goal >= 0.9); re-cut / even = {h['over_even']:.2f} "
-                      f"(goal >= 1.3)"]
+                      f"(goal >= 1.3)",
+                      *([f"  (1F1B's bubble with the {h['micro_batches']} micro-batches it ran bounds any cut at "
+                         f"{h['micro_batches']}/{h['micro_batches'] + n - 1} of the ideal, "
+                         f"{h['bubble_bound_samples_per_s']:.1f} samples/s: the re-cut reached {h['of_bound']:.2f} of that)"]
+                        if "of_bound" in h else [])]
     errors = _cost_model_errors(r)
     if errors:
         lines += ["", f"cost model: median error over the layouts run {statistics.median(e for _, e in errors):.0%} "
@@ -358,6 +395,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1, metavar="R",
                    help="run each section R times and report each system's median samples/s and the median of "
                         "the rounds' ratios (this 2-core machine's speed drifts by 2x between runs)")
+    p.add_argument("--hetero-workers", type=int, default=3 if (os.cpu_count() or 1) >= 4 else 2, metavar="N",
+                   help="the hetero section's workers, the last slowed 2x (default 3 with 4 or more cores, else 2: "
+                        "the full-speed stages need a core each to show the re-cut's worth)")
+    p.add_argument("--slow-by", choices=("auto", "cpu", "sleep"), default="auto",
+                   help="the hetero section's slow device: cpu (half of one core, a CPU cgroup: needs root), sleep "
+                        "(--slowdown 2), auto (cpu where it can run, else sleep)")
     p.add_argument("--quick", action="store_true", help="fewer steps, 2 stages only (a smoke run)")
     p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "bench-pipeline.json")
     p.add_argument("--keep", type=Path, default=None, metavar="DIR", help="keep the runs' logs and events in DIR")
@@ -365,12 +408,19 @@ def main(argv: list[str] | None = None) -> int:
     sections = tuple(s.strip() for s in a.sections.split(","))
     if set(sections) - set(SECTIONS):
         p.error(f"unknown sections {sorted(set(sections) - set(SECTIONS))}; choose from {', '.join(SECTIONS)}")
+    if a.slow_by == "cpu" and (why := slow_cpu_available()) is not None:
+        p.error(f"--slow-by cpu: {why}")
+    if a.slow_by == "auto":
+        a.slow_by = "cpu" if slow_cpu_available() is None else "sleep"
+    if a.hetero_workers < 2:
+        p.error("--hetero-workers: a pipeline needs at least 2 workers")
     if a.quick:
         a.stages, a.warmup, a.steps = "2", 3, 10
     counts = [int(n) for n in a.stages.split(",")]
     job_ref = str((ROOT / a.job.split(":")[0]).resolve()) + ":" + a.job.split(":")[1]
     result: dict[str, Any] = {"settings": {"job": a.job, "stages": counts, "warmup": a.warmup, "steps": a.steps,
-                                           "microbatches": a.microbatches, "repeats": a.repeats, "batch": _job_info(job_ref)[0], "sections": list(sections),
+                                           "microbatches": a.microbatches, "repeats": a.repeats,
+                                           "hetero_workers": a.hetero_workers, "slow_by": a.slow_by, "batch": _job_info(job_ref)[0], "sections": list(sections),
                                            "machine": f"{os.cpu_count()} cores, torch threads 1",
                                            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}}
     with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp:
@@ -389,9 +439,12 @@ def main(argv: list[str] | None = None) -> int:
         if "hetero" in sections:
             print("hetero ...", flush=True)
             try:
-                h = _median_rounds([hetero(job_ref, a.warmup, a.steps, a.microbatches, work / f"r{k}")
-                                    for k in range(a.repeats)], ("of_ideal", "over_even", "cut_worth"))
-                h["ideal_samples_per_s"] = 2.5 * h["one_worker"]["samples_per_s"]  # (from the median v)
+                h = _median_rounds([hetero(job_ref, a.hetero_workers, a.warmup, a.steps, a.microbatches, work / f"r{k}",
+                                           a.slow_by)
+                                    for k in range(a.repeats)], ("of_ideal", "over_even", "cut_worth", "of_bound"))
+                h["ideal_samples_per_s"] = _ideal(h["one_worker"]["samples_per_s"], a.hetero_workers)  # (median v)
+                m = h["micro_batches"]
+                h["bubble_bound_samples_per_s"] = h["ideal_samples_per_s"] * m / (m + a.hetero_workers - 1)
                 result["hetero"] = h
             except (RuntimeError, TimeoutError) as e:
                 result["hetero"] = {"error": str(e).splitlines()[0][:300]}
