@@ -33,9 +33,10 @@ Pure, like membership: `observe(tracker, report) -> (tracker, findings)`, no clo
   efficiency (`efficiency_of_kind`, from `RATIO_MIN` ratios on; `plan.cluster`'s layout kinds). A
   kind's effect is common to its members: a member slower than the rest from the epoch's start (a
   straggler landing on a switch) does not move it, where a plain median of two members would take
-  half its slowdown for the layout's (and fit every member faster by as much). Only the epoch's first steps teach it: a device that
-  slows down later is a straggler, not a slower layout. Each member's predicted
-  compute is kept for it (`planned`): a baseline replaces what the watch expects, not the plan.
+  half its slowdown for the layout's (and fit every member faster by as much). Only the epoch's
+  first steps teach it: a device that slows down later is a straggler, not a slower layout. Each
+  member's predicted compute is kept for it (`planned`): a baseline replaces what the watch
+  expects, not the plan.
 * **Contention, not stragglers.** When the members that share a host shift together (each with at
   least `VOTES - 1` of its last `WINDOW` steps the same way), the host got busier or quieter (a
   process starting beside them, a worker importing torch before it joins): one
