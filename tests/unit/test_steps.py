@@ -125,3 +125,15 @@ def test_a_measured_member_far_off_its_prediction_changed_speed_as_the_epoch_beg
         t, fs = steps.observe(t, report("a", step, compute_s=0.15))
         kinds += [f.kind for f in fs if isinstance(f, steps.SpeedChange)]
     assert kinds == ["calibration"]
+
+
+def test_a_layout_kinds_ratio_is_what_its_members_share_never_a_minoritys() -> None:
+    """`common_ratio`: each member's median, then their median; of two middle ones the nearer 1."""
+    def of(**by_member: list[float]) -> tuple[tuple[str, float], ...]:
+        return tuple((name, r) for name, rs in by_member.items() for r in rs)
+
+    assert steps.common_ratio(of(a=[0.5, 0.52, 0.51], b=[0.49, 0.5], c=[0.5])) == pytest.approx(0.5, rel=0.03)
+    assert steps.common_ratio(of(a=[1.6, 1.6], b=[1.6], c=[4.8, 4.8, 4.8, 4.8])) == pytest.approx(1.6), \
+        "one straggler among three, however many steps it reported"
+    assert steps.common_ratio(of(a=[3.0] * 4, b=[1.0] * 4)) == pytest.approx(1.0), "of two, the smaller change"
+    assert steps.common_ratio(of(a=[0.6] * 4, b=[0.5] * 4)) == pytest.approx(0.6), "both faster: the one nearer 1"
