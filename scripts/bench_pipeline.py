@@ -209,7 +209,8 @@ def hetero(job_ref: str, n: int, warmup: int, steps: int, microbatches: int, wor
     ideal = _ideal(v, n)
     # 1F1B over m micro-batches keeps each stage idle (p - 1) of every (m + p - 1) micro-batch slots
     # however well it is cut: the most the re-cut pipeline can reach with the micro-batches it ran
-    m = -(-_job_info(job_ref)[0] // max(ours["micro_batch"] or [_job_info(job_ref)[0]]))
+    batch = _job_info(job_ref)[0]
+    m = -(-batch // max(ours["micro_batch"] or [batch]))
     bound = ideal * m / (m + n - 1)
     return {"workers": n, "slow": slow, "slow_by": slow_by, "one_worker": one, "adaptrain_recut": ours,
             "micro_batches": m, "bubble_bound_samples_per_s": bound, "of_bound": ours["samples_per_s"] / bound,
@@ -340,7 +341,7 @@ def table(r: dict[str, Any]) -> str:
                       f"stage of every sample: perfect balance, no bubble, free sends)",
                       *([f"  (a sleeping --slowdown uses no CPU, so on this machine's {h['cores']} cores the {n} "
                          f"can reach at most {h['cores']} x v = {h['cores'] * v:.1f} samples/s)"]
-                        if h["cores"] < n else []),
+                        if h["cores"] < n and h.get("slow_by") != "cpu" else []),
                       f"  adaptrain re-cut {_cuts(h['adaptrain_recut']['layout'])} (members "
                       f"{','.join(h['adaptrain_recut']['layout']['members'])}): "
                       f"{h['adaptrain_recut']['samples_per_s']:.1f} samples/s",
@@ -396,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="run each section R times and report each system's median samples/s and the median of "
                         "the rounds' ratios (this 2-core machine's speed drifts by 2x between runs)")
     p.add_argument("--hetero-workers", type=int, default=3 if (os.cpu_count() or 1) >= 4 else 2, metavar="N",
-                   help="the hetero section's workers, the last slowed 2x (default 3 with 4 or more cores, else 2: "
+                   help="the hetero section's workers, the last a slow device (default 3 with 4 or more cores, else 2: "
                         "the full-speed stages need a core each to show the re-cut's worth)")
     p.add_argument("--slow-by", choices=("auto", "cpu", "sleep"), default="auto",
                    help="the hetero section's slow device: cpu (half of one core, a CPU cgroup: needs root), sleep "
