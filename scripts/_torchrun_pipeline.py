@@ -28,6 +28,12 @@ at the next step's boundaries, as for a slow device (and as adaptrain's stage sl
 cgroup at PATH (scripts/slowcpu.py, a fraction of a core) before it builds anything, as the
 benchmark starts adaptrain's slow worker in it.
 
+`--schedule adaptrain` runs adaptrain's own 1F1B (worker/parallel/pipeline.py: `one_f_one_b`) in
+place of torch's, over the same group with plain waits (`work.wait()`): the schedule alone, without
+the coordinator, the ring of copies or the abortable waits, so that the benchmark can tell the
+schedule's cost apart from the rest of the system's. Its micro-batches are `--microbatches`
+contiguous slices of the batch (need not divide it).
+
 Measured on torch 2.13 (CPU, gloo, loopback): `Schedule1F1B` and `ScheduleGPipe` run; the batched p2p
 hang of pytorch#132644 was not met at these sizes (if a run hangs, the driver's timeout reports it).
 
@@ -75,6 +81,30 @@ def clip_and_schedule(job: Any, params: list[Any], optimizer: Any, base_lrs: lis
     return norm
 
 
+def adaptrain_schedule(job: Any, module: Any, rank: int, world: int, microbatches: int) -> Any:
+    """`step(inputs, targets) -> the summed loss (last stage; 0 elsewhere)`: adaptrain's 1F1B over the
+    default group, each wait a plain `work.wait()`, `microbatches` contiguous slices of the batch."""
+    import torch
+    import torch.distributed as dist
+
+    from plan.pipeline import micro_batches
+    from worker.parallel.pipeline import StageStep, one_f_one_b
+
+    pg = dist.distributed_c10d._get_default_group()
+    sizes = micro_batches(job.global_batch, microbatches)
+
+    def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return one_f_one_b(StageStep(
+            module=module, stage=rank, stages=world, prev_rank=rank - 1 if rank > 0 else None,
+            next_rank=rank + 1 if rank < world - 1 else None, send=lambda x, dst, tag: pg.send([x], dst, tag),
+            recv=lambda x, src, tag: pg.recv([x], src, tag), wait=lambda work, buf: work.wait(), sizes=sizes,
+            device=torch.device("cpu"), inputs=torch.split(inputs, list(sizes)) if rank == 0 else (),
+            targets=torch.split(targets, list(sizes)) if rank == world - 1 else (), loss=job.loss,
+            global_batch=job.global_batch))
+
+    return step
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--job", required=True, help="PATH.py:NAME, as for the coordinator")
@@ -82,7 +112,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: the job's)")
     p.add_argument("--cuts", default="", help="units per stage, e.g. '0,1,2|3,4,5' (default: even)")
     p.add_argument("--microbatches", type=int, default=4, help="must divide the global batch")
-    p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
+    p.add_argument("--schedule", choices=("1f1b", "gpipe", "adaptrain"), default="1f1b",
+                   help="torch's Schedule1F1B or ScheduleGPipe, or adaptrain's own 1F1B (see above)")
     p.add_argument("--slowdown", default="", metavar="RANK:FACTOR", help="stretch that rank's compute")
     p.add_argument("--slow-cgroup", default="", metavar="RANK:PATH", help="that rank runs in the CPU cgroup PATH")
     p.add_argument("--threads", type=int, default=1)
@@ -104,7 +135,7 @@ def main() -> None:
     src = resolve_job_ref(a.job)
     job = load_job(src.source, src.name, filename=src.ref)
     G = job.global_batch
-    if G % a.microbatches:
+    if G % a.microbatches and a.schedule != "adaptrain":
         raise SystemExit(f"--microbatches {a.microbatches} must divide the global batch {G} "
                          "(torch's pipelining fails on unequal micro-batches)")
     slow_rank, factor = (int(a.slowdown.split(":")[0]), float(a.slowdown.split(":")[1])) if a.slowdown else (-1, 1.0)
@@ -120,8 +151,11 @@ def main() -> None:
     def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return job.loss(out, target) / G
 
-    schedule_cls = Schedule1F1B if a.schedule == "1f1b" else ScheduleGPipe
-    schedule = schedule_cls(stage, a.microbatches, loss_fn=loss_fn, scale_grads=False)
+    if a.schedule == "adaptrain":
+        ours = adaptrain_schedule(job, module, rank, world, a.microbatches)
+    else:
+        schedule_cls = Schedule1F1B if a.schedule == "1f1b" else ScheduleGPipe
+        schedule = schedule_cls(stage, a.microbatches, loss_fn=loss_fn, scale_grads=False)
     optimizer = job.optimizer(module.parameters())
     params, base_lrs = list(module.parameters()), [float(g["lr"]) for g in optimizer.param_groups]
     slowed = rank == slow_rank and factor > 1.0
@@ -138,7 +172,11 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
         cpu0 = time.thread_time()
-        if first:
+        if a.schedule == "adaptrain":
+            summed = ours(inputs, targets)
+            if last:
+                losses.append(summed / G)
+        elif first:
             schedule.step(inputs)
         elif last:
             schedule.step(target=targets, losses=losses)

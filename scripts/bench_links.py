@@ -1,6 +1,8 @@
 """Layouts over slow links, for real: 2 x 2 workers, two on each of two simulated hosts (network
 namespaces, scripts/netns.py) joined by links rate-limited to `--rate` mbit (default 200: 23.6 MB/s
-measured here), the coordinator on the bridge between them. Each layout runs pinned
+measured here), the coordinator on the bridge between them, each host on CPUs of its own (the
+machine's divided between them: on two cores, one each; `--shared-cpus` lets every worker run on
+every core, as namespaces alone do, which makes workers of one host slow down those of the other). Each layout runs pinned
 (`--layout ...`), one after the other, and then the planner runs free (no --layout); for each:
 global samples/s in the steady state (the last plan's epoch, after `--warmup` steps), the plan's
 predicted step against the measured one (the cost model on links that are not loopback), and the
@@ -12,7 +14,7 @@ side by side).
 
 Needs root (network namespaces); says why and exits 2 where they cannot be made.
 
-usage: sudo python scripts/bench_links.py [--job REF] [--rate MBIT] [--layouts L;L;...] [--rounds R] [--out FILE]
+usage: sudo python scripts/bench_links.py [--job REF] [--rate MBIT] [--layouts L;L;...] [--rounds R] [--shared-cpus] [--out FILE]
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_pipeline import _last_epoch, _steady  # noqa: E402
 from localjob import LocalJob, write_report  # noqa: E402
-from netns import Hosts, available  # noqa: E402
+from netns import Hosts, available, split_cpus  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUTS = ("fsdp=1", "dp=1", "dp=2,fsdp=2", "pp=2", "pp=2,dp=2", "pp=2,fsdp=2")
@@ -64,8 +66,11 @@ def describe(layout: dict[str, Any]) -> str:
 
 def table(r: dict[str, Any]) -> str:
     s = r["settings"]
+    cpus = s.get("cpus") or {}
+    on = (", ".join(f"{h} on CPU {','.join(map(str, c))}" for h, c in cpus.items()) if cpus
+          else "every worker on every CPU")
     lines = [f"layouts over slow links: {s['job']}, hosts a (w1, w2) and b (w3, w4), {s['rate_mbit']:g} mbit between "
-             f"them, {s['warmup']} warm-up + {s['steps']} timed steps, {s['date']}", "",
+             f"them, {on}, {s['warmup']} warm-up + {s['steps']} timed steps, {s['date']}", "",
              f"{'pinned':<14} {'ran':<26} {'samples/s':>10} {'step ms':>8} {'predicted':>10} {'error':>6}", "-" * 80]
     for run_ in r["runs"]:
         pred = f"{run_['predicted_step_s'] * 1e3:.1f}" if run_["predicted_step_s"] else "-"
@@ -96,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, metavar="R",
                    help="runs of the best pinned layout and of the planner free, in turn, for the choice's ratio "
                         "(default 3; the first round is the tour's)")
+    p.add_argument("--shared-cpus", action="store_true",
+                   help="run every worker on every CPU (default: the CPUs divided between the hosts, as two machines have)")
     p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "bench-links.json")
     p.add_argument("--keep", type=Path, default=None, metavar="DIR", help="keep the runs' logs and events in DIR")
     a = p.parse_args(argv)
@@ -110,9 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     job_ref = str((ROOT / a.job.split(":")[0]).resolve()) + ":" + a.job.split(":")[1]
     batch = _job_info(job_ref)[0]
     layouts = [x.strip() for x in a.layouts.split(";") if x.strip()]
+    cpus = {} if a.shared_cpus else split_cpus(["a", "b"])
     result: dict[str, Any] = {"settings": {"job": a.job, "rate_mbit": a.rate, "warmup": a.warmup, "steps": a.steps,
-                                           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, "runs": []}
-    with tempfile.TemporaryDirectory(prefix="bench-links-") as tmp, Hosts(["a", "b"], rate_mbit=a.rate) as hosts:
+                                           "cpus": cpus, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
+                              "runs": []}
+    with tempfile.TemporaryDirectory(prefix="bench-links-") as tmp, \
+            Hosts(["a", "b"], rate_mbit=a.rate, cpus=cpus) as hosts:
         work = Path(tmp) if a.keep is None else a.keep
         for k, layout in enumerate([*layouts, None]):
             print(f"{layout or 'the planner free'} ...", flush=True)

@@ -9,6 +9,9 @@ side in one run on this machine (gloo over loopback, one torch thread per proces
                torchrun + pipelining (scripts/_torchrun_pipeline.py: a `PipelineStage` per rank,
                `Schedule1F1B`, `--microbatches` equal micro-batches) with the same P stages cut as
                adaptrain's last plan cut them, so the ratio compares the runtimes. Goal: >= 0.95.
+               Also adaptrain's own 1F1B run by torchrun on the same cuts (`--schedule adaptrain`:
+               plain waits, no coordinator, copies or abortable waits): the schedule against
+               torch's, and what the rest of the system costs against it.
   hetero       N workers (`--hetero-workers`, default 3 on a machine with 4 or more cores, else 2: the
                full-speed stages need a core each), the last a slow device, pinned `--layout pp=N`:
                adaptrain's samples/s once the stages are re-cut to the measured speeds (a plan past
@@ -131,7 +134,8 @@ def adaptrain_run(job_ref: str, layout: str, workers: dict[str, list[str]], warm
 
 
 def torchrun_run(job_ref: str, n: int, warmup: int, steps: int, workdir: Path, *, cuts: str = "",
-                 microbatches: int = 4, slowdown: str = "", slow_cgroup: str = "") -> dict[str, Any]:
+                 microbatches: int = 4, slowdown: str = "", slow_cgroup: str = "", schedule: str = "1f1b"
+                 ) -> dict[str, Any]:
     """torchrun --standalone, N processes of _torchrun_pipeline.py: the steady samples/s."""
     batch, _ = _job_info(job_ref)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -140,7 +144,7 @@ def torchrun_run(job_ref: str, n: int, warmup: int, steps: int, workdir: Path, *
            str(ROOT / "scripts" / "_torchrun_pipeline.py"), "--job", job_ref, "--events", str(events),
            "--steps", str(warmup + steps + 1), "--microbatches", str(microbatches),
            *(["--cuts", cuts] if cuts else []), *(["--slowdown", slowdown] if slowdown else []),
-           *(["--slow-cgroup", slow_cgroup] if slow_cgroup else [])]
+           *(["--slow-cgroup", slow_cgroup] if slow_cgroup else []), "--schedule", schedule]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     with (workdir / "torchrun.log").open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -157,7 +161,7 @@ def torchrun_run(job_ref: str, n: int, warmup: int, steps: int, workdir: Path, *
     run = sorted((e for e in ev if e.get("kind") == "step"), key=lambda e: e["step"])
     start = [e for e in ev if e.get("kind") == "start"]
     return {"samples_per_s": _steady(run, warmup, batch, None), "cuts": start[0]["cuts"] if start else None,
-            "microbatches": microbatches, "slowdown": slowdown, "slow_cgroup": slow_cgroup}
+            "microbatches": microbatches, "slowdown": slowdown, "slow_cgroup": slow_cgroup, "schedule": schedule}
 
 
 def _cuts(layout: dict[str, Any]) -> str:
@@ -179,11 +183,18 @@ def _micro_count(run: dict[str, Any], batch: int, stages: int, requested: int) -
 def throughput(job_ref: str, stages: int, warmup: int, steps: int, microbatches: int, work: Path) -> dict[str, Any]:
     names: dict[str, list[str]] = {f"w{i + 1}": [] for i in range(stages)}
     ours = adaptrain_run(job_ref, f"pp={stages}", names, warmup, steps, work / f"pp{stages}")
+    micro = _micro_count(ours, _job_info(job_ref)[0], stages, microbatches)
     theirs = torchrun_run(job_ref, stages, warmup, steps, work / f"torchrun{stages}", cuts=_cuts(ours["layout"]),
-                          microbatches=_micro_count(ours, _job_info(job_ref)[0], stages, microbatches))
+                          microbatches=micro)
+    # adaptrain's own 1F1B run by torchrun on the same cuts and micro-batches, plain waits, no
+    # coordinator or copies: the schedule against torch's, and the rest of the system against it
+    schedule = torchrun_run(job_ref, stages, warmup, steps, work / f"schedule{stages}", cuts=_cuts(ours["layout"]),
+                            microbatches=micro, schedule="adaptrain")
     dp = adaptrain_run(job_ref, "fsdp=1", names, warmup, steps, work / f"dp{stages}")
-    return {"adaptrain_pp": ours, "torchrun_pp": theirs, "adaptrain_dp": dp,
-            "ratio": ours["samples_per_s"] / theirs["samples_per_s"]}
+    return {"adaptrain_pp": ours, "torchrun_pp": theirs, "schedule_alone": schedule, "adaptrain_dp": dp,
+            "ratio": ours["samples_per_s"] / theirs["samples_per_s"],
+            "schedule_ratio": schedule["samples_per_s"] / theirs["samples_per_s"],
+            "system_ratio": ours["samples_per_s"] / schedule["samples_per_s"]}
 
 
 def hetero(job_ref: str, n: int, warmup: int, steps: int, microbatches: int, work: Path, slow_by: str
@@ -322,6 +333,10 @@ def table(r: dict[str, Any]) -> str:
                      f"  {t['ratio']:>6.2f}  {t['adaptrain_dp']['samples_per_s']:>9.1f} s/s  "
                      f"{_cuts(t['adaptrain_pp']['layout']):<11}  {t['adaptrain_pp']['micro_batch']}; "
                      f"{t['torchrun_pp']['microbatches']} of {r['settings']['batch'] // t['torchrun_pp']['microbatches']}")
+        if isinstance(t.get("schedule_alone"), dict):
+            lines.append(f"{'':>6}  adaptrain's 1F1B alone under torchrun: {t['schedule_alone']['samples_per_s']:.1f} s/s, "
+                         f"{t['schedule_ratio']:.2f} of torch's; adaptrain pp {t['system_ratio']:.2f} of it "
+                         "(the coordinator, the copies, the abortable waits)")
         lines.append(f"{'':>6}  adaptrain pp step shares: {_shares(t['adaptrain_pp'])}")
         lines.append(f"{'':>6}  adaptrain dp: {_shares(t['adaptrain_dp'])}")
     if "throughput" in r:
@@ -434,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     result["throughput"][n] = _median_rounds(
                         [throughput(job_ref, n, a.warmup, a.steps, a.microbatches, work / f"r{k}")
-                         for k in range(a.repeats)], ("ratio",))
+                         for k in range(a.repeats)], ("ratio", "schedule_ratio", "system_ratio"))
                 except (RuntimeError, TimeoutError) as e:  # reported in the table; the rest still runs
                     result["throughput"][n] = {"error": str(e).splitlines()[0][:300]}
         if "hetero" in sections:

@@ -5,6 +5,13 @@ which could add latency, is not available on these kernels). Workers of one host
 namespace and talk over its own address at loopback speed; the coordinator listens on the bridge.
 Measured here: a 200 mbit limit gives 23.6 MB/s between two namespaces.
 
+A namespace shares the machine's cores with every other one, so four workers on two "hosts" of a
+2-core machine compete for the same two cores across hosts, which no real pair of machines does
+(and which the coordinator's contention model, per host, cannot see). `cpus` gives each host CPUs
+of its own: `prefix` then runs its programs under `taskset`, and a worker there counts only those
+cores as its host's (`worker.calibrate` reads its CPU affinity). `split_cpus` divides this
+process's CPUs between the hosts.
+
 Needs root (CAP_NET_ADMIN) and the `ip` and `tc` tools: `available()` says whether they work here
 (it tries). Names carry this process's id, so two runs do not collide, and `close()` (or leaving
 the `with` block) deletes everything it made, namespaces, veths and the bridge, also on errors.
@@ -19,9 +26,9 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-__all__ = ["Hosts", "NetnsError", "available"]
+__all__ = ["Hosts", "NetnsError", "available", "split_cpus"]
 
 
 class NetnsError(RuntimeError):
@@ -32,6 +39,21 @@ def _run(*cmd: str) -> None:
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
     if out.returncode != 0:
         raise NetnsError(f"{' '.join(cmd)}: {out.stderr.strip() or out.stdout.strip()}")
+
+
+def split_cpus(names: Sequence[str]) -> dict[str, tuple[int, ...]]:
+    """This process's CPUs divided between `names` in order, as evenly as they go ({} when there are
+    fewer CPUs than hosts: they share them)."""
+    mine = sorted(os.sched_getaffinity(0))
+    if len(mine) < len(names):
+        return {}
+    base, extra = divmod(len(mine), len(names))
+    out, at = {}, 0
+    for k, name in enumerate(names):
+        n = base + (1 if k < extra else 0)
+        out[name] = tuple(mine[at:at + n])
+        at += n
+    return out
 
 
 def available() -> str:
@@ -50,13 +72,16 @@ def available() -> str:
 class Hosts:
     """`names` as hosts: namespace, address and a rate-limited link to the bridge each."""
 
-    def __init__(self, names: Sequence[str], *, rate_mbit: float) -> None:
+    def __init__(self, names: Sequence[str], *, rate_mbit: float, cpus: Mapping[str, Sequence[int]] | None = None) -> None:
         if not names or len(set(names)) != len(names) or len(names) > 200:
             raise ValueError(f"hosts must be 1-200 distinct names, got {list(names)}")
         if rate_mbit <= 0:
             raise ValueError(f"rate_mbit must be positive, got {rate_mbit}")
+        if cpus is not None and (set(cpus) - set(names) or any(not c for c in cpus.values())):
+            raise ValueError(f"cpus must give hosts among {list(names)} at least one CPU each, got {dict(cpus)}")
         self.names = list(names)
         self.rate_mbit = rate_mbit
+        self.cpus = {h: tuple(c) for h, c in (cpus or {}).items()}
         tag = os.getpid() % 100000
         self._tag = f"at{tag}"  # (interface names are at most 15 characters)
         self._subnet = f"10.{100 + tag % 150}.{tag // 150 % 250}"
@@ -75,8 +100,9 @@ class Hosts:
         return f"{self._subnet}.{self.names.index(host) + 1}"
 
     def prefix(self, host: str) -> list[str]:
-        """The command prefix that runs a program in the host's namespace."""
-        return ["ip", "netns", "exec", self.namespace(host)]
+        """The command prefix that runs a program in the host's namespace (on its CPUs, where it has its own)."""
+        pin = ["taskset", "-c", ",".join(map(str, self.cpus[host]))] if host in self.cpus else []
+        return ["ip", "netns", "exec", self.namespace(host), *pin]
 
     def env(self, host: str) -> dict[str, str]:
         """What a worker on `host` needs in its environment: gloo on the host's interface."""

@@ -187,7 +187,8 @@ class Executor(ABC):
         coefficient = 1.0
         if t.job.grad_clip is not None:
             coefficient = min(1.0, t.job.grad_clip / (grad_norm + 1e-6))
-            for gr in grads:
+        if coefficient != 1.0:  # (x * 1.0 is x: a step the clip does not bite leaves its gradients as they are)
+            for gr in grads:  # (one by one: foreach fails on a mix of DTensors and plain tensors)
                 gr.mul_(coefficient)
         lr, multiplier = set_lr(t, self.optimizer)
         step()
