@@ -36,7 +36,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fuzzer import CONTROL_KINDS, WORKER_KINDS, dealer, plan_messages, send_messages  # noqa: E402
-from localjob import LocalJob  # noqa: E402
+from localjob import LocalJob, close_on_sigterm  # noqa: E402
 
 from transport import ControlReply, ControlRequest, Join, Leave, StoreReply, StoreRequest, Welcome, decode, encode
 from transport.security import ROLE_CTL, ROLE_WORKER, ClientKeys, load_client_keys
@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", type=Path, default=Path("bench-out/control.json"))
     a = p.parse_args(argv)
+    close_on_sigterm()  # (SIGTERM closes what the `with` blocks below hold)
     sections = a.sections.split(",")
     if bad := [s for s in sections if s not in SECTIONS]:
         p.error(f"unknown sections {bad}; choose from {SECTIONS}")

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from localjob import LocalJob  # noqa: E402
+from localjob import LocalJob, close_on_sigterm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("checkpoint", "total_loss", "drain", "restart")
@@ -178,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
     p.add_argument("--out", type=Path, default=Path("bench_faults.json"), help="JSON results (bench_faults.json)")
     a = p.parse_args(argv)
+    close_on_sigterm()  # (SIGTERM closes what the `with` blocks below hold)
     sections = [s for s in a.sections.split(",") if s]
     unknown = set(sections) - set(SECTIONS)
     if unknown:

@@ -29,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_pipeline import _last_epoch, _steady  # noqa: E402
-from localjob import LocalJob, write_report  # noqa: E402
+from localjob import LocalJob, write_report, close_on_sigterm  # noqa: E402
 from netns import Hosts, available, split_cpus  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "bench-links.json")
     p.add_argument("--keep", type=Path, default=None, metavar="DIR", help="keep the runs' logs and events in DIR")
     a = p.parse_args(argv)
+    close_on_sigterm()  # (SIGTERM closes what the `with` blocks below hold)
     if a.rounds < 1:
         p.error("--rounds must be at least 1")
     why = available()

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from localjob import LocalJob, read_jsonl, write_report  # noqa: E402
+from localjob import LocalJob, read_jsonl, write_report, close_on_sigterm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("throughput", "reshard", "join", "kill")  # (default; also: tensor)
@@ -507,6 +507,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="run the jobs in DIR and keep their logs and events there (default: a temporary "
                         "directory, removed at the end)")
     a = p.parse_args(argv)
+    close_on_sigterm()  # (SIGTERM closes what the `with` blocks below hold)
     sections = tuple(s.strip() for s in a.sections.split(","))
     unknown = set(sections) - set(ALL_SECTIONS)
     if unknown:

@@ -63,7 +63,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_parallel import _job_info, torchrun_kill  # noqa: E402
-from localjob import LocalJob, read_jsonl, write_report  # noqa: E402
+from localjob import LocalJob, read_jsonl, write_report, close_on_sigterm  # noqa: E402
 from slowcpu import SlowCpu  # noqa: E402
 from slowcpu import available as slow_cpu_available  # noqa: E402
 
@@ -421,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "bench-pipeline.json")
     p.add_argument("--keep", type=Path, default=None, metavar="DIR", help="keep the runs' logs and events in DIR")
     a = p.parse_args(argv)
+    close_on_sigterm()  # (SIGTERM closes what the `with` blocks below hold)
     sections = tuple(s.strip() for s in a.sections.split(","))
     if set(sections) - set(SECTIONS):
         p.error(f"unknown sections {sorted(set(sections) - set(SECTIONS))}; choose from {', '.join(SECTIONS)}")

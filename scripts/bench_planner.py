@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from localjob import LocalJob  # noqa: E402
+from localjob import LocalJob, close_on_sigterm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PACED = f"{Path(__file__).resolve().parent.parent / 'examples' / 'paced.py'}:long_job"
@@ -278,6 +278,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    close_on_sigterm()  # (SIGTERM closes what the `with` blocks below hold)
     if a.table_from is not None:  # print the table of an earlier run
         print(table(json.loads(a.table_from.read_text())))
         return 0

@@ -60,7 +60,7 @@ from typing import Any
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from localjob import LocalJob, read_jsonl  # noqa: E402
+from localjob import LocalJob, read_jsonl, close_on_sigterm  # noqa: E402
 
 from transport import (  # noqa: E402
     Abort,
@@ -665,6 +665,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="JSON with settings and every raw number (default bench-out/planner-latency.json); "
                         "the coordinator's state dir goes next to it")
     a = p.parse_args(argv)
+    close_on_sigterm()  # (SIGTERM closes what the `with` blocks below hold)
     trials = 5 if a.quick else a.trials
     if trials < 1:
         p.error("--trials must be at least 1")

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from localjob import LocalJob, read_jsonl  # noqa: E402
+from localjob import LocalJob, read_jsonl, close_on_sigterm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"small": ("examples/gpt.py:job", 300), "10m": ("examples/gpt.py:job_10m", 100)}  # ref, num_steps
@@ -594,7 +594,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks
+    close_on_sigterm()  # (SIGTERM closes what the `with` blocks below hold)
     job_ref, _ = MODELS[a.model]
     sys.path.insert(0, str(ROOT))
     from worker.job import load_job, resolve_job_ref

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from localjob import LocalJob, write_report  # noqa: E402
+from localjob import LocalJob, write_report, close_on_sigterm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = f"{ROOT / 'scripts' / '_relayout_job.py'}:job_10m"  # (examples/gpt.py's 10M GPT, with steps for two laps)
@@ -204,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", type=Path, default=None, metavar="DIR",
                    help="run the jobs in DIR and keep their logs and events there (default: a temporary directory)")
     a = p.parse_args(argv)
+    close_on_sigterm()  # (SIGTERM closes what the `with` blocks below hold)
     tour = [t.strip() for t in a.tour.split(";") if t.strip()]
     if len(tour) < 2:
         p.error("--tour needs at least two layouts")

@@ -8,7 +8,7 @@ cost, and draws the run (samples/s, loss and members over steps, every join, fai
 plan and reshard marked; coordinator/report.py, as `adaptrain-ctl report --plot` draws it) into
 STATE_DIR/report.png with --state-dir, else ./adaptrain-demo.png (the temporary state directory is
 deleted at the end). Exits 0 and leaves no process behind (every process is killed and reaped,
-also on Ctrl-C or an error).
+also on Ctrl-C, SIGTERM or an error).
 
     python scripts/demo.py                          # about a minute on 2 cores
     python scripts/demo.py --state-dir runs/demo    # keep logs, events.jsonl and report.png
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))  # coordinator.report, when adaptrain is not installed
-from localjob import LocalJob  # noqa: E402
+from localjob import LocalJob, close_on_sigterm  # noqa: E402
 
 from coordinator import report  # noqa: E402
 
@@ -49,6 +49,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
+    close_on_sigterm()  # (SIGTERM closes what the `with` blocks below hold)
     if args.join_at <= args.kill_at:
         p.error("--join-at must come after --kill-at")
 

@@ -261,6 +261,13 @@ def write_report(text: str, result: dict[str, Any], out: Path) -> None:
     print(f"\nwrote {out}")
 
 
+def close_on_sigterm() -> None:
+    """Make SIGTERM (a `timeout`, a CI runner's cancel, `kill`) unwind the script as Ctrl-C does, exit
+    status 143: every `with` block on the way out closes what it holds (a job's processes, network
+    namespaces, a CPU cgroup). By default SIGTERM ends Python at once and leaves them behind."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 def kill_and_reap(procs: Iterable[subprocess.Popen[Any]]) -> None:
     """SIGKILL each process's whole session (each was started in a session of its own) and reap it."""
     procs = list(procs)

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from localjob import LocalJob, read_jsonl  # noqa: E402
+from localjob import LocalJob, read_jsonl, close_on_sigterm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 KEEP = ("kind", "ts", "name", "epoch", "step", "samples", "global_batch", "compute_s", "comm_s", "step_s")
@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("schedule", choices=("quiet", "demo", "slow"))
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
+    close_on_sigterm()  # (SIGTERM closes what the `with` blocks below hold)
     records = [r for r in run_schedule(a.schedule, Path(tempfile.mkdtemp(prefix=f"record-{a.schedule}-")))
                if r["kind"] != "step"]
     a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -44,7 +44,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import statistics
 import sys
 import tempfile
@@ -56,7 +55,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from liveness import JOIN_GRACE_STEPS, STRAGGLER_STEPS  # noqa: E402
-from localjob import LocalJob  # noqa: E402
+from localjob import LocalJob, close_on_sigterm  # noqa: E402
 
 Event = dict[str, Any]
 STALL_S = 2.0  # plus one step: the first committed step of the new epoch includes that step
@@ -275,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.runs < 1:
         p.error("--runs must be at least 1")
     layouts: list[str] = a.layout or ["fsdp=1", "dp=1"]
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # close every job on the way out
+    close_on_sigterm()  # (SIGTERM closes what the `with` blocks below hold)
     workdir = a.keep or Path(tempfile.mkdtemp(prefix="soak-"))
     result: dict[str, Any] = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
                               "machine": {"cpus": os.cpu_count(), "loadavg_before": os.getloadavg()},
