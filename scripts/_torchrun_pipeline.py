@@ -111,7 +111,7 @@ def main() -> None:
     p.add_argument("--events", required=True, help="JSON-lines file to append events to")
     p.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: the job's)")
     p.add_argument("--cuts", default="", help="units per stage, e.g. '0,1,2|3,4,5' (default: even)")
-    p.add_argument("--microbatches", type=int, default=4, help="must divide the global batch")
+    p.add_argument("--microbatches", type=int, default=4, help="micro-batches a step (torch's schedules: must divide the global batch)")
     p.add_argument("--schedule", choices=("1f1b", "gpipe", "adaptrain"), default="1f1b",
                    help="torch's Schedule1F1B or ScheduleGPipe, or adaptrain's own 1F1B (see above)")
     p.add_argument("--slowdown", default="", metavar="RANK:FACTOR", help="stretch that rank's compute")

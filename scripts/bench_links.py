@@ -2,12 +2,12 @@
 namespaces, scripts/netns.py) joined by links rate-limited to `--rate` mbit (default 200: 23.6 MB/s
 measured here), the coordinator on the bridge between them, each host on CPUs of its own (the
 machine's divided between them: on two cores, one each; `--shared-cpus` lets every worker run on
-every core, as namespaces alone do, which makes workers of one host slow down those of the other). Each layout runs pinned
-(`--layout ...`), one after the other, and then the planner runs free (no --layout); for each:
-global samples/s in the steady state (the last plan's epoch, after `--warmup` steps), the plan's
-predicted step against the measured one (the cost model on links that are not loopback), and the
-layout the free planner chose. Goal: the planner's choice within 5% of the best pinned layout. Two
-runs of one plan minutes apart differ by up to 25% on two cores shared by four workers, so the best
+every core, as namespaces alone do, so that workers of one host slow down those of the other).
+Each layout runs pinned (`--layout ...`), one after the other, and then the planner runs free (no
+--layout); for each: global samples/s in the steady state (the last plan's epoch, after `--warmup`
+steps), the plan's predicted step against the measured one (the cost model on links that are not
+loopback), and the layout the free planner chose. Goal: the planner's choice within 5% of the best
+pinned layout. Two runs of one plan minutes apart differ by up to 25% on two cores, so the best
 pinned layout and the free planner then run again, in turn, until each ran `--rounds` times, and the
 choice is judged by the median of the rounds' ratios (free / best pinned, the two runs of a round
 side by side).
