@@ -146,7 +146,6 @@ def main() -> None:
     cuts = parse_cuts(a.cuts, len(children), world)
     module = nn.Sequential(*[children[u] for u in cuts[rank]])
     first, last = rank == 0, rank == world - 1
-    stage = PipelineStage(module, rank, world, torch.device("cpu"))
 
     def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return job.loss(out, target) / G
@@ -155,6 +154,7 @@ def main() -> None:
         ours = adaptrain_schedule(job, module, rank, world, a.microbatches)
     else:
         schedule_cls = Schedule1F1B if a.schedule == "1f1b" else ScheduleGPipe
+        stage = PipelineStage(module, rank, world, torch.device("cpu"))
         schedule = schedule_cls(stage, a.microbatches, loss_fn=loss_fn, scale_grads=False)
     optimizer = job.optimizer(module.parameters())
     params, base_lrs = list(module.parameters()), [float(g["lr"]) for g in optimizer.param_groups]

@@ -264,8 +264,14 @@ def write_report(text: str, result: dict[str, Any], out: Path) -> None:
 def close_on_sigterm() -> None:
     """Make SIGTERM (a `timeout`, a CI runner's cancel, `kill`) unwind the script as Ctrl-C does, exit
     status 143: every `with` block on the way out closes what it holds (a job's processes, network
-    namespaces, a CPU cgroup). By default SIGTERM ends Python at once and leaves them behind."""
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    namespaces, a CPU cgroup). By default SIGTERM ends Python at once and leaves them behind. A
+    second SIGTERM (a runner that repeats it) is ignored, so that it cannot cut the closing short."""
+
+    def unwind(*_: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        sys.exit(143)
+
+    signal.signal(signal.SIGTERM, unwind)
 
 
 def kill_and_reap(procs: Iterable[subprocess.Popen[Any]]) -> None:
