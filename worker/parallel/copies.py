@@ -117,10 +117,13 @@ class Copies:
         self._incoming = ([(pg.recv([buf], src, _tag(dtype)), buf) for dtype, buf in inbox.items()], inbox)
 
     def finish(self, named_grads: Iterable[tuple[torch.Tensor, torch.Tensor | None]], members: Sequence[str],
-               pg: Any, wait: Wait, device: torch.device) -> None:
+               pg: Any, wait: Wait, device: torch.device, *, also: Sequence[tuple[Any, torch.Tensor]] = ()) -> None:
         """The rest of the exchange: the deferred update of the last step applied (its gradients
-        are about to be replaced), this member's gradient slices sent, the source's received."""
+        are about to be replaced), this member's gradient slices sent, the source's received.
+        `also`: other ops of the step (a stage's last sends) waited for in the same wait."""
         if self.keeper is None and self.source is None:
+            if also:
+                wait(AllOf(list(also)), None)
             return
         self.flush()
         mine: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -141,7 +144,7 @@ class Copies:
         self.receive(members, pg, device)  # (where it was not posted earlier in the step)
         incoming, self._incoming = self._incoming, None
         inbox = incoming[1] if incoming is not None else {}
-        wait(AllOf([*works, *(incoming[0] if incoming is not None else [])]), None)  # (one hand-off)
+        wait(AllOf([*also, *works, *(incoming[0] if incoming is not None else [])]), None)  # (one hand-off)
         self.outbox = outbox
         copy = self.copy
         if copy is not None:

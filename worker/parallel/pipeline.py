@@ -80,14 +80,16 @@ class StageStep:
         return self.stage == self.stages - 1
 
 
-def one_f_one_b(s: StageStep) -> torch.Tensor:
+def one_f_one_b(s: StageStep, in_flight: list[tuple[Any, torch.Tensor]] | None = None) -> torch.Tensor:
     """Run this stage's part of one step; returns the sum of the micro-batches' losses on the last
-    stage (0 elsewhere), on the device. Gradients accumulate into the module's parameters."""
+    stage (0 elsewhere), on the device. Gradients accumulate into the module's parameters. The
+    step's sends are waited for at its end, or, given `in_flight`, left there (with their tensors)
+    for the caller to wait for with its own next wait: one hand-off fewer a step."""
     m = len(s.sizes)
     warmup = min(s.stages - s.stage - 1, m)
     held: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}  # micro-batch -> (its input, output or loss)
     loss_sum = torch.zeros((), dtype=torch.float32, device=s.device)
-    sent: list[tuple[Any, torch.Tensor]] = []  # sends in flight, with their tensors
+    sent: list[tuple[Any, torch.Tensor]] = [] if in_flight is None else in_flight  # sends in flight, with their tensors
     forwards = backwards = 0
     for _ in range(warmup):
         held[forwards] = _forward(s, forwards, sent)
@@ -101,7 +103,7 @@ def one_f_one_b(s: StageStep) -> torch.Tensor:
             loss_sum = loss_sum + out.detach().float() * s.global_batch
         _backward(s, backwards, inp, out, sent)
         backwards += 1
-    if sent:
+    if sent and in_flight is None:
         s.wait(AllOf(sent), None)  # (one hand-off for every send of the step)
     return loss_sum
 

@@ -329,9 +329,13 @@ class StageExecutor(Executor):
                         loss=job.loss, global_batch=G, weights=[1.0 if n else 0.0 for n in sizes])
         t.computing = g.epoch  # (a send that fails with its peer is the loop's Superseded: `Trainer._train_step`)
         cpu0 = time.thread_time()
+        sends: list[tuple[Any, torch.Tensor]] = []  # the 1F1B's sends in flight: waited for with the copies'
         try:
             pause(t, g, "forward")  # (before its first forward: its neighbours wait for it point to point)
-            loss_sum = one_f_one_b(run)
+            loss_sum = one_f_one_b(run, sends)
+        except BaseException:
+            comm.outlive(g.pg, sends)  # (given up: never waited for here, their buffers held till they end)
+            raise
         finally:
             t.computing = 0
         # This stage's compute, reported as the whole model's for these samples (the coordinator reads
@@ -340,23 +344,27 @@ class StageExecutor(Executor):
         waited[0] += self._collectives_s()  # (FSDP2's, where it also waited for its slowest shard: communication)
         busy = time.perf_counter() - t0 - waited[0] - chores[0]
         compute_s = busy / self.fraction
-        factor = t.agent.slowdown
-        if factor > 1.0 and len(ids):  # the --slowdown test knob: this stage's compute stretched (the
-            # pipeline waits for it at its next step's boundaries, as for a slow device). On the CPU
-            # its compute is its thread's CPU time, which other processes on the same cores do not
-            # inflate (the wall time less waits does), so the stretch is the same on a loaded machine.
-            own = busy if t.device.type == "cuda" else time.thread_time() - cpu0 - chores_cpu[0]
-            sleep(t, g, (factor - 1.0) * own)
-            compute_s += (factor - 1.0) * own / self.fraction
-        pause(t, g, "backward")
-        if self.replicas is not None:
-            t_sum = time.perf_counter()
-            self._sum_over_replicas(t, g)
-            waited[0] += time.perf_counter() - t_sum
+        try:
+            factor = t.agent.slowdown
+            if factor > 1.0 and len(ids):  # the --slowdown test knob: this stage's compute stretched (the
+                # pipeline waits for it at its next step's boundaries, as for a slow device). On the CPU
+                # its compute is its thread's CPU time, which other processes on the same cores do not
+                # inflate (the wall time less waits does), so the stretch is the same on a loaded machine.
+                own = busy if t.device.type == "cuda" else time.thread_time() - cpu0 - chores_cpu[0]
+                sleep(t, g, (factor - 1.0) * own)
+                compute_s += (factor - 1.0) * own / self.fraction
+            pause(t, g, "backward")
+            if self.replicas is not None:
+                t_sum = time.perf_counter()
+                self._sum_over_replicas(t, g)
+                waited[0] += time.perf_counter() - t_sum
+        except BaseException:
+            comm.outlive(g.pg, sends)
+            raise
         # Every member gets its copy's gradients (its source's stage): from here on the step may be
-        # rolled forward.
+        # rolled forward. (The 1F1B's last sends complete in the same wait.)
         t_copies = time.perf_counter()
-        self.copies.finish(self._grads_to_copy(), g.members, g.pg, wait, t.device)
+        self.copies.finish(self._grads_to_copy(), g.members, g.pg, wait, t.device, also=sends)
         self.redundancy_s = time.perf_counter() - t_copies + chores[0]
         pause(t, g, "exchange")
         self.pending = True
