@@ -5,7 +5,7 @@
 # (or `ctl.py slowdown NAME 3` while it runs) and watch the planner find it and move its share.
 # The pause changes timing only, never the mathematics.
 #
-#   job       global batch 64, 400 steps, 1.5 ms a sample (the fault tests: ~35 ms a step on 3 workers)
+#   job       global batch 64, 250 steps, 1.5 ms a sample (the fault tests: ~35 ms a step on 3 workers)
 #   long_job  global batch 240, 100,000 steps, 1 ms a sample (benchmarks; stop it with ctl stop)
 #
 # Run it: coordinator --bind tcp://127.0.0.1:5555 --job examples/paced.py:job
@@ -52,7 +52,7 @@ def sum_mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def job() -> Job:
     return Job(model=functools.partial(Paced, 0.0015), optimizer=adam, dataset=dataset(), loss=sum_mse,
-               global_batch=64, num_steps=400, seed=7, description="paced MLP (fault tests)")
+               global_batch=64, num_steps=250, seed=7, description="paced MLP (fault tests)")
 
 
 def long_job() -> Job:

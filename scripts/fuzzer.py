@@ -349,7 +349,14 @@ def _dealer_outcome(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, keys: Cl
         sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
     try:
         sock.connect(endpoint)
-        sock.send(payload, zmq.NOBLOCK)
+        try:  # (queued at once as a rule; seen once under load: EAGAIN, no pipe yet. The monitor tells the outcome.)
+            sock.send(payload, zmq.NOBLOCK)
+        except zmq.Again:
+            sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+            try:
+                sock.send(payload)
+            except zmq.Again:
+                pass
         deadline = time.monotonic() + timeout_s
         handshaken = False
         while (left := deadline - time.monotonic()) > 0:

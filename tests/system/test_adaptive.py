@@ -15,7 +15,7 @@ import pytest
 from localjob import LocalJob
 
 JOB = f"{Path(__file__).resolve().parents[2] / 'examples' / 'paced.py'}:job"
-NUM_STEPS = 400
+NUM_STEPS = 250  # (examples/paced.py:job's)
 GLOBAL_BATCH = 64
 
 pytestmark = pytest.mark.timeout(240)

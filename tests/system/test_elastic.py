@@ -17,7 +17,7 @@ import pytest
 from localjob import LocalJob
 
 JOB = f"{Path(__file__).resolve().parents[2] / 'examples' / 'paced.py'}:job"
-NUM_STEPS = 400
+NUM_STEPS = 250  # (examples/paced.py:job's)
 
 pytestmark = pytest.mark.timeout(240)
 

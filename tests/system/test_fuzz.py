@@ -20,7 +20,7 @@ from conftest import PACED_JOB
 from fuzzer import FuzzReport, fuzz_socket, seed_from_env
 from localjob import LocalJob
 
-NUM_STEPS = 400
+NUM_STEPS = 250  # (examples/paced.py:job's)
 MESSAGES = 10_000
 CONNECTIONS = 120
 
@@ -33,7 +33,7 @@ def test_fuzz_every_socket_while_training(tmp_path: Path, undisturbed: dict[int,
     with LocalJob(PACED_JOB, tmp_path, min_workers=3, coordinator_args=["--planner", "even"]) as job:
         job.start()
         for name in ("w1", "w2", "w3"):
-            job.add_worker(name, "--slowdown", "3", "--digest-every", str(NUM_STEPS))
+            job.add_worker(name, "--slowdown", "6", "--digest-every", str(NUM_STEPS))  # (full speed after the fuzzing)
         job.wait_step(10, 120)
         assert job.ctl("status")["refused_total"] == 0
 
@@ -72,6 +72,8 @@ def test_fuzz_every_socket_while_training(tmp_path: Path, undisturbed: dict[int,
                 break
             time.sleep(0.5)
         assert refused == dict(expected), f"seed {seed}: counted {refused}, expected {dict(expected)}"
+        for name in ("w1", "w2", "w3"):  # (the stretch only kept training going under the fuzzing)
+            assert job.ctl("slowdown", name, "1")["factor"] == 1.0
 
         assert job.wait_coordinator(240) == 0, job.tail("coordinator.out")
         assert job.wait_workers(30) == {"w1": 0, "w2": 0, "w3": 0}

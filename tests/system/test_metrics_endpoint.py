@@ -132,7 +132,7 @@ def test_metrics_endpoint_and_report_match_the_event_log(tmp_path: Path) -> None
                           str(tmp_path / "state" / "events.jsonl"), "--plot", str(finished_png)],
                          capture_output=True, text=True, timeout=120, cwd=Path(SCRIPTS.anchor))
     assert out.returncode == 0, out.stderr
-    assert f"plot written to {finished_png}" in out.stdout and "400 committed steps" in out.stdout
+    assert f"plot written to {finished_png}" in out.stdout and "250 committed steps" in out.stdout
     data = finished_png.read_bytes()
     assert data.startswith(PNG) and len(data) > 10_000
 

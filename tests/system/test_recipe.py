@@ -9,6 +9,7 @@ group): the schedule is a pure function of the step and the norm is the full glo
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -28,10 +29,24 @@ NUM_STEPS = 40
 FIELDS = ("loss", "lr", "grad_norm")
 
 
+_SINGLE: dict[tuple[str, str], tuple[dict[int, dict[str, float]], Any, Any]] = {}
+
+
 def single_process(keep: dict[str, Any] | None = None, job_file: Path = GPT,
                    function: str = "job_short") -> dict[int, dict[str, float]]:
     """The recipe (`function` of `job_file`) in one process, step by step (1-based, like the `step`
-    events); `keep` receives the trained model."""
+    events); `keep` receives the trained model (a copy of its own). Computed once per job a session:
+    a reference never changes, and some thirty tests compare against the same one."""
+    key = (str(job_file), function)
+    if key not in _SINGLE:
+        _SINGLE[key] = _single_process(job_file, function)
+    out, model, job = _SINGLE[key]
+    if keep is not None:
+        keep.update(model=copy.deepcopy(model), job=job)
+    return {step: dict(fields) for step, fields in out.items()}
+
+
+def _single_process(job_file: Path, function: str) -> tuple[dict[int, dict[str, float]], Any, Any]:
     job = load_job(job_file.read_text(), function, filename=str(job_file))
     torch.manual_seed(job.seed)
     model = job.model()
@@ -54,9 +69,7 @@ def single_process(keep: dict[str, Any] | None = None, job_file: Path = GPT,
             group["lr"] = b * job.lr_multiplier(k)
         opt.step()
         out[k + 1] = {"loss": loss.item() / job.global_batch, "lr": opt.param_groups[0]["lr"], "grad_norm": norm}
-    if keep is not None:
-        keep.update(model=model, job=job)
-    return out
+    return out, model, job
 
 
 def _gap(run: dict[int, dict[str, float]], ref: dict[int, dict[str, float]]) -> dict[str, float]:
