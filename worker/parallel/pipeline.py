@@ -15,8 +15,9 @@ Every boundary tensor is preceded by a small header (its dimensions), so a stage
 nothing of its neighbours' shapes; tags keep a micro-batch's activation and gradient apart. A
 receive is one wait (`Incoming`: the header, then the tensor it announces, in the waiting thread),
 and the sends are waited for once, together, at the end of the step (their tensors kept until
-then): a send can complete only once its receiver has posted the matching receive, and in 1F1B two
-neighbours send to each other at once (an activation forward, a gradient back). Each wait is a
+then), or by the caller with its own next wait (the pipeline executor waits for them with the
+copies' exchange): a send can complete only once its receiver has posted the matching receive, and
+in 1F1B two neighbours send to each other at once (an activation forward, a gradient back). Each wait is a
 hand-off to the thread that can be walked away from (`worker.comm.Waiter`), so they are few: about
 one per micro-batch and direction.
 
