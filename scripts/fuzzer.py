@@ -349,7 +349,7 @@ def _dealer_outcome(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, keys: Cl
         sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
     try:
         sock.connect(endpoint)
-        try:  # (queued at once as a rule; seen once under load: EAGAIN, no pipe yet. The monitor tells the outcome.)
+        try:  # (queued at once as a rule; once, in a loaded suite, EAGAIN: then up to the timeout. The monitor tells the outcome.)
             sock.send(payload, zmq.NOBLOCK)
         except zmq.Again:
             sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))

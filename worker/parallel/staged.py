@@ -327,24 +327,21 @@ class StageExecutor(Executor):
                         inputs=[job.dataset[c][0] for c in chunks] if before is None else (),
                         targets=[job.dataset[c][1] for c in chunks] if after is None else (),
                         loss=job.loss, global_batch=G, weights=[1.0 if n else 0.0 for n in sizes])
-        t.computing = g.epoch  # (a send that fails with its peer is the loop's Superseded: `Trainer._train_step`)
-        cpu0 = time.thread_time()
         sends: list[tuple[Any, torch.Tensor]] = []  # the 1F1B's sends in flight: waited for with the copies'
         try:
-            pause(t, g, "forward")  # (before its first forward: its neighbours wait for it point to point)
-            loss_sum = one_f_one_b(run, sends)
-        except BaseException:
-            comm.outlive(g.pg, sends)  # (given up: never waited for here, their buffers held till they end)
-            raise
-        finally:
-            t.computing = 0
-        # This stage's compute, reported as the whole model's for these samples (the coordinator reads
-        # a member's speed in whole-model samples/s): the stage's time less its waits, over its units'
-        # share of the model's FLOPs.
-        waited[0] += self._collectives_s()  # (FSDP2's, where it also waited for its slowest shard: communication)
-        busy = time.perf_counter() - t0 - waited[0] - chores[0]
-        compute_s = busy / self.fraction
-        try:
+            t.computing = g.epoch  # (a send that fails with its peer is the loop's Superseded: `Trainer._train_step`)
+            cpu0 = time.thread_time()
+            try:
+                pause(t, g, "forward")  # (before its first forward: its neighbours wait for it point to point)
+                loss_sum = one_f_one_b(run, sends)
+            finally:
+                t.computing = 0
+            # This stage's compute, reported as the whole model's for these samples (the coordinator reads
+            # a member's speed in whole-model samples/s): the stage's time less its waits, over its units'
+            # share of the model's FLOPs.
+            waited[0] += self._collectives_s()  # (FSDP2's, where it also waited for its slowest shard: communication)
+            busy = time.perf_counter() - t0 - waited[0] - chores[0]
+            compute_s = busy / self.fraction
             factor = t.agent.slowdown
             if factor > 1.0 and len(ids):  # the --slowdown test knob: this stage's compute stretched (the
                 # pipeline waits for it at its next step's boundaries, as for a slow device). On the CPU
@@ -359,7 +356,7 @@ class StageExecutor(Executor):
                 self._sum_over_replicas(t, g)
                 waited[0] += time.perf_counter() - t_sum
         except BaseException:
-            comm.outlive(g.pg, sends)
+            comm.outlive(g.pg, sends)  # (the step given up before their wait: held till they end, never waited for)
             raise
         # Every member gets its copy's gradients (its source's stage): from here on the step may be
         # rolled forward. (The 1F1B's last sends complete in the same wait.)
