@@ -327,7 +327,7 @@ class StageExecutor(Executor):
                         inputs=[job.dataset[c][0] for c in chunks] if before is None else (),
                         targets=[job.dataset[c][1] for c in chunks] if after is None else (),
                         loss=job.loss, global_batch=G, weights=[1.0 if n else 0.0 for n in sizes])
-        sends: list[tuple[Any, torch.Tensor]] = []  # the 1F1B's sends in flight: waited for with the copies'
+        sends: list[tuple[Any, torch.Tensor]] = []  # the 1F1B's sends in flight: waited for with the copies' exchange
         try:
             t.computing = g.epoch  # (a send that fails with its peer is the loop's Superseded: `Trainer._train_step`)
             cpu0 = time.thread_time()
