@@ -289,12 +289,17 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
     if settled:  # (an epoch's entry stretches its first steps: never fitted)
         plan = state.plan if r.epoch == state.epoch else None
         overhead = measured_overhead(plan, r.step_s, r.compute_s, r.comm_s)
+        # (a measured member's baseline steps wait for the watch: `Cluster.with_measurement`'s hold)
+        hold = baselining and tracker is not None and r.name in tracker.measured_members
         cluster = cluster.with_measurement(r.name, *per_pass(plan, cluster, r.name, r.samples, r.compute_s),
-                                           overhead_s=overhead, load=load, kind=layout_kind, efficiency=efficiency)
+                                           overhead_s=overhead, load=load, kind=layout_kind, efficiency=efficiency,
+                                           hold=hold)
     effects: list[Effect] = []
     changes: list[str] = []
+    step_done = False  # every member's report of r.step is in
     if tracker is not None:
         tracker, findings = steps.observe(tracker, r)
+        step_done = any(isinstance(f, steps.Measured) for f in findings)
         for f in findings:
             match f:
                 case steps.Measured(ranks=ranks, comm_s=comm_s, settled=True) if (
@@ -314,18 +319,37 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
                         state = replace(state, links_checked=True,
                                         changed=(*state.changed, "the measured links between hosts")[-8:])
                 case steps.SpeedChange(name=name, kind=kind, speed=speed, expected=expected, recent=recent):
-                    changes.append(kind)
-                    if kind != "calibration":  # (a calibration's measurements are the model already)
-                        plan = state.plan if tracker.epoch == state.epoch else None
-                        cluster = cluster.with_speed_change(
-                            name, tuple(per_pass(plan, cluster, name, s, t) for s, t in recent), load=load,
-                            kind=layout_kind)
+                    plan = state.plan if tracker.epoch == state.epoch else None
+                    passes = tuple(per_pass(plan, cluster, name, s, t) for s, t in recent)
+                    # A calibration of a member measured before this epoch: the model was right
+                    # a moment ago. At about the share it was measured at, the device changed speed
+                    # around the switch (a change that began in the last epoch's final steps, too
+                    # few to be found there); at a share far from it, it did, or the model
+                    # extrapolated (`replan`'s EXTRAPOLATED_GAIN). Either way its baseline is its
+                    # speed at this share now. (An unmeasured member's steps are its first
+                    # measurements: already the model.)
+                    measured_before = kind == "calibration" and name in tracker.measured_members
+                    if measured_before:
+                        known = _at_known_share(cluster, name, passes[-1][0])
+                        changes.append("calibration (known share)" if known else "calibration (far share)")
+                    else:
+                        changes.append(kind)
+                    if kind != "calibration" or measured_before:
+                        cluster = cluster.with_speed_change(name, passes, load=load, kind=layout_kind)
+                    if kind != "calibration":
                         effects.append(Log(kind, {"worker": name, "speed": round(speed, 3),
                                                   "expected": round(expected, 3), "step": r.step}))
                     verb = "measured" if kind == "calibration" else "now"
                     changed = f"{name} {verb} {speed:.3g} samples/s, expected {expected:.3g} ({kind})"
                     state = replace(state, changed=(*state.changed, changed)[-8:])
     state = replace(state, cluster=cluster, tracker=tracker)
+    if changes and not step_done and tracker is not None and tracker.epoch == r.epoch:
+        # The rest of this step's reports are still to come: a re-plan now would start an epoch in
+        # which they count for nothing, and a change they show (two members set back to full speed
+        # together) would be found only an epoch later, after a plan made without it.
+        state, changes = replace(state, changes_waiting=(*state.changes_waiting, *changes)), []
+    elif step_done and state.changes_waiting:
+        state, changes = replace(state, changes_waiting=()), [*state.changes_waiting, *changes]
     if r.step > state.last_step or r.step in state.unlogged:
         # A step not logged yet: the next one, or one of a gap (reports sent again to a restarted
         # coordinator arrive from every member at once, a later step of one before earlier ones of another).
@@ -357,15 +381,31 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
         # neighbours' steps show meanwhile is that, not a change of theirs.
         changes = []
     if calm and changes and set(changes) <= {"calibration"} and not state.calibrating:
-        # Every member was measured when this plan was made: a baseline off the prediction is the
-        # model's noise (already folded into the estimates), not news worth a re-plan. A lasting
-        # change (straggler, recovered, contention) still re-plans.
+        # Every member was measured or has a measured twin when this plan was made: a newcomer's
+        # first steps off a twin's speed are folded into the estimates, not news worth a re-plan.
+        # A lasting change (straggler, recovered, contention), or a measured member's speed moved
+        # at the switch, still re-plans (and the pay-off rule weighs it).
         changes = []
     if changes and not state.finished:
+        extrapolated = set(changes) <= {"calibration", "calibration (far share)"} and "calibration (far share)" in changes
+        changes = [c.split(" (")[0] for c in changes]
         reason = min(changes, key=("straggler", "recovered", "contention", "calibration", "links").index)
-        state, more = replan(state, config, reason, abort=False, now=now)
+        state, more = replan(state, config, reason, abort=False, now=now, extrapolated=extrapolated)
         effects += more
     return state, effects
+
+
+KNOWN_SHARE = 1.1  # a share within this factor of the one a device was last measured at is known to its model
+
+
+def _at_known_share(cluster: Cluster, name: str, samples: int) -> bool:
+    """Whether `samples` is within KNOWN_SHARE of the share `name` was measured at before its
+    newest steps (those at `samples`): where its model was right, not extrapolated."""
+    device = cluster.devices.get(name)
+    if device is None:
+        return False
+    other = [n for n, _ in device.compute_window if n != samples]
+    return not other or max(samples, other[-1]) <= KNOWN_SHARE * min(samples, other[-1])
 
 
 LINKS_MOVED = 0.25  # a plan's step re-predicted with the measured links this far off its prediction re-plans
@@ -455,7 +495,8 @@ def _recovered(state: State, config: Config, now: float) -> Result:
     kind = kind_key(plan.pp, plan.dp_shard, plan.tp)
     tracker = steps.start(state.epoch, plan.members, plan.predicted_step_s, reported_compute(plan, state.graph),
                           hosts, loads={h: state.cluster.load(h, back) for h in set(hosts.values())},
-                          legacy=config.stability != "calm", kind=kind, efficiency=state.cluster.efficiency_of(kind))
+                          legacy=config.stability != "calm", kind=kind, efficiency=state.cluster.efficiency_of(kind),
+                          learns=kind != state.cluster.unit_kind, kind_known=state.cluster.efficiency_known(kind))
     was_pending = (not set(plan.members) <= state.recovered_acked  # not in place everywhere at the crash
                    or any(state.workers[n].epoch != state.epoch for n in back))
     state = replace(state, plan=plan, acked=frozenset(back) & state.recovered_acked if was_pending else frozenset(back),

@@ -31,6 +31,7 @@ and after a planned change lands with another one waiting. It
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import replace
 from typing import NamedTuple
@@ -44,12 +45,19 @@ from transport import MeshLayout, PlanDelta
 
 GAIN_REASONS = ("straggler", "recovered", "contention", "calibration", "links")  # re-plans that must pay for themselves
 MIN_REL_GAIN = 0.03  # ... by at least this fraction of the step
+# A measured member that misses its prediction at a share far from any it was measured at may have
+# changed speed, or the model extrapolated (on shared cores that can miss by 2x, and a re-plan on it
+# moves the shares and misses again): a new plan must gain this much of the step.
+EXTRAPOLATED_GAIN = 0.2
 NOISE_WINDOW = 32  # measured steps the epoch's step-time noise is taken over
 ABANDON_MARGIN = 0.8  # a join abandons the step in flight only within 80% of where it starts to pay
 
 
-def replan(state: State, config: Config, reason: str, *, abort: bool, now: float) -> Result:
-    """Make a new plan if one is due, and send it as a new epoch."""
+def replan(state: State, config: Config, reason: str, *, abort: bool, now: float,
+           extrapolated: bool = False) -> Result:
+    """Make a new plan if one is due, and send it as a new epoch. `extrapolated`: the speeds that
+    ask for it were measured at shares far from those the model knew (a new plan must then gain
+    EXTRAPOLATED_GAIN of the step)."""
     if state.finished or state.stopping:
         return state, []
     if not abort and state.pending:
@@ -138,7 +146,7 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
     reorders = (reason == "join" and state.plan is not None and state.resume is None
                 and set(new.members) == set(state.plan.members))
     if calm and not abort and (reason in GAIN_REASONS or reorders) and state.plan is not None:
-        verdict = _worth_it(state, new, result, horizon)
+        verdict = _worth_it(state, new, result, horizon, extrapolated)
         if not verdict.switch:  # the current plan stays, and so does its standby (and the newcomer's)
             kept_state = _keep(state, verdict.detail)
             if reorders:
@@ -179,12 +187,13 @@ def replan(state: State, config: Config, reason: str, *, abort: bool, now: float
     kind = kind_key(new.pp, new.dp_shard, new.tp)
     tracker = steps.start(epoch, new.members, new.predicted_step_s, reported_compute(new, state.graph), hosts,
                           loads=loads, measured=measured, legacy=not calm, kind=kind,
-                          efficiency=state.cluster.efficiency_of(kind))
+                          efficiency=state.cluster.efficiency_of(kind),
+                          learns=kind != state.cluster.unit_kind, kind_known=state.cluster.efficiency_known(kind))
     state = replace(state, slices_possible=from_sharded or not new.layout.whole_replicas)
     state = replace(state, workers=workers, delta=delta, epoch=epoch, plan=new, result=result, tracker=tracker,
                     acked=frozenset(), reshard_bytes=0, reshard_s=0.0, reshard_largest_sender=0, running=frozenset(holders),
                     changed=(), abandon_if_missed=if_missed, planned_at=now,
-                    kept=None, calibrating=guessed, links_checked=False,
+                    kept=None, calibrating=guessed, links_checked=False, changes_waiting=(),
                     replan_wanted=f"{handoff} handed off" if handoff else None)
     return state, [*said, Planned(result, epoch, reason, abandons_step=abandons), *benched,
                    *(Send(n, delta) for n in recipients)]
@@ -257,7 +266,7 @@ class Verdict(NamedTuple):
     detail: str  # what the switch gains, or why it is not worth one
 
 
-def _worth_it(state: State, new: Plan, result: PlanResult, horizon: int) -> Verdict:
+def _worth_it(state: State, new: Plan, result: PlanResult, horizon: int, extrapolated: bool = False) -> Verdict:
     """Whether `new` pays for a switch from the current plan."""
     current = state.plan
     assert current is not None
@@ -279,6 +288,8 @@ def _worth_it(state: State, new: Plan, result: PlanResult, horizon: int) -> Verd
     need = MIN_REL_GAIN if state.calibrating else max(MIN_REL_GAIN, 2 * noise)
     cost = state.cluster.switch_s() + state.cluster.move_s(result.moved_bytes)
     rule = "3%: the plan rests on a guess" if state.calibrating else f"3% or twice the measured noise {noise:.1%}"
+    if extrapolated and EXTRAPOLATED_GAIN > need:
+        need, rule = EXTRAPOLATED_GAIN, f"{EXTRAPOLATED_GAIN:.0%}: a member missed its prediction at a share far from those measured"
     numbers = (f"predicted {now_s * 1e3:.1f} -> {new.predicted_step_s * 1e3:.1f} ms/step ({gain / now_s:+.1%} of "
                f"the step; needed {need:.1%}: {rule}), switch cost "
                f"{cost * 1e3:.0f} ms against {max(gain, 0.0) * horizon * 1e3:.0f} ms gained over {horizon} steps")
@@ -294,14 +305,17 @@ def _current_step_s(state: State, current: Plan) -> float | None:
 
 
 def _noise(state: State) -> float:
-    """Relative spread of the current epoch's measured step times (median absolute deviation over
-    the median); 0 before a few steps are measured."""
+    """Relative spread of the current epoch's measured step times; 0 before a few steps are
+    measured. From one step to the next (the median of |change| / the step before, over √2: for
+    steady noise the same as the median absolute deviation over the median): a kept plan's epoch
+    goes on through the speed changes it kept, and the spread around one median of steps at two
+    levels is their gap, not noise (a 3x straggler once needed a 60% gain to re-plan)."""
     t = state.tracker
     if t is None or t.epoch != state.epoch or len(t.measured) < 4:
         return 0.0
     recent = t.measured[-NOISE_WINDOW:]
-    mid = statistics.median(recent)
-    return statistics.median(abs(x - mid) for x in recent) / mid if mid > 0 else 0.0
+    changes = [abs(b - a) / a for a, b in zip(recent, recent[1:]) if a > 0]
+    return statistics.median(changes) / math.sqrt(2) if changes else 0.0
 
 
 def _keep(state: State, why: str) -> State:

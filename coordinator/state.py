@@ -100,6 +100,7 @@ class State:
     kept: str | None = None  # why the latest re-plan that found a better plan kept the current one
     calibrating: bool = True  # the latest plan rests on a guess for some member (not measured yet)
     links_checked: bool = False  # the latest plan's step was re-predicted with the links it measured (`links`)
+    changes_waiting: tuple[str, ...] = ()  # speed changes found in a step whose other reports are still to come
     saves: frozenset[str] = frozenset()  # `ctl save` paths asked for and not yet answered (saved or failed)
     last_step: int = 0  # highest step reported (and logged)
     last_step_at: float = 0.0  # when its first report arrived (the members then began the next step)

@@ -30,7 +30,11 @@ Pure, like membership: `observe(tracker, report) -> (tracker, findings)`, no clo
   this layout kind computes against the cost model's units: of the epoch's latest `RATIO_WINDOW` such
   ratios, each member's median, and the median of those (of an even count's two middle ones, the
   one nearer 1: `common_ratio`), times the efficiency the plan was predicted with, is the kind's
-  efficiency (`efficiency_of_kind`, from `RATIO_MIN` ratios on; `plan.cluster`'s layout kinds). A
+  efficiency (`efficiency_of_kind`, from `RATIO_MIN` ratios on; `plan.cluster`'s layout kinds). The
+  fits' own kind (`Cluster.unit_kind`) learns nothing, and a kind already known learns only from
+  ratios within `FAR_OFF`: a member that far off a prediction that knew the kind changed speed
+  itself (the watch reports it), and two of three members recovering at one switch are no layout
+  effect, though they are the median. A
   kind's effect is common to its members: a member slower than the rest from the epoch's start (a
   straggler landing on a switch) does not move it, where a plain median of two members would take
   half its slowdown for the layout's (and fit every member faster by as much). Only the epoch's
@@ -125,16 +129,21 @@ class Tracker:
     efficiency: float = 1.0  # the kind's efficiency the plan was predicted with
     planned: dict[str, float] = field(default_factory=dict)  # member -> its predicted compute seconds
     ratios: tuple[tuple[str, float], ...] = ()  # (member, settled compute / planned) of measured members, newest last
+    learns: bool = True  # whether this epoch teaches its kind's efficiency (not the fits' own kind)
+    kind_known: bool = False  # the kind's efficiency was known when the plan was predicted
 
 
 def start(epoch: int, members: tuple[str, ...], predicted_step_s: float | None,
           compute: dict[str, float], hosts: dict[str, str] | None = None, *,
           loads: dict[str, float] | None = None, measured: frozenset[str] = frozenset(),
-          legacy: bool = False, kind: str = "dp", efficiency: float = 1.0) -> Tracker:
+          legacy: bool = False, kind: str = "dp", efficiency: float = 1.0, learns: bool = True,
+          kind_known: bool = False) -> Tracker:
     """A tracker for a new epoch; `compute` maps a member to its predicted compute seconds, `hosts`
     a member to its host, `loads` a host to its load in this epoch (what its members' measurements
     are taken under), `measured` the members whose prediction rests on their own measured steps,
-    `kind` and `efficiency` the plan's layout kind and the efficiency it was predicted with.
+    `kind` and `efficiency` the plan's layout kind and the efficiency it was predicted with, `learns`
+    whether the epoch teaches that efficiency (not for the fits' own kind) and `kind_known` whether
+    it was known already (learned, or the fits' kind).
     `legacy`: the detector before #9 (STREAK slow steps in a row, no contention), kept as a
     baseline for benchmarks."""
     watches = {n: Watch(expected_s=c) for n, c in compute.items() if c > 0}
@@ -143,7 +152,7 @@ def start(epoch: int, members: tuple[str, ...], predicted_step_s: float | None,
                    hosts={} if legacy else dict(hosts or {}), loads={} if legacy else dict(loads or {}),
                    window=window, votes=votes, baseline=baseline, noise_k=noise_k,
                    measured_members=frozenset() if legacy else measured, kind=kind, efficiency=efficiency,
-                   planned={n: c for n, c in compute.items() if c > 0})
+                   planned={n: c for n, c in compute.items() if c > 0}, learns=learns, kind_known=kind_known)
 
 
 def observe(t: Tracker, r: StepReport) -> tuple[Tracker, list[Finding]]:
@@ -190,9 +199,13 @@ def efficiency_of_kind(t: Tracker, r: StepReport) -> tuple[Tracker, float | None
     plan's layout kind's efficiency they give so far (None: `r` says nothing of it), and whether
     they are enough to learn it (see the module comment)."""
     planned = t.planned.get(r.name, 0.0)
-    if r.epoch != t.epoch or r.name not in t.measured_members or planned <= 0 or r.samples <= 0 or r.compute_s <= 0:
+    if (not t.learns or r.epoch != t.epoch or r.name not in t.measured_members or planned <= 0 or r.samples <= 0
+            or r.compute_s <= 0):
         return t, None, False
-    t = replace(t, ratios=(*t.ratios, (r.name, r.compute_s / planned))[-RATIO_WINDOW:])
+    ratio = r.compute_s / planned
+    if t.kind_known and not 1 / FAR_OFF < ratio < FAR_OFF:
+        return t, None, False  # (this member changed speed: its watch says so)
+    t = replace(t, ratios=(*t.ratios, (r.name, ratio))[-RATIO_WINDOW:])
     enough = len(t.ratios) >= min(RATIO_WINDOW, max(RATIO_MIN, len(t.measured_members)))
     return t, t.efficiency * common_ratio(t.ratios), enough
 
@@ -246,9 +259,15 @@ def _watch(w: Watch, name: str, samples: int, compute_s: float, t: Tracker) -> t
 
 
 def _baseline(recent: tuple[tuple[int, float], ...], t: Tracker) -> Watch:
-    """A member's new baseline from `recent` steps: their median, and a band that covers their noise."""
+    """A member's new baseline from `recent` steps: their median, and a band that covers their noise:
+    their spread from one step to the next (the median of |change| / the step before, over √2: for
+    steady noise the median absolute deviation over the median). Not around their median: a change
+    of speed inside the baseline's steps is a gap between two levels, not noise, and a band that
+    wide would never see the rest of that change."""
     mid = _median(recent)
-    spread = statistics.median(abs(x - mid) for _, x in recent) / mid if mid > 0 else 0.0
+    times = [x for _, x in recent]
+    jumps = [abs(b - a) / a for a, b in zip(times, times[1:]) if a > 0]
+    spread = statistics.median(jumps) / math.sqrt(2) if jumps else 0.0
     band = min(MAX_BAND, max(THRESHOLD, t.noise_k * spread))
     return Watch(expected_s=mid, band=band, baselined=True, settled=SETTLE)
 

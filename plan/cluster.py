@@ -20,7 +20,10 @@
   idles in the bubble (on shared cores its neighbours then run faster), a tensor-parallel member
   pays DTensor's dispatch, FSDP2 copies into and out of its flat buffers. Each kind (`kind_key`:
   "dp", "fsdp", "pp", "tp", "pp+fsdp", "fsdp+tp", ...) has an *efficiency*: its compute time over the
-  fits' units (1 until the kind has run: the units are those of the first kind measured). Measured
+  fits' units (1 until the kind has run). The units are those of the first kind measured
+  (`unit_kind`), whose efficiency is 1 for good: its steps *are* the fits, and an epoch of it whose
+  members compute faster or slower than predicted has devices that changed speed, never a layout
+  that did (two members of three recovering at one switch once taught "dp" a 4x efficiency). Measured
   compute is divided by its kind's efficiency before it is fitted (`with_measurement`,
   `with_speed_change`), so the fits stay in one unit whatever layout ran; a plan of kind K is
   predicted on `calibrated(K)`, the fits times K's efficiency. The coordinator learns a kind's
@@ -121,6 +124,7 @@ class Cluster:
     migration: TwoTermFit = field(default_factory=_fit(MIGRATION_PRIOR))
     gamma: dict[str, float] = field(default_factory=dict)  # learned contention exponent per host
     efficiency: dict[str, float] = field(default_factory=dict)  # layout kind -> compute time over the fits' units
+    unit_kind: str | None = None  # the layout kind the fits were first measured in (efficiency 1 for good)
     calibrated_as: str | None = field(default=None, compare=False)  # the kind a `calibrated` view is scaled for
     # speeds and fixed costs as computed once (a cluster is never changed: `replace` builds a new one,
     # with an empty memo); the planner asks for them hundreds of times at a thousand devices
@@ -130,10 +134,17 @@ class Cluster:
     # --- layout kinds ----------------------------------------------------------------------------
 
     def efficiency_of(self, kind: str) -> float:
-        return self.efficiency.get(kind, 1.0)
+        return 1.0 if kind == self.unit_kind else self.efficiency.get(kind, 1.0)
+
+    def efficiency_known(self, kind: str) -> bool:
+        """Whether `kind`'s efficiency is known: the fits' own kind, or one learned from an epoch."""
+        return kind == self.unit_kind or kind in self.efficiency
 
     def with_efficiency(self, kind: str, value: float) -> Cluster:
-        """A layout kind's learned efficiency (compute time over the fits' units), within bounds."""
+        """A layout kind's learned efficiency (compute time over the fits' units), within bounds;
+        the fits' own kind stays at 1."""
+        if kind == self.unit_kind:
+            return self
         return replace(self, efficiency={**self.efficiency, kind: _bounded(value)})
 
     def calibrated(self, kind: str) -> Cluster:
@@ -191,27 +202,36 @@ class Cluster:
 
     def with_measurement(self, name: str, samples: int, compute_s: float,
                          overhead_s: float | None = None, load: float = 0.0, kind: str | None = None,
-                         efficiency: float | None = None) -> Cluster:
+                         efficiency: float | None = None, hold: bool = False) -> Cluster:
         """Fold one step's compute time of `samples` samples (and its overhead), measured while its
         host carried `load` (threads per core: `load`; 0 when unknown) in a layout of `kind` (whose
-        efficiency is `efficiency`, default the one learned), into the estimates."""
+        efficiency is `efficiency`, default the one learned), into the estimates. `hold`: into the
+        window only, the fitted speed and fixed part kept (a measured device's first steps at a new
+        share, not yet checked against what the model predicted for it: should its speed have
+        changed at the switch, a line through them and the older share's steps would bend into a
+        false fixed part; `with_speed_change` then replaces the model, else the next step refits)."""
         device = self.devices.get(name)
         if device is None or samples <= 0 or compute_s <= 0:
             return self
-        if kind is not None:
+        if kind is not None and kind != self.unit_kind:
             compute_s /= _bounded(efficiency) if efficiency is not None else self.efficiency_of(kind)
         if device.reports < WARMUP_STEPS and device.samples_per_s is None:
             return self.with_device(replace(device, reports=device.reports + 1))
         cluster = self
+        if kind is not None and self.unit_kind is None:
+            cluster = replace(self, unit_kind=kind)  # the first fitted step: its kind is the fits' unit
         loads = device.load_window
         if device.host_cores > 0 and load > 0:
             loads = (*loads, (load, compute_s / samples))[-LOAD_WINDOW:]
             gamma = _learn_gamma(loads)
             if gamma is not None:
-                cluster = replace(self, gamma={**self.gamma, device.host: gamma})
+                cluster = replace(cluster, gamma={**cluster.gamma, device.host: gamma})
         factor = cluster.factor_at(device, load)
         window = (*device.compute_window, (samples, compute_s / factor))[-COMPUTE_WINDOW:]
-        fixed, per_sample = fit_compute(window, device.compute_fixed_s)
+        if hold and device.samples_per_s:
+            fixed, per_sample = device.compute_fixed_s, 1.0 / device.samples_per_s
+        else:
+            fixed, per_sample = fit_compute(window, device.compute_fixed_s)
         overhead = device.overhead_s
         if overhead_s is not None and overhead_s >= 0:
             first = device.samples_per_s is None
@@ -403,9 +423,10 @@ def fit_compute(window: tuple[tuple[int, float], ...], fixed_before: float) -> t
     """(fixed seconds, seconds per sample) of compute from recent (samples, seconds) observations.
     Once the window holds share sizes at least SHARE_SPREAD apart, seen twice each: a non-negative
     least-squares line through each size's median (medians, not every point: one slow step must
-    not tilt the line), weighted by how often each was seen. (Sizes closer together than that give
-    a slope that noise decides, and a plan that extrapolates it far.) Else the previous fixed part,
-    and the rest per sample."""
+    not tilt the line), weighted by how often each was seen, when both its parts are positive.
+    (Sizes closer together than that give a slope that noise decides, and a plan that extrapolates
+    it far.) Else the previous fixed part, and the rest per sample, of the newest size's steps
+    where no such line exists, of all steps where the sizes are too close."""
     groups: dict[int, list[float]] = {}
     for n, t in window:
         groups.setdefault(n, []).append(t)
@@ -413,7 +434,13 @@ def fit_compute(window: tuple[tuple[int, float], ...], fixed_before: float) -> t
     if len(seen) >= 2 and max(seen) >= SHARE_SPREAD * min(seen):
         obs = tuple(Observation(1.0, float(n), statistics.median(ts)) for n, ts in seen.items() for _ in ts)
         fixed, per_sample = fit_two_terms(obs, (0.0, 0.0))
-        return fixed, max(per_sample, 1.0 / MAX_SPEED)
+        if fixed > 0 and per_sample > 0:
+            return fixed, per_sample
+        # A part clipped at 0: no line with a fixed part and a speed goes through the sizes. The
+        # device changed speed between them (a change not found as one: a re-plan for another
+        # member came first), or noise hides the slope; its newest size's steps say what it does
+        # now. (The line itself could fall: more samples in less time, an infinite speed.)
+        window = tuple(x for x in window if x[0] == window[-1][0])
     fixed = min(fixed_before, min(t for _, t in window))
     per_sample = statistics.median((t - fixed) / n for n, t in window)
     return fixed, max(per_sample, 1.0 / MAX_SPEED)

@@ -301,7 +301,8 @@ def _standby_why(ctx: Ctx, name: str, chosen: Alternative, other: Alternative | 
     replicated) the best layout that uses it (`other`) and both predictions."""
     if whole(chosen.plan):
         why = standby_reason(ctx, name, chosen, kept=kept)
-        return "not in the pinned layout" if pin is not None and not why.startswith(("its memory", "no room")) else why
+        fixed = pin is not None and pin.dp_replicate is not None  # (one that leaves dp free sizes no replica plan)
+        return "not in the pinned layout" if fixed and not why.startswith(("its memory", "no room")) else why
     if pin is not None:
         return "not in the pinned layout"
     if ctx.limits.max_workers is not None and len(chosen.plan.members) >= ctx.limits.max_workers:

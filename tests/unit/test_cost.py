@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -50,9 +51,11 @@ def test_a_layout_kinds_efficiency_scales_its_predictions_and_converts_its_measu
     from plan.cluster import kind_key
 
     assert [kind_key(), kind_key(2), kind_key(dp_shard=4), kind_key(2, 2, 2)] == ["dp", "pp", "fsdp", "pp+fsdp+tp"]
-    c = Cluster().with_device(Device(name="a", host="h", kind="cpu", flops=1e10, memory_bytes=1 << 30,
-                                     samples_per_s=100.0, compute_fixed_s=0.01))
-    c = c.with_efficiency("pp", 2.0).with_efficiency("tp", 100.0)
+    c = Cluster(unit_kind="dp").with_device(Device(name="a", host="h", kind="cpu", flops=1e10,
+                                                   memory_bytes=1 << 30, samples_per_s=100.0, compute_fixed_s=0.01))
+    c = c.with_efficiency("pp", 2.0).with_efficiency("tp", 100.0).with_efficiency("dp", 0.25)
+    assert c.efficiency_of("dp") == 1.0 and c.efficiency_known("dp"), "the fits' own kind stays at 1"
+    assert c.efficiency_known("pp") and not c.efficiency_known("fsdp")
     assert c.efficiency_of("tp") == 4.0 and c.efficiency_of("fsdp") == 1.0, "bounded; unknown kinds at 1"
     pp = c.calibrated("pp")
     assert pp.devices["a"].samples_per_s == 50.0 and pp.devices["a"].compute_fixed_s == 0.02
@@ -65,6 +68,9 @@ def test_a_layout_kinds_efficiency_scales_its_predictions_and_converts_its_measu
         raw = raw.with_measurement("a", 10, 0.2, kind="dp")
         c = c.with_measurement("a", 10, 0.4, kind="pp")
     assert c.devices["a"].compute_window == raw.devices["a"].compute_window
+    first = Cluster().with_device(replace(c.devices["a"], samples_per_s=None, reports=5))
+    assert first.unit_kind is None and first.with_measurement("a", 10, 0.4, kind="pp").unit_kind == "pp", \
+        "the first kind fitted is the fits' unit"
 
 
 def test_memory_sums() -> None:

@@ -561,6 +561,44 @@ def test_straggler_is_found_from_step_times_and_its_share_drops() -> None:
     assert dict(zip(the_delta(effects).members, the_delta(effects).shares))["b"] >= 20
 
 
+def test_members_recovering_one_after_another_are_planned_at_their_true_speed() -> None:
+    """Three workers of one host stretched 8x are set back to full speed a few steps apart: the
+    first is found `recovered` and takes most of the batch; in that epoch the other two are 8x
+    faster than planned. Their device change is no layout effect: the fits' own layout kind learns
+    no efficiency (it once learned 0.25 from those two, the median of three, and every speed went
+    wrong: one member was given the whole batch), and each device ends fitted at its true speed
+    with the batch shared evenly."""
+    sim = Sim(config=_config(num_steps=400, min_workers=3))
+    sim.state = replace(sim.state, layout=parse_pin("fsdp=1"))
+    sim(m.GraphReceived(GRAPH))
+    names = ("w9", "w11", "w12")
+    for name in names:
+        sim(m.Joined(Join(name=name, host="h", pid=1, device="cpu", flops=1e9, memory_bytes=2**30, threads=1,
+                          cores=2)))
+    for name in names:
+        sim(m.MadeReady(name))
+    sim.ack_all()
+    fast_from = {"w9": 60, "w11": 62, "w12": 63}
+    recovered: list[str] = []
+    for step in range(1, 160):
+        sim.now += 0.1
+        plan, epoch = sim.state.plan, sim.state.epoch
+        assert plan is not None
+        effects: list[m.Effect] = []
+        for name, share in zip(plan.members, plan.shares):  # 0.8 ms + 12 ms a sample at 8x, 1.5 ms at 1x
+            per_sample = 0.0015 if step >= fast_from[name] else 0.012
+            effects += sim(timed(name, step, epoch, share, 0.0008 + share * per_sample))
+        recovered += [f["worker"] for f in logs(effects, "recovered")]
+        if sim.state.pending:
+            sim.ack_all()
+    assert sorted(recovered) == sorted(names)  # each found, one at a time
+    cluster, plan = sim.state.cluster, sim.state.plan
+    assert cluster.efficiency_of("dp") == 1.0 and cluster.unit_kind == "dp"
+    for name in names:
+        assert cluster.speeds()[name] == pytest.approx(1 / 0.0015, rel=0.05), (name, cluster.devices[name])
+    assert plan is not None and set(plan.members) == set(names) and max(plan.shares) - min(plan.shares) <= 3
+
+
 def test_a_slow_joiner_is_left_on_standby_without_a_new_epoch() -> None:
     sim = planned_sim("a", "b")
     train(sim, 6, {"a": 0.001, "b": 0.001})

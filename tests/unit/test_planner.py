@@ -278,6 +278,20 @@ def test_sharded_when_no_replica_fits_and_replicated_when_it_is_faster() -> None
     assert "replicated: HSDP: 2 replicas of 2 shards would take" in result.reason, result.reason
 
 
+def test_a_pin_that_leaves_the_replicas_free_gives_the_real_reason_a_worker_is_left_out() -> None:
+    """`--layout fsdp=1` fixes no member count: a worker the planner leaves out is left out for its
+    speed, and says so (not "not in the pinned layout"); `dp=2` does fix it."""
+    from plan.layout import parse_pin
+    c = cluster(device("a", 1000.0), device("b", 1000.0), device("snail", 1.0))
+    limits = PlanLimits(global_batch=64)
+    free = make_plan(c, GRAPH, None, limits=limits, pin=parse_pin("fsdp=1"))
+    assert free.plan is not None and set(free.plan.members) == {"a", "b"}, free.reason
+    assert free.standby == ("snail",) and free.standby_why[0].startswith("too slow"), free.standby_why
+    two = make_plan(c.with_speed("snail", 1000.0), GRAPH, None, limits=limits, pin=parse_pin("dp=2,fsdp=1"))
+    assert two.plan is not None and len(two.plan.members) == 2
+    assert two.standby_why == ("not in the pinned layout",), two.standby_why
+
+
 def test_a_pinned_layout_cuts_members_to_its_degrees() -> None:
     from plan.layout import parse_pin
     c = cluster(*(device(f"d{i}", 100.0 + i) for i in range(5)))

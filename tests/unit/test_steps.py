@@ -137,3 +137,20 @@ def test_a_layout_kinds_ratio_is_what_its_members_share_never_a_minoritys() -> N
         "one straggler among three, however many steps it reported"
     assert steps.common_ratio(of(a=[3.0] * 4, b=[1.0] * 4)) == pytest.approx(1.0), "of two, the smaller change"
     assert steps.common_ratio(of(a=[0.6] * 4, b=[0.5] * 4)) == pytest.approx(0.6), "both faster: the one nearer 1"
+
+
+def test_a_known_kind_learns_nothing_from_members_that_changed_speed() -> None:
+    """Of a kind already known, a member FAR_OFF its prediction changed speed itself (its watch reports
+    it): two of three recovering at one switch are not the layout, though they are the median. A
+    kind run for the first time takes every ratio; the fits' own kind learns nothing at all."""
+    def learned(**kw: bool) -> float | None:
+        t = steps.start(1, ("a", "b", "c"), 0.11, {n: 0.1 for n in "abc"}, measured=frozenset("abc"), **kw)
+        efficiency = None
+        for name, compute_s in (("a", 0.1), ("b", 0.012), ("c", 0.013)) * 2:
+            t, now, _ = steps.efficiency_of_kind(t, report(name, 3, compute_s=compute_s))
+            efficiency = efficiency if now is None else now
+        return efficiency
+
+    assert learned(kind_known=True) == pytest.approx(1.0), "only a's ratio counts"
+    assert learned(kind_known=False) == pytest.approx(0.13), "a new kind: the members' common ratio"
+    assert learned(learns=False) is None
