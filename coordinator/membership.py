@@ -28,6 +28,7 @@ from coordinator import steps
 from coordinator.replan import addressed, lose_state, replan
 from coordinator.state import (
     Acked,
+    Change,
     Checkpoint,
     CheckpointRequested,
     CheckpointWritten,
@@ -295,7 +296,7 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
                                            overhead_s=overhead, load=load, kind=layout_kind, efficiency=efficiency,
                                            hold=hold)
     effects: list[Effect] = []
-    changes: list[str] = []
+    changes: list[Change] = []
     step_done = False  # every member's report of r.step is in
     if tracker is not None:
         tracker, findings = steps.observe(tracker, r)
@@ -315,7 +316,7 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
                     if across and links_moved(state, cluster, tracker.epoch):
                         # The links between hosts, measured now, move this plan's step far from its
                         # prediction: the layouts are weighed again (a plan that does not pay is kept).
-                        changes.append("links")
+                        changes.append(Change("links"))
                         state = replace(state, links_checked=True,
                                         changed=(*state.changed, "the measured links between hosts")[-8:])
                 case steps.SpeedChange(name=name, kind=kind, speed=speed, expected=expected, recent=recent):
@@ -329,11 +330,9 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
                     # speed at this share now. (An unmeasured member's steps are its first
                     # measurements: already the model.)
                     measured_before = kind == "calibration" and name in tracker.measured_members
-                    if measured_before:
-                        known = _at_known_share(cluster, name, passes[-1][0])
-                        changes.append("calibration (known share)" if known else "calibration (far share)")
-                    else:
-                        changes.append(kind)
+                    miss = ("known share" if _at_known_share(cluster, name, passes[-1][0]) else "far share"
+                            ) if measured_before else None
+                    changes.append(Change(kind, miss))
                     if kind != "calibration" or measured_before:
                         cluster = cluster.with_speed_change(name, passes, load=load, kind=layout_kind)
                     if kind != "calibration":
@@ -380,16 +379,17 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
         # cores for a few seconds and then joins, which re-plans and re-measures anyway. What its
         # neighbours' steps show meanwhile is that, not a change of theirs.
         changes = []
-    if calm and changes and set(changes) <= {"calibration"} and not state.calibrating:
+    reasons = {c.reason for c in changes}
+    misses = {c.miss for c in changes if c.miss is not None}
+    if calm and changes and reasons <= {"calibration"} and not state.calibrating and not misses:
         # Every member was measured or has a measured twin when this plan was made: a newcomer's
         # first steps off a twin's speed are folded into the estimates, not news worth a re-plan.
         # A lasting change (straggler, recovered, contention), or a measured member's speed moved
         # at the switch, still re-plans (and the pay-off rule weighs it).
         changes = []
     if changes and not state.finished:
-        extrapolated = set(changes) <= {"calibration", "calibration (far share)"} and "calibration (far share)" in changes
-        changes = [c.split(" (")[0] for c in changes]
-        reason = min(changes, key=("straggler", "recovered", "contention", "calibration", "links").index)
+        reason = min(reasons, key=("straggler", "recovered", "contention", "calibration", "links").index)
+        extrapolated = reasons == {"calibration"} and misses == {"far share"}
         state, more = replan(state, config, reason, abort=False, now=now, extrapolated=extrapolated)
         effects += more
     return state, effects

@@ -7,7 +7,7 @@ plans inside it; the daemon turns effects into I/O. This module holds only the v
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from coordinator.steps import Tracker
 from plan import Cluster, Device, Graph, LayoutPin, Plan, PlanResult
@@ -73,6 +73,16 @@ class Worker:
     nudged_at: float = 0.0  # when the latest plan was last (re)sent to it
 
 
+class Change(NamedTuple):
+    """What a step report showed that may ask for a re-plan: a reason (`replan`'s), and for a
+    calibration of a member measured before the epoch, where it missed its prediction: at a
+    "known share" (about the one it was measured at: its speed changed) or a "far share"
+    (membership's KNOWN_SHARE)."""
+
+    reason: str
+    miss: str | None = None
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class State:
     workers: dict[str, Worker] = field(default_factory=dict)
@@ -100,7 +110,7 @@ class State:
     kept: str | None = None  # why the latest re-plan that found a better plan kept the current one
     calibrating: bool = True  # the latest plan rests on a guess for some member (not measured yet)
     links_checked: bool = False  # the latest plan's step was re-predicted with the links it measured (`links`)
-    changes_waiting: tuple[str, ...] = ()  # speed changes found in a step whose other reports are still to come
+    changes_waiting: tuple[Change, ...] = ()  # found in a step whose other reports are still to come
     saves: frozenset[str] = frozenset()  # `ctl save` paths asked for and not yet answered (saved or failed)
     last_step: int = 0  # highest step reported (and logged)
     last_step_at: float = 0.0  # when its first report arrived (the members then began the next step)

@@ -11,6 +11,16 @@ from localjob import LocalJob
 PACED_JOB = f"{Path(__file__).resolve().parents[2] / 'examples' / 'paced.py'}:job"
 
 
+def _paced_steps() -> int:
+    from worker.job import load_job
+
+    path, function = PACED_JOB.rsplit(":", 1)
+    return load_job(Path(path).read_text(), function, filename=path).num_steps
+
+
+NUM_STEPS = _paced_steps()  # the paced job's steps (every paced test checks each one was committed once)
+
+
 @pytest.fixture(scope="session")
 def undisturbed(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     """Loss of every step of the paced job, three workers, nothing happening."""

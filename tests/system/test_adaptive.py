@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import NUM_STEPS
 from localjob import LocalJob
 
 JOB = f"{Path(__file__).resolve().parents[2] / 'examples' / 'paced.py'}:job"
-NUM_STEPS = 250  # (examples/paced.py:job's)
 GLOBAL_BATCH = 64
 
 pytestmark = pytest.mark.timeout(240)

@@ -19,12 +19,12 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import NUM_STEPS
 from localjob import LocalJob
 from test_durability import _load_with_plain_torch
 
 ROOT = Path(__file__).resolve().parents[2]
 PACED_JOB = f"{ROOT / 'examples' / 'paced.py'}:job"
-NUM_STEPS = 250  # (examples/paced.py:job's)
 FAULTS = 20  # plus the coordinator's
 KINDS = ("kill", "stop", "drain", "join")
 MAX_WORKERS = 4  # live worker processes at most (two cores): a join beyond it is a kill instead

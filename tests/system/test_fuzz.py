@@ -16,11 +16,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import PACED_JOB
+from conftest import NUM_STEPS, PACED_JOB
 from fuzzer import FuzzReport, fuzz_socket, seed_from_env
 from localjob import LocalJob
 
-NUM_STEPS = 250  # (examples/paced.py:job's)
 MESSAGES = 10_000
 CONNECTIONS = 120
 

@@ -26,9 +26,9 @@ import pytest
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
+from conftest import NUM_STEPS, PACED_JOB  # noqa: E402
 from localjob import LocalJob  # type: ignore[import-not-found, unused-ignore]  # noqa: E402
 
-PACED_JOB = f"{SCRIPTS.parent / 'examples' / 'paced.py'}:job"
 MLP_JOB = f"{SCRIPTS.parent / 'examples' / 'mlp.py'}:job"
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -132,7 +132,7 @@ def test_metrics_endpoint_and_report_match_the_event_log(tmp_path: Path) -> None
                           str(tmp_path / "state" / "events.jsonl"), "--plot", str(finished_png)],
                          capture_output=True, text=True, timeout=120, cwd=Path(SCRIPTS.anchor))
     assert out.returncode == 0, out.stderr
-    assert f"plot written to {finished_png}" in out.stdout and "250 committed steps" in out.stdout
+    assert f"plot written to {finished_png}" in out.stdout and f"{NUM_STEPS} committed steps" in out.stdout
     data = finished_png.read_bytes()
     assert data.startswith(PNG) and len(data) > 10_000
 

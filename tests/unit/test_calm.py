@@ -128,7 +128,7 @@ def test_three_gpt_workers_sharing_the_cores_make_at_most_two_plans(gpt_graph: G
 
 
 def test_the_demo_schedule_makes_a_third_of_the_baselines_epochs_and_still_reacts(gpt_graph: Graph) -> None:
-    """The issue's goal is at most real events + 1 (5). Replayed, this recording gives 8: a worker
+    """The issue's goal is at most real events + 1 (5). Replayed, this recording gives 7: a worker
     that is starting (importing torch before it can even send Join) and the 2-core box slow the
     others for a few seconds in ways no model here predicts, and one straggler re-plan after the
     kill and one recovery at the end pass the pay-off test. Live runs measured 4 and 6
