@@ -323,14 +323,15 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
                     plan = state.plan if tracker.epoch == state.epoch else None
                     passes = tuple(per_pass(plan, cluster, name, s, t) for s, t in recent)
                     # A calibration of a member measured before this epoch: the model was right
-                    # a moment ago. At about the share it was measured at, the device changed speed
-                    # around the switch (a change that began in the last epoch's final steps, too
-                    # few to be found there); at a share far from it, it did, or the model
-                    # extrapolated (`replan`'s EXTRAPOLATED_GAIN). Either way its baseline is its
-                    # speed at this share now. (An unmeasured member's steps are its first
-                    # measurements: already the model.)
+                    # a moment ago. At about the share it was measured at, on cores of its own, the
+                    # device changed speed around the switch (a change that began in the last
+                    # epoch's final steps, too few to be found there); at a share far from it, or
+                    # on cores other workers share, it did, or the model missed (`replan`'s
+                    # EXTRAPOLATED_GAIN). Either way its baseline is its speed at this share now.
+                    # (An unmeasured member's steps are its first measurements: already the model.)
                     measured_before = kind == "calibration" and name in tracker.measured_members
-                    miss = ("known share" if _at_known_share(cluster, name, passes[-1][0]) else "far share"
+                    alone = load <= 1.0  # (on cores shared with other workers, who computes how much moves it too)
+                    miss = ("changed" if alone and _at_known_share(cluster, name, passes[-1][0]) else "unsure"
                             ) if measured_before else None
                     changes.append(Change(kind, miss))
                     if kind != "calibration" or measured_before:
@@ -389,7 +390,7 @@ def _step_done(state: State, r: StepReport, config: Config, now: float) -> Resul
         changes = []
     if changes and not state.finished:
         reason = min(reasons, key=("straggler", "recovered", "contention", "calibration", "links").index)
-        extrapolated = reasons == {"calibration"} and misses == {"far share"}
+        extrapolated = reasons == {"calibration"} and misses == {"unsure"}
         state, more = replan(state, config, reason, abort=False, now=now, extrapolated=extrapolated)
         effects += more
     return state, effects

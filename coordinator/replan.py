@@ -31,7 +31,6 @@ and after a planned change lands with another one waiting. It
 
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import replace
 from typing import NamedTuple
@@ -45,9 +44,9 @@ from transport import MeshLayout, PlanDelta
 
 GAIN_REASONS = ("straggler", "recovered", "contention", "calibration", "links")  # re-plans that must pay for themselves
 MIN_REL_GAIN = 0.03  # ... by at least this fraction of the step
-# A measured member that misses its prediction at a share far from any it was measured at may have
-# changed speed, or the model extrapolated (on shared cores that can miss by 2x, and a re-plan on it
-# moves the shares and misses again): a new plan must gain this much of the step.
+# A measured member that misses its prediction at a share far from the one it was measured at, or
+# on cores other workers share, may have changed speed, or the model missed (on shared cores by up
+# to 2x, and a re-plan on it moves the shares and misses again): a new plan must gain this much.
 EXTRAPOLATED_GAIN = 0.2
 NOISE_WINDOW = 32  # measured steps the epoch's step-time noise is taken over
 ABANDON_MARGIN = 0.8  # a join abandons the step in flight only within 80% of where it starts to pay
@@ -289,7 +288,7 @@ def _worth_it(state: State, new: Plan, result: PlanResult, horizon: int, extrapo
     cost = state.cluster.switch_s() + state.cluster.move_s(result.moved_bytes)
     rule = "3%: the plan rests on a guess" if state.calibrating else f"3% or twice the measured noise {noise:.1%}"
     if extrapolated and EXTRAPOLATED_GAIN > need:
-        need, rule = EXTRAPOLATED_GAIN, f"{EXTRAPOLATED_GAIN:.0%}: a member missed its prediction at a share far from those measured"
+        need, rule = EXTRAPOLATED_GAIN, f"{EXTRAPOLATED_GAIN:.0%}: a member missed its prediction where the model may be off"
     numbers = (f"predicted {now_s * 1e3:.1f} -> {new.predicted_step_s * 1e3:.1f} ms/step ({gain / now_s:+.1%} of "
                f"the step; needed {need:.1%}: {rule}), switch cost "
                f"{cost * 1e3:.0f} ms against {max(gain, 0.0) * horizon * 1e3:.0f} ms gained over {horizon} steps")
@@ -305,17 +304,12 @@ def _current_step_s(state: State, current: Plan) -> float | None:
 
 
 def _noise(state: State) -> float:
-    """Relative spread of the current epoch's measured step times; 0 before a few steps are
-    measured. From one step to the next (the median of |change| / the step before, over √2: for
-    steady noise the same as the median absolute deviation over the median): a kept plan's epoch
-    goes on through the speed changes it kept, and the spread around one median of steps at two
-    levels is their gap, not noise (a 3x straggler once needed a 60% gain to re-plan)."""
+    """Relative spread of the current epoch's measured step times (`steps.level_noise`: each
+    against the median of its own level); 0 before a few steps are measured."""
     t = state.tracker
     if t is None or t.epoch != state.epoch or len(t.measured) < 4:
         return 0.0
-    recent = t.measured[-NOISE_WINDOW:]
-    changes = [abs(b - a) / a for a, b in zip(recent, recent[1:]) if a > 0]
-    return statistics.median(changes) / math.sqrt(2) if changes else 0.0
+    return steps.level_noise(t, NOISE_WINDOW)
 
 
 def _keep(state: State, why: str) -> State:

@@ -75,9 +75,9 @@ class Worker:
 
 class Change(NamedTuple):
     """What a step report showed that may ask for a re-plan: a reason (`replan`'s), and for a
-    calibration of a member measured before the epoch, where it missed its prediction: at a
-    "known share" (about the one it was measured at: its speed changed) or a "far share"
-    (membership's KNOWN_SHARE)."""
+    calibration of a member measured before the epoch, what its miss says: "changed" (at about the
+    share it was measured at, membership's KNOWN_SHARE, on cores of its own: its speed changed) or
+    "unsure" (the model may have missed: another share, or cores shared with other workers)."""
 
     reason: str
     miss: str | None = None

@@ -124,6 +124,8 @@ class Tracker:
     measured_members: frozenset[str] = frozenset()  # predicted from their own measured steps
     pending: dict[int, dict[str, StepReport]] = field(default_factory=dict)
     measured: tuple[float, ...] = ()  # step_s of measured steps, oldest first
+    count: int = 0  # steps measured in all (`measured` keeps the latest ERROR_WINDOW)
+    level_from: int = 0  # the measured step (of `count`) from which the step time is at its current level
     errors: tuple[float, ...] = ()  # (predicted − measured) / measured per measured step
     kind: str = "dp"  # the plan's layout kind (`plan.cluster.kind_key`)
     efficiency: float = 1.0  # the kind's efficiency the plan was predicted with
@@ -167,6 +169,8 @@ def observe(t: Tracker, r: StepReport) -> tuple[Tracker, list[Finding]]:
         if change is not None and change.kind in ("straggler", "recovered"):
             t, changes = _host_wide(t, change)
             findings += changes
+            # (the member's shifted steps began a new level of the step time: `level_noise`)
+            t = replace(t, level_from=max(t.level_from, t.count + 1 - len(change.recent)))
         elif change is not None:
             findings.append(change)
     reports = {**t.pending.get(r.step, {}), r.name: r}
@@ -181,7 +185,7 @@ def observe(t: Tracker, r: StepReport) -> tuple[Tracker, list[Finding]]:
     if t.predicted_step_s is not None and step_s > 0:
         errors = (*errors, relative_error(t.predicted_step_s, step_s))[-ERROR_WINDOW:]
     settled = len(t.measured) >= SETTLE
-    t = replace(t, pending=pending, measured=measured, errors=errors)
+    t = replace(t, pending=pending, measured=measured, errors=errors, count=t.count + 1)
     return t, [*findings, Measured(step=r.step, step_s=step_s, comm_s=comm_s, ranks=len(t.members), settled=settled)]
 
 
@@ -240,6 +244,11 @@ def _watch(w: Watch, name: str, samples: int, compute_s: float, t: Tracker) -> t
         recent = (*w.recent, (samples, compute_s))[-t.baseline:]
         if len(recent) < t.baseline:
             return replace(w, recent=recent), None
+        if _two_levels(recent):
+            # The speed changed halfway through: the median would fall between the two levels and
+            # the band (their gap) would hide the rest of the change. The baseline starts again
+            # from the newer level.
+            return replace(w, recent=recent[len(recent) // 2:]), None
         mid = _median(recent)
         if not _off(mid, w.expected_s):
             return _baseline(recent, t), None
@@ -259,17 +268,22 @@ def _watch(w: Watch, name: str, samples: int, compute_s: float, t: Tracker) -> t
 
 
 def _baseline(recent: tuple[tuple[int, float], ...], t: Tracker) -> Watch:
-    """A member's new baseline from `recent` steps: their median, and a band that covers their noise:
-    their spread from one step to the next (the median of |change| / the step before, over √2: for
-    steady noise the median absolute deviation over the median). Not around their median: a change
-    of speed inside the baseline's steps is a gap between two levels, not noise, and a band that
-    wide would never see the rest of that change."""
+    """A member's new baseline from `recent` steps: their median, and a band that covers their noise."""
     mid = _median(recent)
-    times = [x for _, x in recent]
-    jumps = [abs(b - a) / a for a, b in zip(times, times[1:]) if a > 0]
-    spread = statistics.median(jumps) / math.sqrt(2) if jumps else 0.0
+    spread = statistics.median(abs(x - mid) for _, x in recent) / mid if mid > 0 else 0.0
     band = min(MAX_BAND, max(THRESHOLD, t.noise_k * spread))
     return Watch(expected_s=mid, band=band, baselined=True, settled=SETTLE)
+
+
+def _two_levels(recent: tuple[tuple[int, float], ...]) -> bool:
+    """Whether the halves of `recent` lie apart: every step of one half above every step of the
+    other, their medians THRESHOLD apart (with a change in the first or last third the median is
+    one level's, and the band that level's noise: only a change halfway leaves neither)."""
+    times = [x for _, x in recent]
+    half = len(times) // 2
+    older, newer = times[:half], times[half:]
+    apart = max(older) < min(newer) or max(newer) < min(older)
+    return apart and _off(statistics.median(newer), statistics.median(older))
 
 
 def _host_wide(t: Tracker, change: SpeedChange) -> tuple[Tracker, list[Finding]]:
@@ -314,6 +328,22 @@ def _faster(measured_s: float, expected_s: float, band: float = THRESHOLD) -> bo
 
 def _off(measured_s: float, expected_s: float) -> bool:
     return _slower(measured_s, expected_s) or _faster(measured_s, expected_s)
+
+
+def level_noise(t: Tracker, window: int) -> float:
+    """Relative spread of the latest `window` measured steps (median absolute deviation over the
+    median), each step measured against the median of its own level: a speed change found in the
+    epoch (a straggler kept, a recovery) starts a new one, and the gap between two levels is not
+    noise (around one median of both, a kept 3x straggler once made a second one need a 60% gain).
+    A level of fewer than 3 steps in the window counts for nothing; 0 before any level has 3."""
+    recent = t.measured[-window:]
+    first = t.count - len(recent)  # the count of recent[0]
+    cut = min(max(t.level_from - first, 0), len(recent))
+    deviations: list[float] = []
+    for level in (recent[:cut], recent[cut:]):
+        mid = statistics.median(level) if len(level) >= 3 else 0.0
+        deviations += [abs(x - mid) / mid for x in level] if mid > 0 else []
+    return statistics.median(deviations) if deviations else 0.0
 
 
 def median_error(t: Tracker) -> float | None:

@@ -39,14 +39,12 @@ def _report(name: str, step: int, epoch: int, samples: int, compute_s: float) ->
                                  compute_s=compute_s, comm_s=0.001, step_s=compute_s + 0.002, digest=""))
 
 
-def _run(seed: int) -> tuple[float, str]:
-    """The final plan's true step time over the best split's, and what happened (for the message)."""
-    rnd = random.Random(seed)
-    n = rnd.choice([2, 3, 4])
-    names = [f"w{i}" for i in range(n)]
-    one_host = rnd.random() < 0.5
-    pin = rnd.choice([None, "fsdp=1"])
-    config = m.Config(global_batch=BATCH, num_steps=1000, lease_s=1.0, min_workers=n)
+def _simulate(names: list[str], *, one_host: bool, pin: str | None, per: dict[str, float],
+              changes: dict[int, dict[str, float]], rnd: random.Random) -> tuple[float, str]:
+    """Train until SETTLE_STEPS after the last of `changes` (step -> worker -> seconds a sample),
+    each step's compute jittered ±3%: the final plan's true step time over the best split's, and what
+    happened (for a failure's message)."""
+    config = m.Config(global_batch=BATCH, num_steps=1000, lease_s=1.0, min_workers=len(names))
     state = m.State(layout=parse_pin(pin) if pin else None)
     now = 100.0
 
@@ -69,12 +67,7 @@ def _run(seed: int) -> tuple[float, str]:
     for name in names:
         apply(m.MadeReady(name))
     ack_all()
-    per = {x: PER_SAMPLE_S * rnd.choice([1, 1, 2, 3, 8]) for x in names}
-    changes: dict[int, dict[str, float]] = {}
-    for _ in range(rnd.randint(1, 4)):
-        at, factor = rnd.randint(30, 160), rnd.choice([1, 2, 3, 8])
-        for w in rnd.sample(names, rnd.randint(1, n)):
-            changes.setdefault(at + rnd.randint(0, 3), {})[w] = PER_SAMPLE_S * factor
+    per = dict(per)
     for step in range(1, max(changes) + SETTLE_STEPS):
         per.update(changes.get(step, {}))
         now += 0.1
@@ -88,12 +81,41 @@ def _run(seed: int) -> tuple[float, str]:
     assert plan is not None
     best = FIXED_S + BATCH / sum(1 / p for p in per.values())
     true_s = max(FIXED_S + s * per[x] for x, s in zip(plan.members, plan.shares) if s)
-    what = (f"{n} workers, {'one host' if one_host else 'a host each'}, pin {pin}; changes {changes}; "
-            f"final plan {dict(zip(plan.members, plan.shares))} at ms/sample {per}")
+    what = (f"{len(names)} workers, {'one host' if one_host else 'a host each'}, pin {pin}; changes {changes}; "
+            f"final plan {dict(zip(plan.members, plan.shares))} at s/sample {per}")
     return true_s / best, what
 
 
-@pytest.mark.parametrize("seed", range(40))
+def _run(seed: int) -> tuple[float, str]:
+    """A seeded schedule (see the module comment), simulated."""
+    rnd = random.Random(seed)
+    n = rnd.choice([2, 3, 4])
+    names = [f"w{i}" for i in range(n)]
+    one_host = rnd.random() < 0.5
+    pin = rnd.choice([None, "fsdp=1"])
+    per = {x: PER_SAMPLE_S * rnd.choice([1, 1, 2, 3, 8]) for x in names}
+    changes: dict[int, dict[str, float]] = {}
+    for _ in range(rnd.randint(1, 4)):
+        at, factor = rnd.randint(30, 160), rnd.choice([1, 2, 3, 8])
+        for w in rnd.sample(names, rnd.randint(1, n)):
+            changes.setdefault(at + rnd.randint(0, 3), {})[w] = PER_SAMPLE_S * factor
+    return _simulate(names, one_host=one_host, pin=pin, per=per, changes=changes, rnd=rnd)
+
+
+def test_a_straggler_after_a_kept_change_is_still_planned_for() -> None:
+    """Both workers slow down and recover together (the shares stay: a `kept` re-plan), then one
+    slows 4x: the epoch's step times now hold two levels, and their gap is no noise for the pay-off
+    rule to beat (measured around one median of both, it asked this straggler's re-plan for a 60%
+    gain, and the job ran on at 2.5x the best step)."""
+    x = PER_SAMPLE_S
+    changes = {48: {"w0": x}, 49: {"w1": x}, 77: {"w0": 3 * x}, 79: {"w1": 3 * x}, 122: {"w0": 2 * x, "w1": 2 * x},
+               137: {"w0": 8 * x}}
+    ratio, what = _simulate(["w0", "w1"], one_host=False, pin="fsdp=1", per={"w0": 3 * x, "w1": x},
+                            changes=changes, rnd=random.Random(0))  # (most jitter seeds fail it without)
+    assert ratio <= WITHIN, f"{ratio:.2f}x the best split: {what}"
+
+
+@pytest.mark.parametrize("seed", range(60))
 def test_after_any_speed_changes_the_plan_ends_near_the_best_split(seed: int) -> None:
     ratio, what = _run(seed)
     assert ratio <= WITHIN, f"{ratio:.2f}x the best split: {what}"
