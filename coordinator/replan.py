@@ -54,9 +54,9 @@ ABANDON_MARGIN = 0.8  # a join abandons the step in flight only within 80% of wh
 
 def replan(state: State, config: Config, reason: str, *, abort: bool, now: float,
            extrapolated: bool = False) -> Result:
-    """Make a new plan if one is due, and send it as a new epoch. `extrapolated`: the speeds that
-    ask for it were measured at shares far from those the model knew (a new plan must then gain
-    EXTRAPOLATED_GAIN of the step)."""
+    """Make a new plan if one is due, and send it as a new epoch. `extrapolated`: what asks for it is
+    a measured member's miss where the model may be off (another share than it was measured at, or
+    cores shared with other workers): a new plan must then gain EXTRAPOLATED_GAIN of the step."""
     if state.finished or state.stopping:
         return state, []
     if not abort and state.pending:

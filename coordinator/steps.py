@@ -13,9 +13,12 @@ Pure, like membership: `observe(tracker, report) -> (tracker, findings)`, no clo
   baseline, with its noise: the relative median absolute deviation of those steps. A step counts as
   off the baseline when it is further than the *band*: `THRESHOLD`, or `NOISE_K` times the noise
   when that is wider (capped at `MAX_BAND`), so workers whose steps jitter by ±40% (three GPT
-  workers sharing two cores) are not flagged for their jitter, while a 3× slowdown still is. If
-  that baseline is `THRESHOLD` off what the plan predicted for its share, the cost model was wrong (`SpeedChange(kind="calibration")`: the measurements already correct it; the
-  planner decides whether a new plan pays) — unless the member's prediction rested on its own
+  workers sharing two cores) are not flagged for their jitter, while a 3× slowdown still is. A
+  baseline whose halves lie apart (`_two_levels`: the speed changed halfway through it, where the
+  median falls between the levels and the band spans their gap) starts again from the newer half.
+  If that baseline is `THRESHOLD` off what the plan predicted for its share, the cost model was
+  wrong, or the device changed as the epoch began (`SpeedChange(kind="calibration")`: membership
+  tells the two apart as well as it can, and the planner decides whether a new plan pays) — unless the member's prediction rested on its own
   measured steps (`measured`) and the baseline is `FAR_OFF` times slower or faster: the model was
   right a moment ago, so the device changed as the epoch began (a slowdown landing on a switch), a
   `straggler` or `recovered` like any other. After that, a change is a *lasting* shift against the
@@ -24,7 +27,9 @@ Pure, like membership: `observe(tracker, report) -> (tracker, findings)`, no clo
   `VOTES - 1` noisy ones, moves nothing; a lasting 3× slowdown is found `VOTES` steps after
   it starts. Then the window's median becomes the new baseline, so one change is reported once.
   Comparing with the epoch's own measurement, not the prediction, keeps a model error from passing
-  for a straggler (and from re-planning back and forth on it).
+  for a straggler (and from re-planning back and forth on it). Each change found starts a new
+  level of the epoch's step time (`level_from`): the re-plan's pay-off rule measures the noise
+  within levels (`level_noise`), never the gap between them.
 * **Layout efficiency.** A member's settled steps before its baseline is set, when its prediction
   rested on its own measured steps (`measured`), divided by what the plan predicted for it, say how
   this layout kind computes against the cost model's units: of the epoch's latest `RATIO_WINDOW` such
