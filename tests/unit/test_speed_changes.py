@@ -19,12 +19,12 @@ A second part runs pinned pipelines with the cost model as the truth, the cut re
 from __future__ import annotations
 
 import random
-from dataclasses import replace
+from collections.abc import Callable
 
 import pytest
 
 from coordinator import membership as m
-from plan import Cluster, Device, PlanLimits, make_plan
+from plan import Cluster, Device, Plan, PlanLimits, make_plan
 from plan.graph import Graph, Layer
 from plan.layout import parse_pin
 from plan.prediction import reported_compute, repredict
@@ -39,16 +39,15 @@ SETTLE_STEPS = 120  # steps run after the last change
 WITHIN = 1.15  # the final plan's true step time over the best split's
 
 
-def _report(name: str, step: int, epoch: int, samples: int, compute_s: float) -> m.StepDone:
-    return m.StepDone(StepReport(name=name, epoch=epoch, step=step, loss=1.0, samples=samples, global_batch=BATCH,
-                                 compute_s=compute_s, comm_s=0.001, step_s=compute_s + 0.002, digest=""))
+Reports = Callable[[Plan, dict[str, float]], dict[str, tuple[float, float]]]  # (plan, s/sample) -> member -> (compute, step)
 
 
-def _simulate(names: list[str], *, one_host: bool, pin: str | None, per: dict[str, float],
-              changes: dict[int, dict[str, float]], rnd: random.Random) -> tuple[float, str]:
-    """Train until SETTLE_STEPS after the last of `changes` (step -> worker -> seconds a sample),
-    each step's compute jittered ±3%: the final plan's true step time over the best split's, and what
-    happened (for a failure's message)."""
+def _train(names: list[str], *, graph: Graph, pin: str | None, per: dict[str, float],
+           changes: dict[int, dict[str, float]], rnd: random.Random, one_host: bool, reports: Reports) -> Plan:
+    """Workers `names` (on one host of 2 cores, or a host of 1 core each) join and train until
+    SETTLE_STEPS after the last of `changes` (step -> worker -> seconds a sample, applied to `per`),
+    each member reporting what `reports` says of the running plan, its compute jittered ±3%; every
+    plan acknowledged by its members at once. The final plan."""
     config = m.Config(global_batch=BATCH, num_steps=1000, lease_s=1.0, min_workers=len(names))
     state = m.State(layout=parse_pin(pin) if pin else None)
     now = 100.0
@@ -65,25 +64,40 @@ def _simulate(names: list[str], *, one_host: bool, pin: str | None, per: dict[st
         for name in state.plan.members:
             apply(m.Acked(Ack(name=name, epoch=state.epoch, step=0, reshard_bytes=0, reshard_s=0.0)))
 
-    apply(m.GraphReceived(GRAPH))
+    apply(m.GraphReceived(graph))
     for name in names:
         apply(m.Joined(Join(name=name, host="h" if one_host else f"h{name}", pid=1, device="cpu", flops=1e9,
                             memory_bytes=2**30, threads=1, cores=2 if one_host else 1)))
     for name in names:
         apply(m.MadeReady(name))
     ack_all()
-    per = dict(per)
     for step in range(1, max(changes) + SETTLE_STEPS):
         per.update(changes.get(step, {}))
         now += 0.1
         plan, epoch = state.plan, state.epoch
         assert plan is not None
+        said = reports(plan, per)
         for name, share in zip(plan.members, plan.shares):
-            apply(_report(name, step, epoch, share, FIXED_S + share * per[name] * rnd.uniform(0.97, 1.03)))
+            compute_s, step_s = said[name]
+            apply(m.StepDone(StepReport(name=name, epoch=epoch, step=step, loss=1.0, samples=share,
+                                        global_batch=BATCH, compute_s=compute_s * rnd.uniform(0.97, 1.03),
+                                        comm_s=0.001, step_s=step_s, digest="")))
         if state.pending:
             ack_all()
-    plan = state.plan
-    assert plan is not None
+    assert state.plan is not None
+    return state.plan
+
+
+def _simulate(names: list[str], *, one_host: bool, pin: str | None, per: dict[str, float],
+              changes: dict[int, dict[str, float]], rnd: random.Random) -> tuple[float, str]:
+    """Replicas of devices of steady speed: the final plan's true step time over the best split's,
+    and what happened (for a failure's message)."""
+    def reports(plan: Plan, per: dict[str, float]) -> dict[str, tuple[float, float]]:
+        return {n: (FIXED_S + s * per[n], FIXED_S + s * per[n] + 0.002) for n, s in zip(plan.members, plan.shares)}
+
+    per = dict(per)
+    plan = _train(names, graph=GRAPH, pin=pin, per=per, changes=changes, rnd=rnd, one_host=one_host,
+                  reports=reports)
     best = FIXED_S + BATCH / sum(1 / p for p in per.values())
     true_s = max(FIXED_S + s * per[x] for x, s in zip(plan.members, plan.shares) if s)
     what = (f"{len(names)} workers, {'one host' if one_host else 'a host each'}, pin {pin}; changes {changes}; "
@@ -152,46 +166,14 @@ def _truth(names: list[str], per: dict[str, float]) -> Cluster:
 
 def _simulate_model(names: list[str], *, pin: str, per: dict[str, float], changes: dict[int, dict[str, float]],
                     rnd: random.Random) -> tuple[float, str]:
-    config = m.Config(global_batch=BATCH, num_steps=1000, lease_s=1.0, min_workers=len(names))
-    state = m.State(layout=parse_pin(pin))
-    now = 100.0
-
-    def apply(event: m.Event) -> None:
-        nonlocal state
-        state, effects = m.apply(state, event, config, now=now)
-        for e in effects:
-            if isinstance(e, m.FollowUp):
-                apply(e.event)
-
-    def ack_all() -> None:
-        assert state.plan is not None
-        for name in state.plan.members:
-            apply(m.Acked(Ack(name=name, epoch=state.epoch, step=0, reshard_bytes=0, reshard_s=0.0)))
-
-    apply(m.GraphReceived(SEQUENCE))
-    for name in names:
-        apply(m.Joined(Join(name=name, host=f"h{name}", pid=1, device="cpu", flops=1e9, memory_bytes=2**30,
-                            threads=1, cores=1)))
-    for name in names:
-        apply(m.MadeReady(name))
-    ack_all()
-    per = dict(per)
-    for step in range(1, max(changes) + SETTLE_STEPS):
-        per.update(changes.get(step, {}))
-        now += 0.1
-        plan, epoch = state.plan, state.epoch
-        assert plan is not None
+    def reports(plan: Plan, per: dict[str, float]) -> dict[str, tuple[float, float]]:
         truth = repredict(_truth(names, per), SEQUENCE, plan)
-        compute = reported_compute(truth, SEQUENCE)
         step_s = truth.predicted_step_s or 0.01
-        for name, share in zip(plan.members, plan.shares):
-            c = compute[name] * rnd.uniform(0.97, 1.03)
-            apply(m.StepDone(StepReport(name=name, epoch=epoch, step=step, loss=1.0, samples=share,
-                                        global_batch=BATCH, compute_s=c, comm_s=0.001, step_s=step_s, digest="")))
-        if state.pending:
-            ack_all()
-    plan = state.plan
-    assert plan is not None
+        return {n: (c, step_s) for n, c in reported_compute(truth, SEQUENCE).items()}
+
+    per = dict(per)
+    plan = _train(names, graph=SEQUENCE, pin=pin, per=per, changes=changes, rnd=rnd, one_host=False,
+                  reports=reports)
     truth = _truth(names, per)
     best = make_plan(truth, SEQUENCE, None, limits=PlanLimits(global_batch=BATCH), pin=parse_pin(pin)).plan
     assert best is not None and best.predicted_step_s
