@@ -151,11 +151,13 @@ def _case(seed: int) -> None:
         t.start()
     for t in threads:
         t.join(60)
+    failed = {name: r for name, r in results.items() if isinstance(r, BaseException)}
+    stuck = [t.name for t in threads if t.is_alive()]
+    if failed or stuck:  # (every member's error: the first one raised may only echo another's)
+        raise AssertionError(f"seed {seed}: members failed {failed}, still running {stuck}") from next(
+            iter(failed.values()), None)
     for name in group:
-        result = results[name]
-        if isinstance(result, BaseException):
-            raise result
-        state, received = result
+        state, received = results[name]
         if name in ahead:
             assert ahead[name].used == used[name], (seed, name)
         if name in made:
